@@ -1,0 +1,1 @@
+"""qmill.client."""

@@ -1,0 +1,145 @@
+"""The `qmill` command: quantize, serve, inspect, capabilities.
+
+User errors print one line and exit 1; tracebacks are kept for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from qmill.client import checkpoints, errors, job, recipes, report
+
+USER_ERRORS = (errors.QmillError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qmill", description="Quantization as a service for JAX checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a checkpoint (Orbax, safetensors, npz)")
+    q.add_argument("source", help="checkpoint: Orbax directory, .safetensors file/set, or .npz")
+    q.add_argument("-o", "--output", required=True, help="where to write the quantized checkpoint")
+    q.add_argument("--recipe", default="int8",
+                   help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file (default: int8)")
+    q.add_argument("--server", help="HOST:PORT of a qmill server; without it the engine runs in-process")
+    q.add_argument("--format", choices=("orbax", "safetensors", "npz"),
+                   help="output format (default: the input's)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    q.add_argument("--report-json", help="also write the per-tensor report as JSON to this file")
+    q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
+
+    s = sub.add_parser("serve", help="run the qmill gRPC server")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks one)")
+    s.add_argument("--workers", type=int, default=2, help="threads running the engine")
+    s.add_argument("--max-tensor-bytes", type=int, help="largest tensor accepted")
+    s.add_argument("--grace", type=float, default=10.0, help="seconds to finish calls on SIGTERM")
+    s.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
+    s.add_argument("--log-level", default="INFO")
+
+    i = sub.add_parser("inspect", help="list a checkpoint's tensors")
+    i.add_argument("checkpoint")
+
+    c = sub.add_parser("capabilities", help="what a server supports")
+    c.add_argument("--server", required=True, help="HOST:PORT")
+    return parser
+
+
+def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
+    recipe = recipes.load(args.recipe)
+    if args.server:
+        from qmill.client import remote
+
+        backend = remote.Client(args.server, timeout=args.timeout)
+    else:
+        from qmill.client import embedded
+
+        backend = embedded.EmbeddedClient()
+    started = time.monotonic()
+    with backend:
+        if args.quiet or not err.is_terminal:
+            rows = job.quantize_checkpoint(args.source, args.output, recipe, backend=backend,
+                                           output_format=args.format, overwrite=args.overwrite)
+        else:
+            with report.ProgressBar(err) as bar:
+                rows = job.quantize_checkpoint(args.source, args.output, recipe, backend=backend,
+                                               output_format=args.format, overwrite=args.overwrite,
+                                               progress=bar)
+    seconds = time.monotonic() - started
+    if not args.quiet:
+        out.print(report.quality_table(rows))
+    out.print(report.totals_line(rows, seconds) + f" → {args.output}")
+    if args.report_json:
+        report.write_json(rows, args.report_json)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from qmill.server import app, config  # lazy: the server pulls in jax
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    fields = {"host": args.host, "port": args.port, "workers": args.workers,
+              "grace_seconds": args.grace, "reflection": not args.no_reflection}
+    if args.max_tensor_bytes:
+        fields["max_tensor_bytes"] = args.max_tensor_bytes
+    asyncio.run(app.serve(config.ServerConfig(**fields)))
+    return 0
+
+
+def _inspect(args: argparse.Namespace, out: Console) -> int:
+    with checkpoints.open_source(args.checkpoint) as source:
+        entries = source.entries()
+        table = Table(title=f"{args.checkpoint} ({source.format})")
+        for name in ("path", "dtype", "shape", "bytes"):
+            table.add_column(name, justify="right" if name == "bytes" else "left")
+        for e in entries:
+            table.add_row(e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{e.nbytes:,}")
+    out.print(table)
+    out.print(f"{len(entries)} tensors, {sum(e.nbytes for e in entries):,} bytes")
+    return 0
+
+
+def _capabilities(args: argparse.Namespace, out: Console) -> int:
+    from qmill.client import remote
+
+    with remote.Client(args.server) as client:
+        caps = client.capabilities()
+    out.print(f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {caps.device_kind}: "
+              f"{caps.device_description}")
+    out.print("qtypes: " + ", ".join(caps.qtypes))
+    out.print("calibration methods: " + ", ".join(caps.calibration_methods))
+    out.print(f"max tensor bytes: {caps.max_tensor_bytes:,}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out, err = Console(), Console(stderr=True)
+    try:
+        if args.command == "quantize":
+            return _quantize(args, out, err)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "inspect":
+            return _inspect(args, out)
+        return _capabilities(args, out)
+    except USER_ERRORS as e:
+        print(f"qmill: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qmill: interrupted; no output was written under the final name", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

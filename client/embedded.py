@@ -1,0 +1,69 @@
+"""The engine in-process: the same calls and outcomes as Client, without a server.
+
+JAX and the engine are imported on first use, so `import qmill.client` stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from qmill.client import errors, streaming
+from qmill.proto import wire
+
+
+class EmbeddedClient:
+    """Quantizes in this process with the same engine code the server runs."""
+
+    target = "embedded"
+
+    def __enter__(self) -> EmbeddedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def quantize(
+        self, recipe: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]], **_: Any
+    ) -> Iterator[streaming.TensorOutcome]:
+        from qmill.engine import layout, leaf, recipes  # lazy: pulls in jax
+
+        try:
+            engine_recipe = recipes.recipe_from_mapping(recipe)
+        except ValueError as e:
+            raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
+        for path, array in tensors:
+            nbytes = wire.byte_length(wire.to_wire_dtype(array.dtype), array.shape)
+            try:
+                plan = layout.plan_leaf(path, array.shape, array.dtype, engine_recipe)
+                if not plan.quantize:
+                    yield streaming.TensorOutcome(
+                        path=path, quantized=False, parts={}, array=array, reason=plan.reason,
+                        input_bytes=nbytes,
+                    )
+                    continue
+                result = leaf.quantize_leaf(array, plan)
+            except (ValueError, TypeError) as e:
+                raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
+            parts = {"qvalue": result.qvalue, "scale": result.scale}
+            if result.zero_point is not None:
+                parts["zero_point"] = result.zero_point
+            yield streaming.TensorOutcome(
+                path=path,
+                quantized=True,
+                parts=parts,
+                how={
+                    "qtype": plan.qtype,
+                    "channelwise_axes": plan.channelwise_axes,
+                    "tiled_axes": dict(plan.tiled_axes),
+                    "calibration_method": plan.calibration_method,
+                },
+                sqnr_db=result.quality.sqnr_db,
+                mean_relative_error=result.quality.mean_relative_error,
+                input_bytes=nbytes,
+            )

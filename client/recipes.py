@@ -1,0 +1,63 @@
+"""Recipes on the client: the built-in presets and recipe files (TOML), as plain mappings.
+
+A recipe file looks like this; rules are tried in order and the first full match wins:
+
+    convention = "flax"          # optional: "auto" (by name), "flax" or "torch"
+
+    [[rules]]
+    path_regex = ".*embedding"   # keep embeddings in float
+    skip = true
+
+    [[rules]]
+    path_regex = ".*"
+    qtype = "int4"
+    tile_size = 128
+    calibration_method = "absmax"
+
+Rule fields: path_regex, qtype, tile_size, tile_if_divisible, tiled_axes (table axis = tile),
+calibration_method, contracting_axes, channel_axes, skip, include_vectors, scale_dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import tomllib
+from typing import Any
+
+from qmill.proto import recipe as recipe_proto
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "int8": {"rules": [{"path_regex": ".*", "qtype": "int8"}]},
+    # Sub-channel blocks of 128 where the contracting axis allows it, per channel elsewhere.
+    "int4": {"rules": [{"path_regex": ".*", "qtype": "int4", "tile_size": 128, "tile_if_divisible": True}]},
+    "fp8": {"rules": [{"path_regex": ".*", "qtype": "float8_e4m3fn"}]},
+    "nf4": {"rules": [{"path_regex": ".*", "qtype": "nf4", "tile_size": 64, "tile_if_divisible": True}]},
+}
+
+
+def load(spec: str) -> dict[str, Any]:
+    """A preset name or the path of a TOML recipe file, as a mapping.
+
+    Raises:
+      ValueError: neither a preset nor a readable, well-formed recipe file.
+    """
+    if spec in PRESETS:
+        return copy.deepcopy(PRESETS[spec])
+    path = pathlib.Path(spec)
+    if not path.is_file():
+        raise ValueError(f"recipe {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+    try:
+        fields = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"recipe file {spec}: {e}") from None
+    recipe_proto.from_mapping(fields)  # checks the keys now rather than at the server
+    return fields
+
+
+def with_default_convention(recipe: dict[str, Any], source_format: str) -> dict[str, Any]:
+    """Fills in the convention from the checkpoint format when the recipe does not set one:
+    safetensors checkpoints come from PyTorch, Orbax and npz from Flax."""
+    if "convention" in recipe:
+        return recipe
+    return {**recipe, "convention": "torch" if source_format == "safetensors" else "flax"}

@@ -1,0 +1,1 @@
+"""Generated stubs of proto/qmill/v1 (see proto/generate.py)."""

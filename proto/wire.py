@@ -1,0 +1,215 @@
+"""Tensor bytes on the wire: dtype names, 4-bit packing, chunking and checked reassembly.
+
+This is the executable half of the contract in qmill/v1/qmill.proto (see its file comment for the
+byte layout). Client and server both use it, so the two sides cannot disagree on a byte. It needs
+numpy and ml_dtypes (for bfloat16, float8 and int4 dtypes) besides protobuf; it never imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import google_crc32c
+import ml_dtypes
+import numpy as np
+
+from qmill.proto.v1 import qmill_pb2 as pb
+
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+_NUMPY_BY_WIRE: dict[int, np.dtype] = {
+    pb.DTYPE_F64: np.dtype(np.float64),
+    pb.DTYPE_F32: np.dtype(np.float32),
+    pb.DTYPE_F16: np.dtype(np.float16),
+    pb.DTYPE_BF16: np.dtype(ml_dtypes.bfloat16),
+    pb.DTYPE_BOOL: np.dtype(np.bool_),
+    pb.DTYPE_INT8: np.dtype(np.int8),
+    pb.DTYPE_UINT8: np.dtype(np.uint8),
+    pb.DTYPE_INT16: np.dtype(np.int16),
+    pb.DTYPE_UINT16: np.dtype(np.uint16),
+    pb.DTYPE_INT32: np.dtype(np.int32),
+    pb.DTYPE_UINT32: np.dtype(np.uint32),
+    pb.DTYPE_INT64: np.dtype(np.int64),
+    pb.DTYPE_UINT64: np.dtype(np.uint64),
+    pb.DTYPE_INT4: np.dtype(ml_dtypes.int4),
+    pb.DTYPE_UINT4: np.dtype(ml_dtypes.uint4),
+    pb.DTYPE_FLOAT8_E4M3FN: np.dtype(ml_dtypes.float8_e4m3fn),
+    pb.DTYPE_FLOAT8_E5M2: np.dtype(ml_dtypes.float8_e5m2),
+    pb.DTYPE_FLOAT8_E4M3FNUZ: np.dtype(ml_dtypes.float8_e4m3fnuz),
+    pb.DTYPE_FLOAT8_E5M2FNUZ: np.dtype(ml_dtypes.float8_e5m2fnuz),
+    pb.DTYPE_FLOAT8_E4M3B11FNUZ: np.dtype(ml_dtypes.float8_e4m3b11fnuz),
+    pb.DTYPE_FLOAT4_E2M1FN: np.dtype(ml_dtypes.float4_e2m1fn),
+    pb.DTYPE_FLOAT8_E8M0FNU: np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+_WIRE_BY_NUMPY = {v: k for k, v in _NUMPY_BY_WIRE.items()}
+_PACKED = frozenset({pb.DTYPE_INT4, pb.DTYPE_UINT4, pb.DTYPE_FLOAT4_E2M1FN})
+
+
+class WireError(ValueError):
+    """Bytes or headers that do not follow the contract. `code` names the gRPC status to use."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def wire_dtypes() -> tuple[int, ...]:
+    """Every DType value that has a numpy equivalent."""
+    return tuple(_NUMPY_BY_WIRE)
+
+
+def to_numpy_dtype(wire: int) -> np.dtype:
+    try:
+        return _NUMPY_BY_WIRE[wire]
+    except KeyError:
+        raise WireError(f"unknown wire dtype {wire}; valid: {_valid_names()}") from None
+
+
+def to_wire_dtype(dtype: np.dtype | type) -> int:
+    try:
+        return _WIRE_BY_NUMPY[np.dtype(dtype)]
+    except KeyError:
+        raise WireError(f"dtype {np.dtype(dtype)} has no wire name; valid: {_valid_names()}") from None
+
+
+def _valid_names() -> str:
+    return ", ".join(pb.DType.Name(k) for k in _NUMPY_BY_WIRE)
+
+
+def byte_length(wire: int, shape: tuple[int, ...]) -> int:
+    """Bytes that a tensor of this dtype and shape occupies on the wire."""
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if wire in _PACKED:
+        return (count + 1) // 2
+    return count * to_numpy_dtype(wire).itemsize
+
+
+def to_bytes(array: np.ndarray) -> np.ndarray:
+    """Row-major little-endian bytes of `array` as a flat uint8 array (no copy when possible),
+    4-bit dtypes packed two per byte."""
+    wire = to_wire_dtype(array.dtype)
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if wire in _PACKED:
+        nibbles = flat.view(np.uint8) & 0x0F
+        if nibbles.size % 2:
+            nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
+        return nibbles[0::2] | (nibbles[1::2] << 4)
+    if flat.dtype.byteorder == ">":
+        flat = flat.byteswap().view(flat.dtype.newbyteorder("<"))
+    return flat.view(np.uint8)
+
+
+def from_bytes(data: bytes | bytearray | memoryview, wire: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of to_bytes. The result owns or shares `data`'s buffer; it is not copied again."""
+    expected = byte_length(wire, shape)
+    if len(data) != expected:
+        raise WireError(
+            f"{len(data)} bytes for {pb.DType.Name(wire)}{list(shape)}, expected {expected}"
+        )
+    dtype = to_numpy_dtype(wire)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if wire in _PACKED:
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        nibbles = np.empty(raw.size * 2, np.uint8)
+        nibbles[0::2] = raw & 0x0F
+        nibbles[1::2] = raw >> 4
+        nibbles = nibbles[:count]
+        if dtype == np.dtype(ml_dtypes.int4):
+            # Sign-extend: the dtype's storage is one byte per element.
+            nibbles = np.where(nibbles >= 8, nibbles.astype(np.int16) - 16, nibbles).astype(np.int8)
+        return nibbles.view(dtype).reshape(shape)
+    return raw.view(dtype.newbyteorder("<")).reshape(shape)
+
+
+def crc32c(data: bytes | np.ndarray) -> int:
+    # extend() takes any buffer, value() only bytes; numpy arrays avoid a copy.
+    return google_crc32c.extend(0, data)
+
+
+def header_for(path: str, array: np.ndarray, data: np.ndarray | None = None) -> pb.TensorHeader:
+    """The header announcing `array`; pass `data` when its bytes were already computed."""
+    if data is None:
+        data = to_bytes(array)
+    return pb.TensorHeader(
+        path=path,
+        dtype=to_wire_dtype(array.dtype),
+        shape=list(array.shape),
+        byte_length=len(data),
+        crc32c=crc32c(data),
+    )
+
+
+def chunks(data: np.ndarray, size: int = MAX_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """The chunks carrying `data` (as to_bytes returns it); a zero-length tensor has none."""
+    for offset in range(0, len(data), size):
+        yield pb.TensorChunk(offset=offset, data=data[offset : offset + size].tobytes())
+
+
+@dataclasses.dataclass
+class Assembler:
+    """Collects the chunks of one announced tensor and checks them against its header."""
+
+    header: pb.TensorHeader
+    max_bytes: int | None = None
+    _buffer: bytearray = dataclasses.field(init=False)
+    _received: int = dataclasses.field(init=False, default=0)
+    _crc: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        h = self.header
+        label = h.path or "<unnamed>"
+        if any(d < 0 for d in h.shape):
+            raise WireError(f"tensor {label}: negative dimension in shape {list(h.shape)}")
+        expected = byte_length(h.dtype, tuple(h.shape))  # also validates the dtype
+        if h.byte_length != expected:
+            raise WireError(
+                f"tensor {label}: byte_length {h.byte_length} does not match "
+                f"{pb.DType.Name(h.dtype)}{list(h.shape)} ({expected} bytes)"
+            )
+        if self.max_bytes is not None and expected > self.max_bytes:
+            raise WireError(
+                f"tensor {label} has {expected} bytes, over this server's limit of "
+                f"{self.max_bytes}; split it or raise the server's --max-tensor-bytes",
+                code="RESOURCE_EXHAUSTED",
+            )
+        self._buffer = bytearray(expected)
+
+    @property
+    def complete(self) -> bool:
+        return self._received == self.header.byte_length
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        label = self.header.path or "<unnamed>"
+        if chunk.offset != self._received:
+            raise WireError(
+                f"tensor {label}: chunk at offset {chunk.offset}, expected {self._received} "
+                "(chunks lost or out of order)",
+                code="DATA_LOSS",
+            )
+        end = self._received + len(chunk.data)
+        if end > self.header.byte_length:
+            raise WireError(
+                f"tensor {label}: {end} bytes received, more than the announced "
+                f"{self.header.byte_length}"
+            )
+        self._buffer[self._received : end] = chunk.data
+        self._crc = google_crc32c.extend(self._crc, chunk.data)
+        self._received = end
+
+    def finish(self) -> np.ndarray:
+        """The tensor, once every byte arrived and the checksum matches."""
+        label = self.header.path or "<unnamed>"
+        if not self.complete:
+            raise WireError(
+                f"tensor {label}: stream ended after {self._received} of "
+                f"{self.header.byte_length} bytes",
+                code="DATA_LOSS",
+            )
+        if self._crc != self.header.crc32c:
+            raise WireError(
+                f"tensor {label}: crc32c {self._crc:#010x} does not match the header's "
+                f"{self.header.crc32c:#010x}; the bytes were corrupted in transit",
+                code="DATA_LOSS",
+            )
+        return from_bytes(self._buffer, self.header.dtype, tuple(self.header.shape))
