@@ -67,8 +67,11 @@ def to_numpy_dtype(wire: int) -> np.dtype:
 
 
 def to_wire_dtype(dtype: np.dtype | type) -> int:
+    dtype = np.dtype(dtype)
+    if dtype.byteorder == ">":  # big-endian input is swapped to little-endian by to_bytes
+        dtype = dtype.newbyteorder("<")
     try:
-        return _WIRE_BY_NUMPY[np.dtype(dtype)]
+        return _WIRE_BY_NUMPY[dtype]
     except KeyError:
         raise WireError(f"dtype {np.dtype(dtype)} has no wire name; valid: {_valid_names()}") from None
 
@@ -114,11 +117,8 @@ def from_bytes(data: bytes | bytearray | memoryview, wire: int, shape: tuple[int
         nibbles = np.empty(raw.size * 2, np.uint8)
         nibbles[0::2] = raw & 0x0F
         nibbles[1::2] = raw >> 4
-        nibbles = nibbles[:count]
-        if dtype == np.dtype(ml_dtypes.int4):
-            # Sign-extend: the dtype's storage is one byte per element.
-            nibbles = np.where(nibbles >= 8, nibbles.astype(np.int16) - 16, nibbles).astype(np.int8)
-        return nibbles.view(dtype).reshape(shape)
+        # ml_dtypes keeps a 4-bit value in the low nibble of its byte, as packed here.
+        return nibbles[:count].view(dtype).reshape(shape)
     return raw.view(dtype.newbyteorder("<")).reshape(shape)
 
 

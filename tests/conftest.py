@@ -1,0 +1,33 @@
+"""Shared fixtures: a real qmill server on 127.0.0.1 (port 0) running in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+
+class RunningServer:
+    def __init__(self, **config_fields) -> None:
+        from qmill.server import app, config
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        cfg = config.ServerConfig(host="127.0.0.1", port=0, grace_seconds=1.0, **config_fields)
+        self.server = asyncio.run_coroutine_threadsafe(app.create_server(cfg), self._loop).result(60)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = RunningServer()
+    yield running
+    running.stop()

@@ -1,0 +1,97 @@
+"""The qmill CLI as a user runs it: the README quick start, errors, and serve + quantize."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qmill.client import checkpoints
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+QMILL = [sys.executable, "-m", "qmill.client.cli"]
+
+
+def _qmill_bin() -> list[str]:
+    exe = shutil.which("qmill", path=os.path.dirname(sys.executable))
+    return [exe] if exe else QMILL
+
+
+def _quickstart_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- quickstart.*?-->\s*```bash\n(.*?)```", readme, re.S)
+    assert block, "README lost its quickstart block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_quickstart_runs_verbatim(tmp_path):
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    for command in _quickstart_commands():
+        result = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert "tensors quantized" in result.stdout
+    with checkpoints.open_source(tmp_path / "tiny-mlp-int8") as out:
+        paths = {e.path: e for e in out.entries()}
+    assert paths["params/Dense_0/kernel/array/qvalue"].dtype.name == "int8"
+    assert "params/Dense_0/bias" in paths
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["quantize", "examples/tiny-mlp", "-o", "{tmp}/o", "--recipe", "int9"], "neither a preset"),
+        (["quantize", "{tmp}/missing", "-o", "{tmp}/o"], "missing"),
+        (["quantize", "examples/tiny-mlp", "-o", "{tmp}/o", "--server", "127.0.0.1:1",
+          "--timeout", "5"], "UNAVAILABLE"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_1(tmp_path, args, message):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = subprocess.run([*_qmill_bin(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("qmill: error:") and message in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_quantize_and_graceful_sigterm(tmp_path):
+    port = _free_port()
+    server = subprocess.Popen([*_qmill_bin(), "serve", "--port", str(port), "--grace", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            caps = subprocess.run([*_qmill_bin(), "capabilities", "--server", f"127.0.0.1:{port}"],
+                                  capture_output=True, text=True, timeout=60)
+            if caps.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert caps.returncode == 0, caps.stderr
+        assert "int8" in caps.stdout
+        result = subprocess.run([*_qmill_bin(), "quantize", "examples/tiny-mlp", "-o", str(tmp_path / "out"),
+                                 "--server", f"127.0.0.1:{port}", "--recipe", "fp8"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / "out").is_dir()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        log, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, log
+    assert "QuantizeParams" in log and "outcome=ok" in log
+    assert "qmill stopped" in log

@@ -1,0 +1,32 @@
+import pytest
+
+from qmill.engine import recipes
+
+
+def test_bad_regex_is_reported_with_the_rule_index():
+    with pytest.raises(ValueError, match=r"recipe rule 1: .*'\(' is not a valid regex"):
+        recipes.recipe_from_mapping({"rules": [{"qtype": "int8"}, {"path_regex": "(", "qtype": "int8"}]})
+
+
+def test_rule_needs_a_qtype_or_skip():
+    with pytest.raises(ValueError, match="needs a qtype"):
+        recipes.recipe_from_mapping({"rules": [{"path_regex": ".*"}]})
+
+
+def test_layout_override_needs_both_axis_lists():
+    with pytest.raises(ValueError, match="both contracting_axes and channel_axes"):
+        recipes.recipe_from_mapping({"rules": [{"qtype": "int8", "contracting_axes": [0]}]})
+
+
+def test_empty_recipe_and_unknown_fields():
+    with pytest.raises(ValueError, match="at least one rule"):
+        recipes.recipe_from_mapping({"rules": []})
+    with pytest.raises(ValueError, match="unknown rule field"):
+        recipes.recipe_from_mapping({"rules": [{"qtype": "int8", "bits": 3}]})
+    with pytest.raises(ValueError, match="convention 'jax'"):
+        recipes.recipe_from_mapping({"convention": "jax", "rules": [{"qtype": "int8"}]})
+
+
+def test_nonpositive_tile():
+    with pytest.raises(ValueError, match="tile_size must be positive"):
+        recipes.recipe_from_mapping({"rules": [{"qtype": "int8", "tile_size": -4}]})

@@ -1,0 +1,110 @@
+"""The byte layout of the wire contract: round trips, nibble order, and every checked failure."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from qmill.proto import wire
+from qmill.proto.v1 import qmill_pb2 as pb
+
+ALL_DTYPES = [wire.to_numpy_dtype(w) for w in wire.wire_dtypes()]
+
+
+def _roundtrip(array: np.ndarray, chunk: int = wire.MAX_CHUNK_BYTES) -> np.ndarray:
+    data = wire.to_bytes(array)
+    assembler = wire.Assembler(wire.header_for("t", array, data))
+    for c in wire.chunks(data, chunk):
+        assembler.add(c)
+    return assembler.finish()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4)])
+def test_every_dtype_round_trips_bit_exactly(dtype, shape):
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=max(1, int(np.prod(shape))), dtype=np.uint8)
+    if dtype.itemsize == 1 and dtype.name not in ("int4", "uint4", "float4_e2m1fn", "bool"):
+        array = raw.view(dtype)[: int(np.prod(shape))].reshape(shape)
+    else:
+        array = rng.integers(0, 2, size=shape).astype(dtype) if dtype.name == "bool" else (
+            rng.uniform(-6, 6, size=shape).astype(np.float32).astype(dtype))
+    back = _roundtrip(array, chunk=3)
+    assert back.dtype == array.dtype and back.shape == array.shape
+    assert back.tobytes() == array.tobytes()
+
+
+def test_int4_packs_low_nibble_first():
+    array = np.array([1, -2, 3], dtype=ml_dtypes.int4)
+    assert bytes(wire.to_bytes(array)) == bytes([0xE1, 0x03])
+
+
+def test_multibyte_values_are_little_endian():
+    assert bytes(wire.to_bytes(np.array([1], np.float32).astype(">f4"))) == b"\x00\x00\x80\x3f"
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(dtype=st.sampled_from([np.float32, np.int8, np.uint16]),
+                  shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=9)),
+       st.integers(1, 17))
+def test_any_chunking_reassembles(array, chunk):
+    back = _roundtrip(array, chunk)
+    assert back.tobytes() == array.tobytes()
+
+
+def _assembler(array):
+    data = wire.to_bytes(array)
+    return wire.Assembler(wire.header_for("w", array, data)), list(wire.chunks(data, 8))
+
+
+def test_crc_mismatch_is_data_loss():
+    asm, chunks = _assembler(np.arange(10, dtype=np.float32))
+    chunks[1] = pb.TensorChunk(offset=chunks[1].offset, data=b"\xff" * len(chunks[1].data))
+    for c in chunks:
+        asm.add(c)
+    with pytest.raises(wire.WireError, match="crc32c") as e:
+        asm.finish()
+    assert e.value.code == "DATA_LOSS"
+
+
+def test_truncated_tensor_is_data_loss():
+    asm, chunks = _assembler(np.arange(10, dtype=np.float32))
+    asm.add(chunks[0])
+    with pytest.raises(wire.WireError, match="8 of 40 bytes") as e:
+        asm.finish()
+    assert e.value.code == "DATA_LOSS"
+
+
+def test_out_of_order_chunk_is_data_loss():
+    asm, chunks = _assembler(np.arange(10, dtype=np.float32))
+    with pytest.raises(wire.WireError, match="expected 0") as e:
+        asm.add(chunks[1])
+    assert e.value.code == "DATA_LOSS"
+
+
+def test_wrong_byte_length_is_invalid_argument():
+    header = pb.TensorHeader(path="x", dtype=pb.DTYPE_F32, shape=[4], byte_length=15)
+    with pytest.raises(wire.WireError, match="does not match") as e:
+        wire.Assembler(header)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
+def test_unknown_dtype_names_the_valid_ones():
+    header = pb.TensorHeader(path="x", dtype=999, shape=[4], byte_length=4)
+    with pytest.raises(wire.WireError, match="DTYPE_BF16"):
+        wire.Assembler(header)
+
+
+def test_oversized_tensor_is_resource_exhausted():
+    header = pb.TensorHeader(path="x", dtype=pb.DTYPE_F32, shape=[1024], byte_length=4096)
+    with pytest.raises(wire.WireError, match="limit") as e:
+        wire.Assembler(header, max_bytes=1000)
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_extra_bytes_are_refused():
+    asm, _ = _assembler(np.arange(2, dtype=np.float32))
+    with pytest.raises(wire.WireError, match="more than the announced"):
+        asm.add(pb.TensorChunk(offset=0, data=b"\0" * 9))
