@@ -36,14 +36,6 @@ class LeafResult:
     quality: Quality
 
 
-def _check_finite(path: str, array: np.ndarray) -> None:
-    if not np.isfinite(np.asarray(array, dtype=np.float32)).all():
-        raise ValueError(
-            f"{path}: tensor contains NaN or Inf; quantization would spread them over whole "
-            "scale blocks. Fix the checkpoint or skip this path with a rule"
-        )
-
-
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _quantize_and_measure(x: jax.Array, plan: layout.LeafPlan):
     q = qarray.quantize(
@@ -60,7 +52,9 @@ def _quantize_and_measure(x: jax.Array, plan: layout.LeafPlan):
     err = qarray.dequantize(q).astype(jnp.float32) - x32
     signal, noise = jnp.sum(x32 * x32), jnp.sum(err * err)
     abs_x, abs_err = jnp.mean(jnp.abs(x32)), jnp.mean(jnp.abs(err))
-    return q, signal, noise, abs_x, abs_err
+    # Fused into the same pass over x, so the check costs next to nothing.
+    finite = jnp.isfinite(x32).all()
+    return q, signal, noise, abs_x, abs_err, finite
 
 
 def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafResult:
@@ -71,9 +65,13 @@ def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafR
     """
     if not plan.quantize:
         raise ValueError(f"{plan.path}: the plan keeps this tensor ({plan.reason})")
-    if isinstance(array, np.ndarray):
-        _check_finite(plan.path, array)
-    q, signal, noise, abs_x, abs_err = jax.device_get(_quantize_and_measure(jnp.asarray(array), plan))
+    outputs = jax.device_get(_quantize_and_measure(jnp.asarray(array), plan))
+    q, signal, noise, abs_x, abs_err, finite = outputs
+    if not finite:
+        raise ValueError(
+            f"{plan.path}: tensor contains NaN or Inf; quantization would spread them over whole "
+            "scale blocks. Fix the checkpoint or skip this path with a rule"
+        )
     signal, noise, abs_x, abs_err = (float(v) for v in (signal, noise, abs_x, abs_err))
     sqnr = math.inf if noise == 0 else 10 * math.log10(signal / noise) if signal else -math.inf
     mre = 0.0 if abs_err == 0 else abs_err / abs_x if abs_x else math.inf

@@ -41,6 +41,8 @@ _NUMPY_BY_WIRE: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT8_E4M3B11FNUZ: np.dtype(ml_dtypes.float8_e4m3b11fnuz),
     pb.DTYPE_FLOAT4_E2M1FN: np.dtype(ml_dtypes.float4_e2m1fn),
     pb.DTYPE_FLOAT8_E8M0FNU: np.dtype(ml_dtypes.float8_e8m0fnu),
+    pb.DTYPE_FLOAT8_E4M3: np.dtype(ml_dtypes.float8_e4m3),
+    pb.DTYPE_FLOAT8_E3M4: np.dtype(ml_dtypes.float8_e3m4),
 }
 _WIRE_BY_NUMPY = {v: k for k, v in _NUMPY_BY_WIRE.items()}
 _PACKED = frozenset({pb.DTYPE_INT4, pb.DTYPE_UINT4, pb.DTYPE_FLOAT4_E2M1FN})

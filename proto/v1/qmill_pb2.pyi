@@ -33,6 +33,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT8_E4M3B11FNUZ: _ClassVar[DType]
     DTYPE_FLOAT4_E2M1FN: _ClassVar[DType]
     DTYPE_FLOAT8_E8M0FNU: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
+    DTYPE_FLOAT8_E3M4: _ClassVar[DType]
 
 class Convention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -68,6 +70,8 @@ DTYPE_FLOAT8_E5M2FNUZ: DType
 DTYPE_FLOAT8_E4M3B11FNUZ: DType
 DTYPE_FLOAT4_E2M1FN: DType
 DTYPE_FLOAT8_E8M0FNU: DType
+DTYPE_FLOAT8_E4M3: DType
+DTYPE_FLOAT8_E3M4: DType
 CONVENTION_UNSPECIFIED: Convention
 CONVENTION_FLAX: Convention
 CONVENTION_TORCH: Convention

@@ -160,3 +160,19 @@ def test_async_client_matches_sync_client(server):
         assert a.path == s.path and a.quantized == s.quantized
         for name in a.parts:
             assert a.parts[name].tobytes() == s.parts[name].tobytes()
+
+
+def test_every_qtype_the_server_offers_travels_back(server):
+    """Each advertised qtype's parts have a wire dtype and arrive bit-identical to the engine's."""
+    x = np.random.default_rng(3).normal(size=(64, 32)).astype(np.float32)
+    with remote.Client(server.address) as client:
+        qtypes = list(client.capabilities().qtypes)
+        for qtype in qtypes:
+            recipe = {"rules": [{"qtype": qtype, "tile_size": 32, "tile_if_divisible": True,
+                                 "contracting_axes": [1], "channel_axes": [0]}]}
+            (remote_out,) = client.quantize(recipe, [("w", x)])
+            (local_out,) = embedded.EmbeddedClient().quantize(recipe, [("w", x)])
+            assert remote_out.quantized, qtype
+            for name, part in local_out.parts.items():
+                assert remote_out.parts[name].dtype == part.dtype, (qtype, name)
+                assert remote_out.parts[name].tobytes() == part.tobytes(), (qtype, name)
