@@ -59,13 +59,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_checkpoint(directory: pathlib.Path, gib: float, tensor_mib: int) -> tuple[pathlib.Path, int]:
+def make_checkpoint(
+    directory: pathlib.Path, gib: float, tensor_mib: int
+) -> tuple[pathlib.Path, int]:
     """A sharded-free single safetensors file of f32 (out, in) weights; returns (path, bytes)."""
     side = int((tensor_mib * 2**20 / 4) ** 0.5)
     count = max(1, round(gib * 1024 / tensor_mib))
     rng = np.random.default_rng(0)
     path = directory / "synthetic.safetensors"
-    tensors = {f"layers.{i}.weight": rng.standard_normal((side, side), np.float32) for i in range(count)}
+    tensors = {
+        f"layers.{i}.weight": rng.standard_normal((side, side), np.float32) for i in range(count)
+    }
     safetensors.numpy.save_file(tensors, str(path))
     return path, sum(t.nbytes for t in tensors.values())
 
@@ -80,11 +84,14 @@ def _peak_rss_mb(pid: int) -> float:
 def raw_baseline(path: pathlib.Path) -> float:
     """Seconds to push the tensors' bytes (read from the file) to a counting server."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RAW_SERVER, str(port)], stdout=subprocess.PIPE, text=True
+    )
     try:
         proc.stdout.readline()
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-                ("grpc.max_send_message_length", 8 << 20)]) as channel:
+        with grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 << 20)]
+        ) as channel:
             push = channel.stream_unary(RAW_METHOD)
             with safetensors.safe_open(str(path), "np") as f:
                 keys = list(f.keys())
@@ -93,7 +100,7 @@ def raw_baseline(path: pathlib.Path) -> float:
                     for key in keys:
                         data = f.get_tensor(key).view(np.uint8).reshape(-1)
                         for offset in range(0, data.size, CHUNK):
-                            yield data[offset: offset + CHUNK].tobytes()
+                            yield data[offset : offset + CHUNK].tobytes()
 
                 start = time.perf_counter()
                 push(chunks(), timeout=600)
@@ -107,12 +114,17 @@ def qmill_run(path: pathlib.Path, out: pathlib.Path, recipe: str) -> tuple[float
     """(seconds, client peak RSS MB, server peak RSS MB) for one quantize through `qmill serve`."""
     port = _free_port()
     qmill = [sys.executable, "-m", "qmill.client.cli"]
-    server = subprocess.Popen([*qmill, "serve", "--port", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [*qmill, "serve", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         for _ in range(240):
-            if subprocess.run([*qmill, "capabilities", "--server", f"127.0.0.1:{port}"],
-                              capture_output=True).returncode == 0:
+            if (
+                subprocess.run(
+                    [*qmill, "capabilities", "--server", f"127.0.0.1:{port}"], capture_output=True
+                ).returncode
+                == 0
+            ):
                 break
             time.sleep(0.5)
         # Warm the server's compile cache with one tensor of the same shape, as a long-running
@@ -121,12 +133,38 @@ def qmill_run(path: pathlib.Path, out: pathlib.Path, recipe: str) -> tuple[float
             with safetensors.safe_open(str(path), "np") as f:
                 key = next(iter(f.keys()))
                 safetensors.numpy.save_file({key: f.get_tensor(key)}, f"{tmp}/w.safetensors")
-            subprocess.run([*qmill, "quantize", f"{tmp}/w.safetensors", "-o", f"{tmp}/o.safetensors",
-                            "--server", f"127.0.0.1:{port}", "--recipe", recipe, "-q"], check=True)
+            subprocess.run(
+                [
+                    *qmill,
+                    "quantize",
+                    f"{tmp}/w.safetensors",
+                    "-o",
+                    f"{tmp}/o.safetensors",
+                    "--server",
+                    f"127.0.0.1:{port}",
+                    "--recipe",
+                    recipe,
+                    "-q",
+                ],
+                check=True,
+            )
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         start = time.perf_counter()
-        subprocess.run([*qmill, "quantize", str(path), "-o", str(out), "--server", f"127.0.0.1:{port}",
-                        "--recipe", recipe, "-q"], check=True)
+        subprocess.run(
+            [
+                *qmill,
+                "quantize",
+                str(path),
+                "-o",
+                str(out),
+                "--server",
+                f"127.0.0.1:{port}",
+                "--recipe",
+                recipe,
+                "-q",
+            ],
+            check=True,
+        )
         seconds = time.perf_counter() - start
         client_mb = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
         return seconds, client_mb, _peak_rss_mb(server.pid)
@@ -136,11 +174,15 @@ def qmill_run(path: pathlib.Path, out: pathlib.Path, recipe: str) -> tuple[float
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--tensor-mib", type=int, default=64)
     parser.add_argument("--recipe", default="int8")
-    parser.add_argument("--workdir", default=None, help="where to put the checkpoints (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", default=None, help="where to put the checkpoints (default: a temp dir)"
+    )
     args = parser.parse_args()
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="qmill-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -152,7 +194,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     mb = nbytes / 1e6
     result = {
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
         "checkpoint_MB": round(mb, 1),
         "largest_tensor_MB": round(args.tensor_mib * 2**20 / 1e6, 1),
         "recipe": args.recipe,

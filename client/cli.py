@@ -16,21 +16,37 @@ from rich.table import Table
 
 from qmill.client import checkpoints, errors, job, recipes, report
 
-USER_ERRORS = (errors.QmillError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+USER_ERRORS = (
+    errors.QmillError,
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qmill", description="Quantization as a service for JAX checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="qmill", description="Quantization as a service for JAX checkpoints."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     q = sub.add_parser("quantize", help="quantize a checkpoint (Orbax, safetensors, npz)")
     q.add_argument("source", help="checkpoint: Orbax directory, .safetensors file/set, or .npz")
     q.add_argument("-o", "--output", required=True, help="where to write the quantized checkpoint")
-    q.add_argument("--recipe", default="int8",
-                   help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file (default: int8)")
-    q.add_argument("--server", help="HOST:PORT of a qmill server; without it the engine runs in-process")
-    q.add_argument("--format", choices=("orbax", "safetensors", "npz"),
-                   help="output format (default: the input's)")
+    q.add_argument(
+        "--recipe",
+        default="int8",
+        help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file (default: int8)",
+    )
+    q.add_argument(
+        "--server", help="HOST:PORT of a qmill server; without it the engine runs in-process"
+    )
+    q.add_argument(
+        "--format",
+        choices=("orbax", "safetensors", "npz"),
+        help="output format (default: the input's)",
+    )
     q.add_argument("--overwrite", action="store_true", help="replace an existing output")
     q.add_argument("--report-json", help="also write the per-tensor report as JSON to this file")
     q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
@@ -66,13 +82,25 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     started = time.monotonic()
     with backend:
         if args.quiet or not err.is_terminal:
-            rows = job.quantize_checkpoint(args.source, args.output, recipe, backend=backend,
-                                           output_format=args.format, overwrite=args.overwrite)
+            rows = job.quantize_checkpoint(
+                args.source,
+                args.output,
+                recipe,
+                backend=backend,
+                output_format=args.format,
+                overwrite=args.overwrite,
+            )
         else:
             with report.ProgressBar(err) as bar:
-                rows = job.quantize_checkpoint(args.source, args.output, recipe, backend=backend,
-                                               output_format=args.format, overwrite=args.overwrite,
-                                               progress=bar)
+                rows = job.quantize_checkpoint(
+                    args.source,
+                    args.output,
+                    recipe,
+                    backend=backend,
+                    output_format=args.format,
+                    overwrite=args.overwrite,
+                    progress=bar,
+                )
     seconds = time.monotonic() - started
     if not args.quiet:
         out.print(report.quality_table(rows))
@@ -87,9 +115,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     from qmill.server import app, config  # lazy: the server pulls in jax
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    fields = {"host": args.host, "port": args.port, "workers": args.workers,
-              "grace_seconds": args.grace, "reflection": not args.no_reflection}
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    fields = {
+        "host": args.host,
+        "port": args.port,
+        "workers": args.workers,
+        "grace_seconds": args.grace,
+        "reflection": not args.no_reflection,
+    }
     if args.max_tensor_bytes:
         fields["max_tensor_bytes"] = args.max_tensor_bytes
     asyncio.run(app.serve(config.ServerConfig(**fields)))
@@ -103,7 +138,9 @@ def _inspect(args: argparse.Namespace, out: Console) -> int:
         for name in ("path", "dtype", "shape", "bytes"):
             table.add_column(name, justify="right" if name == "bytes" else "left")
         for e in entries:
-            table.add_row(e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{e.nbytes:,}")
+            table.add_row(
+                e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{e.nbytes:,}"
+            )
     out.print(table)
     out.print(f"{len(entries)} tensors, {sum(e.nbytes for e in entries):,} bytes")
     return 0
@@ -114,8 +151,10 @@ def _capabilities(args: argparse.Namespace, out: Console) -> int:
 
     with remote.Client(args.server) as client:
         caps = client.capabilities()
-    out.print(f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {caps.device_kind}: "
-              f"{caps.device_description}")
+    out.print(
+        f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {caps.device_kind}: "
+        f"{caps.device_description}"
+    )
     out.print("qtypes: " + ", ".join(caps.qtypes))
     out.print("calibration methods: " + ", ".join(caps.calibration_methods))
     out.print(f"max tensor bytes: {caps.max_tensor_bytes:,}")

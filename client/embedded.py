@@ -43,7 +43,11 @@ class EmbeddedClient:
                 plan = layout.plan_leaf(path, array.shape, array.dtype, engine_recipe)
                 if not plan.quantize:
                     yield streaming.TensorOutcome(
-                        path=path, quantized=False, parts={}, array=array, reason=plan.reason,
+                        path=path,
+                        quantized=False,
+                        parts={},
+                        array=array,
+                        reason=plan.reason,
                         input_bytes=nbytes,
                     )
                     continue

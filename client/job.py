@@ -70,7 +70,9 @@ def quantize_checkpoint(
             for entry in entries:
                 if not _sendable(entry.dtype):
                     writer.write(entry.path, source.read(entry.path))
-                    rows[entry.path] = _kept_row(entry, f"{entry.dtype.name} tensors are never quantized")
+                    rows[entry.path] = _kept_row(
+                        entry, f"{entry.dtype.name} tensors are never quantized"
+                    )
                     if progress is not None:
                         progress.advance(entry.nbytes)
 

@@ -30,9 +30,15 @@ from qmill.proto import recipe as recipe_proto
 PRESETS: dict[str, dict[str, Any]] = {
     "int8": {"rules": [{"path_regex": ".*", "qtype": "int8"}]},
     # Sub-channel blocks of 128 where the contracting axis allows it, per channel elsewhere.
-    "int4": {"rules": [{"path_regex": ".*", "qtype": "int4", "tile_size": 128, "tile_if_divisible": True}]},
+    "int4": {
+        "rules": [
+            {"path_regex": ".*", "qtype": "int4", "tile_size": 128, "tile_if_divisible": True}
+        ]
+    },
     "fp8": {"rules": [{"path_regex": ".*", "qtype": "float8_e4m3fn"}]},
-    "nf4": {"rules": [{"path_regex": ".*", "qtype": "nf4", "tile_size": 64, "tile_if_divisible": True}]},
+    "nf4": {
+        "rules": [{"path_regex": ".*", "qtype": "nf4", "tile_size": 64, "tile_if_divisible": True}]
+    },
 }
 
 

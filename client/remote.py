@@ -44,7 +44,9 @@ class _Window:
 
     def acquire(self, n: int) -> bool:
         with self._cv:
-            self._cv.wait_for(lambda: self._closed or not self._used or self._used + n <= self._limit)
+            self._cv.wait_for(
+                lambda: self._closed or not self._used or self._used + n <= self._limit
+            )
             self._used += n
             return not self._closed
 
@@ -147,7 +149,9 @@ class AsyncClient:
 
     async def capabilities(self) -> pb.GetCapabilitiesResponse:
         try:
-            return await self._stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=self.timeout)
+            return await self._stub.GetCapabilities(
+                pb.GetCapabilitiesRequest(), timeout=self.timeout
+            )
         except grpc.RpcError as e:
             raise errors.QmillError.from_rpc_error(e) from None
 

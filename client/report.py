@@ -74,14 +74,25 @@ def _db(value: float) -> str:
 
 def quality_table(rows: Sequence[job.ReportRow]) -> Table:
     table = Table(title="qmill: per-tensor quality", show_lines=False)
-    for name, justify in (("path", "left"), ("shape", "left"), ("dtype → qtype", "left"),
-                          ("tiles", "left"), ("SQNR dB", "right"), ("bytes before → after", "right")):
+    for name, justify in (
+        ("path", "left"),
+        ("shape", "left"),
+        ("dtype → qtype", "left"),
+        ("tiles", "left"),
+        ("SQNR dB", "right"),
+        ("bytes before → after", "right"),
+    ):
         table.add_column(name, justify=justify)
     for r in rows:
         target = r.qtype if r.qtype != "kept" else f"kept ({r.reason})"
-        table.add_row(r.path, "×".join(map(str, r.shape)) or "scalar", f"{r.dtype} → {target}",
-                      r.tiles or "-", _db(r.sqnr_db),
-                      f"{_size(r.bytes_before)} → {_size(r.bytes_after)}")
+        table.add_row(
+            r.path,
+            "×".join(map(str, r.shape)) or "scalar",
+            f"{r.dtype} → {target}",
+            r.tiles or "-",
+            _db(r.sqnr_db),
+            f"{_size(r.bytes_before)} → {_size(r.bytes_after)}",
+        )
     return table
 
 
@@ -90,8 +101,10 @@ def totals_line(rows: Sequence[job.ReportRow], seconds: float) -> str:
     after = sum(r.bytes_after for r in rows)
     quantized = sum(r.qtype != "kept" for r in rows)
     ratio = before / after if after else float("inf")
-    return (f"{quantized}/{len(rows)} tensors quantized, {_size(before)} → {_size(after)} "
-            f"({ratio:.2f}× smaller) in {seconds:.1f} s")
+    return (
+        f"{quantized}/{len(rows)} tensors quantized, {_size(before)} → {_size(after)} "
+        f"({ratio:.2f}× smaller) in {seconds:.1f} s"
+    )
 
 
 def write_json(rows: Sequence[job.ReportRow], path: str | os.PathLike) -> None:

@@ -37,7 +37,9 @@ class TensorOutcome:
     def output_bytes(self) -> int:
         if not self.quantized:
             return self.input_bytes
-        return sum(wire.byte_length(wire.to_wire_dtype(p.dtype), p.shape) for p in self.parts.values())
+        return sum(
+            wire.byte_length(wire.to_wire_dtype(p.dtype), p.shape) for p in self.parts.values()
+        )
 
 
 def tensor_requests(path: str, array: np.ndarray) -> Iterator[pb.QuantizeParamsRequest]:
@@ -79,7 +81,10 @@ class ResponseDecoder:
             return None
         if kind == "result":
             if self._result is not None:
-                raise wire.WireError(f"result for {response.result.path} before {self._result.path} ended", "DATA_LOSS")
+                raise wire.WireError(
+                    f"result for {response.result.path} before {self._result.path} ended",
+                    "DATA_LOSS",
+                )
             self._result = response.result
             self._parts = {}
             self._pending_headers = list(response.result.parts)
@@ -118,7 +123,11 @@ class ResponseDecoder:
                 input_bytes=result.input_bytes,
             )
         return TensorOutcome(
-            path=result.path, quantized=False, parts={}, array=array, reason=result.reason,
+            path=result.path,
+            quantized=False,
+            parts={},
+            array=array,
+            reason=result.reason,
             input_bytes=result.input_bytes,
         )
 

@@ -83,7 +83,9 @@ def _normalize_axes(axes: tuple[int, ...], ndim: int, path: str) -> tuple[int, .
     return tuple(sorted(set(out)))
 
 
-def plan_leaf(path: str, shape: tuple[int, ...], dtype: np.dtype | str, recipe: recipes.Recipe) -> LeafPlan:
+def plan_leaf(
+    path: str, shape: tuple[int, ...], dtype: np.dtype | str, recipe: recipes.Recipe
+) -> LeafPlan:
     """Decides how one tensor is quantized. Pure: looks at names and shapes, never at values."""
     dtype_name = np.dtype(dtype).name
     rule = recipe.rule_for(path)

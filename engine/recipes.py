@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 CONVENTIONS = ("auto", "flax", "torch")
@@ -46,15 +46,17 @@ class TensorRule:
         try:
             object.__setattr__(self, "_compiled", re.compile(self.path_regex))
         except re.error as e:
-            raise ValueError(f"rule path_regex {self.path_regex!r} is not a valid regex: {e}") from None
+            raise ValueError(
+                f"rule path_regex {self.path_regex!r} is not a valid regex: {e}"
+            ) from None
         if self.skip:
             return
         if not self.qtype:
-            raise ValueError(
-                f"rule {self.path_regex!r} needs a qtype (e.g. 'int8') or skip=true"
-            )
+            raise ValueError(f"rule {self.path_regex!r} needs a qtype (e.g. 'int8') or skip=true")
         if self.tile_size is not None and self.tile_size <= 0:
-            raise ValueError(f"rule {self.path_regex!r}: tile_size must be positive, got {self.tile_size}")
+            raise ValueError(
+                f"rule {self.path_regex!r}: tile_size must be positive, got {self.tile_size}"
+            )
         if (self.contracting_axes is None) != (self.channel_axes is None):
             raise ValueError(
                 f"rule {self.path_regex!r}: a layout override needs both contracting_axes and "
@@ -92,7 +94,9 @@ def rule_from_mapping(fields: Mapping[str, Any]) -> TensorRule:
         if values.get(key) is not None:
             values[key] = tuple(int(a) for a in values[key])
     if values.get("tiled_axes") is not None:
-        values["tiled_axes"] = tuple(sorted((int(k), int(v)) for k, v in dict(values["tiled_axes"]).items()))
+        values["tiled_axes"] = tuple(
+            sorted((int(k), int(v)) for k, v in dict(values["tiled_axes"]).items())
+        )
     return TensorRule(**values)
 
 

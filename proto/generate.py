@@ -59,14 +59,21 @@ def generate() -> dict[str, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="only compare with the committed stubs")
+    parser.add_argument(
+        "--check", action="store_true", help="only compare with the committed stubs"
+    )
     check = parser.parse_args().check
     fresh = generate()
     committed = {p.name: p.read_text() for p in OUTPUT_DIR.glob("*_pb2*")}
     if check:
         if fresh != committed:
-            stale = sorted(set(fresh) ^ set(committed) | {n for n in fresh if fresh[n] != committed.get(n)})
-            print("stale stubs: " + ", ".join(stale) + " — run: python proto/generate.py", file=sys.stderr)
+            stale = sorted(
+                set(fresh) ^ set(committed) | {n for n in fresh if fresh[n] != committed.get(n)}
+            )
+            print(
+                "stale stubs: " + ", ".join(stale) + " — run: python proto/generate.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUTPUT_DIR.mkdir(exist_ok=True)

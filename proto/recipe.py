@@ -12,9 +12,21 @@ from typing import Any
 
 from qmill.proto.v1 import qmill_pb2 as pb
 
-_CONVENTIONS = {"auto": pb.CONVENTION_UNSPECIFIED, "flax": pb.CONVENTION_FLAX, "torch": pb.CONVENTION_TORCH}
-_SCALARS = ("path_regex", "qtype", "tile_size", "tile_if_divisible", "calibration_method", "skip",
-            "include_vectors", "scale_dtype")
+_CONVENTIONS = {
+    "auto": pb.CONVENTION_UNSPECIFIED,
+    "flax": pb.CONVENTION_FLAX,
+    "torch": pb.CONVENTION_TORCH,
+}
+_SCALARS = (
+    "path_regex",
+    "qtype",
+    "tile_size",
+    "tile_if_divisible",
+    "calibration_method",
+    "skip",
+    "include_vectors",
+    "scale_dtype",
+)
 _LAYOUT = ("contracting_axes", "channel_axes")
 RULE_FIELDS = (*_SCALARS, "tiled_axes", *_LAYOUT)
 
@@ -46,7 +58,9 @@ def from_mapping(fields: Mapping[str, Any]) -> pb.Recipe:
     for index, rule in enumerate(fields.get("rules") or ()):
         unknown = sorted(set(rule) - set(RULE_FIELDS))
         if unknown:
-            raise ValueError(f"rule {index}: unknown field(s) {unknown}; valid: {list(RULE_FIELDS)}")
+            raise ValueError(
+                f"rule {index}: unknown field(s) {unknown}; valid: {list(RULE_FIELDS)}"
+            )
         try:
             r = message.rules.add(**{k: v for k, v in rule.items() if k in _SCALARS})
             for axis, tile in dict(rule.get("tiled_axes") or {}).items():

@@ -75,7 +75,9 @@ def to_wire_dtype(dtype: np.dtype | type) -> int:
     try:
         return _WIRE_BY_NUMPY[dtype]
     except KeyError:
-        raise WireError(f"dtype {np.dtype(dtype)} has no wire name; valid: {_valid_names()}") from None
+        raise WireError(
+            f"dtype {np.dtype(dtype)} has no wire name; valid: {_valid_names()}"
+        ) from None
 
 
 def _valid_names() -> str:
@@ -105,7 +107,9 @@ def to_bytes(array: np.ndarray) -> np.ndarray:
     return flat.view(np.uint8)
 
 
-def from_bytes(data: bytes | bytearray | memoryview, wire: int, shape: tuple[int, ...]) -> np.ndarray:
+def from_bytes(
+    data: bytes | bytearray | memoryview, wire: int, shape: tuple[int, ...]
+) -> np.ndarray:
     """Inverse of to_bytes. The result owns or shares `data`'s buffer; it is not copied again."""
     expected = byte_length(wire, shape)
     if len(data) != expected:

@@ -1,4 +1,4 @@
-"""Translation between wire messages and engine values; the servicer's only proto <-> engine code."""
+"""Wire messages <-> engine values: the servicer's only proto/engine translation."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 from qmill.engine import layout, leaf, recipes
 from qmill.proto import recipe, wire
 from qmill.proto.v1 import qmill_pb2 as pb
+
 
 def recipe_from_proto(message: pb.Recipe) -> recipes.Recipe:
     """The engine recipe a Recipe message describes. Raises ValueError naming the bad rule."""

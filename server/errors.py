@@ -25,7 +25,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ValueError | TypeError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, MemoryError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "server out of memory; retry later with fewer tensors in flight"
+        return (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "server out of memory; retry later with fewer tensors in flight",
+        )
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
@@ -45,7 +48,7 @@ def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             return await fn(self, request, context)
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:  # noqa: BLE001 - this is the exception-to-status boundary
+        except Exception as exc:
             await _abort(context, exc, fn.__name__)
 
     return wrapper
@@ -61,7 +64,7 @@ def streaming(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncItera
                 yield item
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:  # noqa: BLE001 - this is the exception-to-status boundary
+        except Exception as exc:
             await _abort(context, exc, fn.__name__)
 
     return wrapper

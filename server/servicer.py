@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from concurrent import futures
 
-import grpc
-
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import capabilities, errors, quantize_stream
@@ -21,11 +19,11 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
         self._executor = executor
 
     @errors.unary
-    async def GetCapabilities(self, request, context) -> pb.GetCapabilitiesResponse:  # noqa: N802
+    async def GetCapabilities(self, request, context) -> pb.GetCapabilitiesResponse:
         return capabilities.capabilities(self._config)
 
     @errors.streaming
-    async def QuantizeParams(self, request_iterator, context):  # noqa: N802
+    async def QuantizeParams(self, request_iterator, context):
         stats = quantize_stream.CallStats()
         outcome = "error"
         try:

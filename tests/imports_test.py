@@ -12,12 +12,38 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-THIRD_PARTY = {"numpy", "ml_dtypes", "jax", "jaxlib", "flax", "grpc", "grpc_health", "grpc_reflection",
-               "google", "orbax", "safetensors", "rich", "optax", "etils", "tensorstore", "prometheus_client"}
+THIRD_PARTY = {
+    "numpy",
+    "ml_dtypes",
+    "jax",
+    "jaxlib",
+    "flax",
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "google",
+    "orbax",
+    "safetensors",
+    "rich",
+    "optax",
+    "etils",
+    "tensorstore",
+    "prometheus_client",
+}
 ALLOWED = {
     "engine": {"jax", "flax", "numpy", "ml_dtypes", "qmill.engine"},
-    "server": {"qmill.engine", "qmill.proto", "qmill.server", "grpc", "grpc_health", "grpc_reflection",
-               "orbax", "jax", "numpy", "prometheus_client"},
+    "server": {
+        "qmill.engine",
+        "qmill.proto",
+        "qmill.server",
+        "grpc",
+        "grpc_health",
+        "grpc_reflection",
+        "orbax",
+        "jax",
+        "numpy",
+        "prometheus_client",
+    },
     "client": {"qmill.proto", "qmill.client", "grpc", "numpy", "ml_dtypes", "safetensors", "rich"},
     "proto": {"google", "grpc", "qmill.proto", "numpy", "ml_dtypes"},
 }
@@ -48,7 +74,11 @@ def _allowed(name: str, allowed: set[str]) -> bool:
 def test_parts_import_only_what_architecture_allows(part):
     bad = []
     for path in (ROOT / part).rglob("*.py"):
-        if path.name == "generate.py" or path.name.endswith("_pb2_grpc.py") or path.name.endswith("_pb2.py"):
+        if (
+            path.name == "generate.py"
+            or path.name.endswith("_pb2_grpc.py")
+            or path.name.endswith("_pb2.py")
+        ):
             continue
         for name, top_level in _imports(path):
             root = name.split(".")[0]
@@ -63,7 +93,9 @@ def test_parts_import_only_what_architecture_allows(part):
 
 
 def test_importing_the_client_does_not_import_jax():
-    code = ("import sys, qmill.client, qmill.client.cli, qmill.client.remote, qmill.client.job; "
-            "import qmill.client.checkpoints; "
-            "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)")
+    code = (
+        "import sys, qmill.client, qmill.client.cli, qmill.client.remote, qmill.client.job; "
+        "import qmill.client.checkpoints; "
+        "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -36,8 +36,9 @@ def test_readme_quickstart_runs_verbatim(tmp_path):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
     for command in _quickstart_commands():
-        result = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr
     assert "tensors quantized" in result.stdout
     with checkpoints.open_source(tmp_path / "tiny-mlp-int8") as out:
@@ -49,15 +50,31 @@ def test_readme_quickstart_runs_verbatim(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["quantize", "examples/tiny-mlp", "-o", "{tmp}/o", "--recipe", "int9"], "neither a preset"),
+        (
+            ["quantize", "examples/tiny-mlp", "-o", "{tmp}/o", "--recipe", "int9"],
+            "neither a preset",
+        ),
         (["quantize", "{tmp}/missing", "-o", "{tmp}/o"], "missing"),
-        (["quantize", "examples/tiny-mlp", "-o", "{tmp}/o", "--server", "127.0.0.1:1",
-          "--timeout", "5"], "UNAVAILABLE"),
+        (
+            [
+                "quantize",
+                "examples/tiny-mlp",
+                "-o",
+                "{tmp}/o",
+                "--server",
+                "127.0.0.1:1",
+                "--timeout",
+                "5",
+            ],
+            "UNAVAILABLE",
+        ),
     ],
 )
 def test_user_errors_print_one_line_and_exit_1(tmp_path, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = subprocess.run([*_qmill_bin(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*_qmill_bin(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("qmill: error:") and message in result.stderr
@@ -72,21 +89,43 @@ def _free_port() -> int:
 
 def test_serve_quantize_and_graceful_sigterm(tmp_path):
     port = _free_port()
-    server = subprocess.Popen([*_qmill_bin(), "serve", "--port", str(port), "--grace", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [*_qmill_bin(), "serve", "--port", str(port), "--grace", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
-            caps = subprocess.run([*_qmill_bin(), "capabilities", "--server", f"127.0.0.1:{port}"],
-                                  capture_output=True, text=True, timeout=60)
+            caps = subprocess.run(
+                [*_qmill_bin(), "capabilities", "--server", f"127.0.0.1:{port}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if caps.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert caps.returncode == 0, caps.stderr
         assert "int8" in caps.stdout
-        result = subprocess.run([*_qmill_bin(), "quantize", "examples/tiny-mlp", "-o", str(tmp_path / "out"),
-                                 "--server", f"127.0.0.1:{port}", "--recipe", "fp8"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [
+                *_qmill_bin(),
+                "quantize",
+                "examples/tiny-mlp",
+                "-o",
+                str(tmp_path / "out"),
+                "--server",
+                f"127.0.0.1:{port}",
+                "--recipe",
+                "fp8",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr
         assert (tmp_path / "out").is_dir()
     finally:

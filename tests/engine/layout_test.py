@@ -8,7 +8,9 @@ from qmill.engine import layout, recipes
 
 
 def _recipe(convention="auto", **rule):
-    return recipes.recipe_from_mapping({"convention": convention, "rules": [{"qtype": "int8", **rule}]})
+    return recipes.recipe_from_mapping(
+        {"convention": convention, "rules": [{"qtype": "int8", **rule}]}
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,12 +52,18 @@ def test_kept_tensors_say_why(dtype, shape, reason):
 
 
 def test_first_full_match_wins_and_skip():
-    recipe = recipes.recipe_from_mapping({"rules": [
-        {"path_regex": ".*embedding", "skip": True},
-        {"path_regex": "params/Dense.*", "qtype": "int4"},
-        {"path_regex": ".*", "qtype": "int8"},
-    ]})
-    assert "skipped" in layout.plan_leaf("params/Embed_0/embedding", (8, 8), np.float32, recipe).reason
+    recipe = recipes.recipe_from_mapping(
+        {
+            "rules": [
+                {"path_regex": ".*embedding", "skip": True},
+                {"path_regex": "params/Dense.*", "qtype": "int4"},
+                {"path_regex": ".*", "qtype": "int8"},
+            ]
+        }
+    )
+    assert (
+        "skipped" in layout.plan_leaf("params/Embed_0/embedding", (8, 8), np.float32, recipe).reason
+    )
     assert layout.plan_leaf("params/Dense_0/kernel", (8, 8), np.float32, recipe).qtype == "int4"
     # A partial match is not enough: "Dense" must match the whole path.
     assert layout.plan_leaf("x/params/Dense_0/kernel", (8, 8), np.float32, recipe).qtype == "int8"
@@ -67,17 +75,25 @@ def test_no_matching_rule_keeps_the_tensor():
 
 
 def test_layout_override_and_vectors():
-    plan = layout.plan_leaf("w", (6, 8), np.float32,
-                            _recipe(contracting_axes=[1], channel_axes=[-2], tiled_axes={"1": 4}))
+    plan = layout.plan_leaf(
+        "w",
+        (6, 8),
+        np.float32,
+        _recipe(contracting_axes=[1], channel_axes=[-2], tiled_axes={"1": 4}),
+    )
     assert plan.channelwise_axes == (0,) and plan.tiled_axes == ((1, 4),)
     vec = layout.plan_leaf("b", (8,), np.float32, _recipe(include_vectors=True))
     assert vec.quantize and vec.channelwise_axes == () and vec.tiled_axes == ()
 
 
 def test_tile_that_does_not_divide_is_an_error_unless_allowed():
-    with pytest.raises(ValueError, match="tile size 32 does not divide axis 0 of shape \\[48, 8\\]"):
+    with pytest.raises(
+        ValueError, match="tile size 32 does not divide axis 0 of shape \\[48, 8\\]"
+    ):
         layout.plan_leaf("k/kernel", (48, 8), np.float32, _recipe(tile_size=32))
-    plan = layout.plan_leaf("k/kernel", (48, 8), np.float32, _recipe(tile_size=32, tile_if_divisible=True))
+    plan = layout.plan_leaf(
+        "k/kernel", (48, 8), np.float32, _recipe(tile_size=32, tile_if_divisible=True)
+    )
     assert plan.tiled_axes == () and plan.channelwise_axes == (1,)
 
 

@@ -5,7 +5,9 @@ from qmill.engine import recipes
 
 def test_bad_regex_is_reported_with_the_rule_index():
     with pytest.raises(ValueError, match=r"recipe rule 1: .*'\(' is not a valid regex"):
-        recipes.recipe_from_mapping({"rules": [{"qtype": "int8"}, {"path_regex": "(", "qtype": "int8"}]})
+        recipes.recipe_from_mapping(
+            {"rules": [{"qtype": "int8"}, {"path_regex": "(", "qtype": "int8"}]}
+        )
 
 
 def test_rule_needs_a_qtype_or_skip():

@@ -42,8 +42,12 @@ def test_capabilities_describe_the_server(server):
 
 
 def test_remote_outcomes_equal_embedded_outcomes(server):
-    recipe = {"rules": [{"path_regex": ".*b/kernel", "qtype": "int4", "tile_size": 16},
-                        {"path_regex": ".*", "qtype": "int8", "calibration_method": "minmax"}]}
+    recipe = {
+        "rules": [
+            {"path_regex": ".*b/kernel", "qtype": "int4", "tile_size": 16},
+            {"path_regex": ".*", "qtype": "int8", "calibration_method": "minmax"},
+        ]
+    }
     with remote.Client(server.address) as client:
         remote_out = list(client.quantize(recipe, _tensors()))
     embedded_out = list(embedded.EmbeddedClient().quantize(recipe, _tensors()))
@@ -77,7 +81,9 @@ def test_checkpoint_through_server_is_bit_identical_to_in_process(server, tmp_pa
     examples.write_example_checkpoint(source, format=fmt)
     if fmt == "safetensors":
         source = next(tmp_path.glob("src*")) if not source.exists() else source
-    recipe = {"rules": [{"path_regex": ".*", "qtype": "int4", "tile_size": 32, "tile_if_divisible": True}]}
+    recipe = {
+        "rules": [{"path_regex": ".*", "qtype": "int4", "tile_size": 32, "tile_if_divisible": True}]
+    }
     with remote.Client(server.address) as client:
         rows = job.quantize_checkpoint(source, tmp_path / "remote", recipe, backend=client)
     job.quantize_checkpoint(source, tmp_path / "local", recipe, backend=embedded.EmbeddedClient())
@@ -105,24 +111,57 @@ def _tensor_requests(array, path="w/kernel"):
 
 
 BAD_INPUTS = {
-    "unknown qtype": ([_recipe_request({"rules": [{"qtype": "int9"}]}),
-                       *_tensor_requests(np.ones((4, 4), np.float32))],
-                      grpc.StatusCode.INVALID_ARGUMENT, "int9"),
-    "bad regex": ([_recipe_request({"rules": [{"path_regex": "([", "qtype": "int8"}]})],
-                  grpc.StatusCode.INVALID_ARGUMENT, "not a valid regex"),
-    "no recipe first": (_tensor_requests(np.ones((4, 4), np.float32)),
-                        grpc.StatusCode.INVALID_ARGUMENT, "first message must be the recipe"),
-    "wrong byte length": ([_recipe_request(), pb.QuantizeParamsRequest(header=pb.TensorHeader(
-        path="w", dtype=pb.DTYPE_F32, shape=[4, 4], byte_length=63))],
-        grpc.StatusCode.INVALID_ARGUMENT, "byte_length 63"),
-    "truncated stream": ([_recipe_request(), *_tensor_requests(np.ones((4, 4), np.float32))[:1]],
-                         grpc.StatusCode.DATA_LOSS, "stream ended after 0 of 64 bytes"),
-    "crc mismatch": ([_recipe_request(), pb.QuantizeParamsRequest(header=pb.TensorHeader(
-        path="w", dtype=pb.DTYPE_F32, shape=[2], byte_length=8, crc32c=1)),
-        pb.QuantizeParamsRequest(chunk=pb.TensorChunk(offset=0, data=b"\0" * 8))],
-        grpc.StatusCode.DATA_LOSS, "crc32c"),
-    "nan input": ([_recipe_request(), *_tensor_requests(np.full((4, 4), np.nan, np.float32))],
-                  grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+    "unknown qtype": (
+        [
+            _recipe_request({"rules": [{"qtype": "int9"}]}),
+            *_tensor_requests(np.ones((4, 4), np.float32)),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "int9",
+    ),
+    "bad regex": (
+        [_recipe_request({"rules": [{"path_regex": "([", "qtype": "int8"}]})],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not a valid regex",
+    ),
+    "no recipe first": (
+        _tensor_requests(np.ones((4, 4), np.float32)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "first message must be the recipe",
+    ),
+    "wrong byte length": (
+        [
+            _recipe_request(),
+            pb.QuantizeParamsRequest(
+                header=pb.TensorHeader(path="w", dtype=pb.DTYPE_F32, shape=[4, 4], byte_length=63)
+            ),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "byte_length 63",
+    ),
+    "truncated stream": (
+        [_recipe_request(), *_tensor_requests(np.ones((4, 4), np.float32))[:1]],
+        grpc.StatusCode.DATA_LOSS,
+        "stream ended after 0 of 64 bytes",
+    ),
+    "crc mismatch": (
+        [
+            _recipe_request(),
+            pb.QuantizeParamsRequest(
+                header=pb.TensorHeader(
+                    path="w", dtype=pb.DTYPE_F32, shape=[2], byte_length=8, crc32c=1
+                )
+            ),
+            pb.QuantizeParamsRequest(chunk=pb.TensorChunk(offset=0, data=b"\0" * 8)),
+        ],
+        grpc.StatusCode.DATA_LOSS,
+        "crc32c",
+    ),
+    "nan input": (
+        [_recipe_request(), *_tensor_requests(np.full((4, 4), np.nan, np.float32))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "NaN",
+    ),
 }
 
 
@@ -141,8 +180,12 @@ def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(server, case
 
 def test_client_errors_are_qmill_errors(server):
     with remote.Client(server.address) as client, pytest.raises(errors.QmillError) as e:
-        list(client.quantize({"rules": [{"qtype": "int8", "tile_size": 3}]},
-                             [("w/kernel", np.ones((4, 4), np.float32))]))
+        list(
+            client.quantize(
+                {"rules": [{"qtype": "int8", "tile_size": 3}]},
+                [("w/kernel", np.ones((4, 4), np.float32))],
+            )
+        )
     assert e.value.code == "INVALID_ARGUMENT" and "tile size 3" in e.value.details
 
 
@@ -168,8 +211,17 @@ def test_every_qtype_the_server_offers_travels_back(server):
     with remote.Client(server.address) as client:
         qtypes = list(client.capabilities().qtypes)
         for qtype in qtypes:
-            recipe = {"rules": [{"qtype": qtype, "tile_size": 32, "tile_if_divisible": True,
-                                 "contracting_axes": [1], "channel_axes": [0]}]}
+            recipe = {
+                "rules": [
+                    {
+                        "qtype": qtype,
+                        "tile_size": 32,
+                        "tile_if_divisible": True,
+                        "contracting_axes": [1],
+                        "channel_axes": [0],
+                    }
+                ]
+            }
             (remote_out,) = client.quantize(recipe, [("w", x)])
             (local_out,) = embedded.EmbeddedClient().quantize(recipe, [("w", x)])
             assert remote_out.quantized, qtype

@@ -9,7 +9,12 @@ def test_mapping_round_trips_through_the_message():
         "convention": "torch",
         "rules": [
             {"path_regex": ".*embed.*", "skip": True},
-            {"path_regex": ".*", "qtype": "int4", "tiled_axes": {1: 32}, "calibration_method": "minmax"},
+            {
+                "path_regex": ".*",
+                "qtype": "int4",
+                "tiled_axes": {1: 32},
+                "calibration_method": "minmax",
+            },
             {"path_regex": "x", "qtype": "int8", "contracting_axes": [0], "channel_axes": []},
         ],
     }

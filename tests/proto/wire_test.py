@@ -29,8 +29,11 @@ def test_every_dtype_round_trips_bit_exactly(dtype, shape):
     if dtype.itemsize == 1 and dtype.name not in ("int4", "uint4", "float4_e2m1fn", "bool"):
         array = raw.view(dtype)[: int(np.prod(shape))].reshape(shape)
     else:
-        array = rng.integers(0, 2, size=shape).astype(dtype) if dtype.name == "bool" else (
-            rng.uniform(-6, 6, size=shape).astype(np.float32).astype(dtype))
+        array = (
+            rng.integers(0, 2, size=shape).astype(dtype)
+            if dtype.name == "bool"
+            else (rng.uniform(-6, 6, size=shape).astype(np.float32).astype(dtype))
+        )
     back = _roundtrip(array, chunk=3)
     assert back.dtype == array.dtype and back.shape == array.shape
     assert back.tobytes() == array.tobytes()
@@ -46,9 +49,13 @@ def test_multibyte_values_are_little_endian():
 
 
 @settings(max_examples=60, deadline=None)
-@given(hnp.arrays(dtype=st.sampled_from([np.float32, np.int8, np.uint16]),
-                  shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=9)),
-       st.integers(1, 17))
+@given(
+    hnp.arrays(
+        dtype=st.sampled_from([np.float32, np.int8, np.uint16]),
+        shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=9),
+    ),
+    st.integers(1, 17),
+)
 def test_any_chunking_reassembles(array, chunk):
     back = _roundtrip(array, chunk)
     assert back.tobytes() == array.tobytes()
