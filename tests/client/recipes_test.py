@@ -1,0 +1,48 @@
+import pytest
+
+from qmill.client import recipes
+from qmill.proto import recipe as recipe_proto
+
+
+def test_presets_are_valid_recipes_and_copies():
+    for name in recipes.PRESETS:
+        loaded = recipes.load(name)
+        recipe_proto.from_mapping(loaded)
+        loaded["rules"].clear()
+        assert recipes.load(name)["rules"], "load must not hand out the shared preset"
+
+
+def test_recipe_file(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text(
+        'convention = "torch"\n[[rules]]\npath_regex = ".*"\nqtype = "int4"\n'
+        "[rules.tiled_axes]\n1 = 32\n"
+    )
+    loaded = recipes.load(str(path))
+    assert loaded == {
+        "convention": "torch",
+        "rules": [{"path_regex": ".*", "qtype": "int4", "tiled_axes": {"1": 32}}],
+    }
+    assert recipe_proto.from_mapping(loaded).rules[0].tiled_axes[1] == 32
+
+
+def test_bad_recipe_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="neither a preset"):
+        recipes.load("int9")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[rules]\n")
+    with pytest.raises(ValueError, match=r"bad\.toml"):
+        recipes.load(str(bad))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text('[[rules]]\nqtype = "int8"\nbits = 4\n')
+    with pytest.raises(ValueError, match="bits"):
+        recipes.load(str(unknown))
+
+
+def test_default_convention_follows_the_format():
+    assert recipes.with_default_convention({"rules": []}, "safetensors")["convention"] == "torch"
+    assert recipes.with_default_convention({"rules": []}, "orbax")["convention"] == "flax"
+    assert (
+        recipes.with_default_convention({"convention": "flax"}, "safetensors")["convention"]
+        == "flax"
+    )
