@@ -1,0 +1,34 @@
+# qmill server image. Build: docker build -t qmill .
+# CUDA build (NVIDIA GPUs): docker build --build-arg JAX_EXTRA=cuda13 -t qmill:cuda .
+# (JAX_EXTRA selects the jax[...] extra: "" for CPU, "cuda12" or "cuda13" for NVIDIA GPUs.)
+
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS build
+ARG JAX_EXTRA=""
+ARG JAX_VERSION=0.10.2
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN python -m venv /opt/qmill
+ENV PATH=/opt/qmill/bin:$PATH
+# Dependencies first: this layer is reused until pyproject.toml changes.
+COPY pyproject.toml README.md ./
+RUN python -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); print('\n'.join(d['project']['dependencies']))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && if [ -n "$JAX_EXTRA" ]; then pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}"; fi
+COPY proto ./proto
+COPY engine ./engine
+COPY server ./server
+COPY client ./client
+RUN pip install --no-deps .
+
+FROM python:${PYTHON_VERSION}-slim
+COPY --from=build /opt/qmill /opt/qmill
+ENV PATH=/opt/qmill/bin:$PATH PYTHONUNBUFFERED=1
+RUN useradd --system --uid 10001 --no-create-home qmill
+USER 10001
+EXPOSE 50051
+# The gRPC health service answers SERVING once the server is up, NOT_SERVING while it drains.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')); sys.exit(0 if s.Check(h.HealthCheckRequest(), timeout=4).status == h.HealthCheckResponse.SERVING else 1)"]
+ENTRYPOINT ["qmill", "serve", "--host", "0.0.0.0", "--port", "50051"]
