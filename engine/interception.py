@@ -1,0 +1,233 @@
+"""Routing library functions to a provider's handlers while a quantized model runs.
+
+A quantized model calls the same ``jax.lax.dot_general`` (or ``jnp.einsum``, ``nn.Module.param``,
+...) as the float model; we swap those attributes for *dispatchers* while any quantized model is
+running. A dispatcher calls the handler of the innermost ``intercepted`` block of *its own thread*,
+and the original function everywhere else, so other threads, and code running outside a quantized
+model, are unaffected. Handlers run "suspended": functions they call reach the originals, which
+is what lets a handler fall back to the float op without recursing into itself.
+
+Patches are reference counted across threads and removed by the last thread to leave, in
+``finally``: nothing stays patched after the model returns or raises.
+
+Targets are dotted paths (``"jax.lax.dot_general"``, ``"flax.linen.Module.param"``). A target
+that doesn't exist in the installed JAX/Flax (private aliases move between versions) is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+Handler = Callable[..., Any]
+
+
+@dataclasses.dataclass
+class _Patch:
+    owner: Any  # module or class holding the attribute
+    attr: str
+    original: Any  # the raw attribute (function, or property on classes)
+    owned: bool  # whether owner defined the attribute itself (else it was inherited)
+    users: int = 0  # threads currently inside an `intercepted` block using this patch
+
+
+_lock = threading.Lock()
+_patches: dict[str, _Patch] = {}
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Mapping[str, Handler]] = []
+        self.suspended = 0
+
+
+_state = _ThreadState()
+
+
+def resolve(path: str) -> tuple[Any, str] | None:
+    """Returns (owner, attribute name) for a dotted path, or None if it does not exist."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[i:-1]:
+                owner = getattr(owner, name)
+            inspect.getattr_static(owner, parts[-1])
+        except AttributeError:
+            return None
+        return owner, parts[-1]
+    return None
+
+
+def _active_handler(path: str) -> Handler | None:
+    if _state.suspended or not _state.stack:
+        return None
+    return _state.stack[-1].get(path)
+
+
+def _call_handler(handler: Handler, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with suspended():
+        return handler(*args, **kwargs)
+
+
+def _make_dispatcher(path: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def dispatcher(*args: Any, **kwargs: Any) -> Any:
+        handler = _active_handler(path)
+        if handler is None:
+            return original(*args, **kwargs)
+        return _call_handler(handler, args, kwargs)
+
+    with contextlib.suppress(AttributeError, TypeError):
+        functools.update_wrapper(dispatcher, original)
+    dispatcher.__qmill_original__ = original  # type: ignore[attr-defined]
+    return dispatcher
+
+
+def _install(path: str) -> None:
+    patch = _patches.get(path)
+    if patch is None:
+        where = resolve(path)
+        if where is None:
+            return
+        owner, attr = where
+        original = inspect.getattr_static(owner, attr)
+        owned = not isinstance(owner, type) or attr in vars(owner)
+        if isinstance(original, property):
+            replacement: Any = property(_make_dispatcher(path, original.fget))
+        elif isinstance(original, staticmethod):
+            replacement = staticmethod(_make_dispatcher(path, original.__func__))
+        else:
+            replacement = _make_dispatcher(path, original)
+        setattr(owner, attr, replacement)
+        patch = _patches[path] = _Patch(owner, attr, original, owned)
+    patch.users += 1
+
+
+def _uninstall(path: str) -> None:
+    patch = _patches.get(path)
+    if patch is None:
+        return
+    patch.users -= 1
+    if patch.users == 0:
+        if patch.owned:
+            setattr(patch.owner, patch.attr, patch.original)
+        else:
+            delattr(patch.owner, patch.attr)
+        del _patches[path]
+
+
+@contextlib.contextmanager
+def intercepted(handlers: Mapping[str, Handler]) -> Iterator[None]:
+    """Routes calls of the given targets, made by this thread, to the handlers."""
+    paths = list(handlers)
+    installed: list[str] = []
+    try:
+        with _lock:
+            for path in paths:
+                _install(path)
+                installed.append(path)
+        _state.stack.append(dict(handlers))
+        try:
+            yield
+        finally:
+            _state.stack.pop()
+    finally:
+        with _lock:
+            for path in installed:
+                _uninstall(path)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Within this block, this thread's intercepted targets behave as the originals."""
+    _state.suspended += 1
+    try:
+        yield
+    finally:
+        _state.suspended -= 1
+
+
+def is_active() -> bool:
+    """Whether this thread is inside an ``intercepted`` block (and not suspended)."""
+    return bool(_state.stack) and not _state.suspended
+
+
+def is_patched(path: str) -> bool:
+    """Whether ``path`` currently holds a dispatcher (used by tests)."""
+    with _lock:
+        return path in _patches
+
+
+def wrap(fn: Callable[..., Any], get_handlers: Callable[[], Mapping[str, Handler]]) -> Any:
+    """Returns ``fn`` running under ``intercepted(get_handlers())`` at every call."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with intercepted(get_handlers()):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class LateBound:
+    """A stand-in for a function held by reference, which looks the function up at each call.
+
+    Flax modules keep some functions as attributes bound at construction (``promote_dtype``,
+    NNX ``Conv.conv_general_dilated``, ``Einsum.einsum_op``); patching the library attribute
+    doesn't reach those copies. Replacing them with a LateBound of the same target makes them
+    follow interception, and behave exactly as the original otherwise.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        where = resolve(self.path)
+        assert where is not None, self.path
+        return getattr(*where)(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LateBound) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash((LateBound, self.path))
+
+    def __repr__(self) -> str:
+        return f"LateBound({self.path!r})"
+
+
+def late_bind_attributes(obj: Any, originals: Mapping[int, str], *, force: bool = False) -> None:
+    """Replaces attributes of ``obj`` that are one of ``originals`` (id -> path) by LateBounds.
+
+    ``force`` sets them with object.__setattr__, for frozen objects (Linen modules).
+    """
+    for name, value in list(vars(obj).items()):
+        path = originals.get(id(value))
+        if path is not None:
+            if force:
+                object.__setattr__(obj, name, LateBound(path))
+            else:
+                setattr(obj, name, LateBound(path))
+
+
+def originals_of(paths: Iterator[str] | list[str]) -> dict[int, str]:
+    """id(original function) -> path, for the given targets that exist."""
+    out: dict[int, str] = {}
+    for path in paths:
+        where = resolve(path)
+        if where is None:
+            continue
+        raw = inspect.getattr_static(*where)
+        raw = getattr(raw, "__qmill_original__", raw)
+        if callable(raw) and not isinstance(where[0], type):
+            out[id(raw)] = path
+    return out

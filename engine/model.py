@@ -1,0 +1,154 @@
+"""quantize_model: the float model's code, run with a provider's handlers.
+
+Linen: returns a subclass of the model's class whose methods run under interception; init and
+apply then create / consume the quantized variables.
+
+NNX: returns a copy of the model (sharing the arrays) whose class is a subclass with intercepted
+methods, and runs it once on the given inputs so that weights are quantized (PTQ), statistics
+and adapters are created (QT, LoRA), exactly as a Linen ``init`` would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, TypeVar
+
+from flax import linen as nn
+from flax import nnx
+
+from qmill.engine import flax_util, interception, provenance
+from qmill.engine.providers import base
+
+ModelT = TypeVar("ModelT", nn.Module, nnx.Module)
+
+_PROVIDER_ATTR = "_qmill_provider"
+_BASE_CLASS_ATTR = "_qmill_float_class"
+
+
+class _InitState(threading.local):
+    def __init__(self) -> None:
+        self.initializing = 0
+
+
+_init_state = _InitState()
+
+
+def is_initializing_nnx() -> bool:
+    """True while quantize_model runs an NNX model to create its quantized variables."""
+    return _init_state.initializing > 0
+
+
+@contextlib.contextmanager
+def _running(provider: base.QuantizationProvider, model: Any) -> Iterator[None]:
+    handlers = provider.get_intercept_map()
+    originals = interception.originals_of(list(handlers))
+    with provenance.tracking(), interception.intercepted(handlers):
+        if isinstance(model, nnx.Module):
+            flax_util.track_module_params(model)
+            yield
+        else:
+
+            def late_bind(next_fun, args, kwargs, context):
+                interception.late_bind_attributes(context.module, originals, force=True)
+                return next_fun(*args, **kwargs)
+
+            with nn.intercept_methods(late_bind):
+                yield
+
+
+def _wrap_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        provider = getattr(type(self), _PROVIDER_ATTR, None) or getattr(self, _PROVIDER_ATTR)
+        with _running(provider, self):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _float_class(cls: type) -> type:
+    return getattr(cls, _BASE_CLASS_ATTR, cls)
+
+
+def _subclass(cls: type, methods: Collection[str], extra: dict[str, Any]) -> type:
+    namespace = {name: _wrap_method(getattr(cls, name)) for name in methods}
+    namespace[_BASE_CLASS_ATTR] = cls
+    namespace["__module__"] = cls.__module__
+    namespace["__qualname__"] = cls.__qualname__
+    return type(cls.__name__, (cls,), namespace | extra)
+
+
+# NNX graphdefs compare classes by identity: one subclass per (float class, methods) keeps jit
+# caches warm across models; the provider lives on the instance.
+_nnx_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+_nnx_classes_lock = threading.Lock()
+
+
+def _nnx_subclass(cls: type, methods: tuple[str, ...]) -> type:
+    with _nnx_classes_lock:
+        key = (cls, methods)
+        if key not in _nnx_classes:
+            _nnx_classes[key] = _subclass(cls, methods, {})
+        return _nnx_classes[key]
+
+
+def quantize_model(
+    model: ModelT,
+    provider: base.QuantizationProvider,
+    *model_inputs: Any,
+    methods: Collection[str] = ("__call__",),
+    **model_inputs_kwargs: Any,
+) -> ModelT:
+    """Returns ``model`` running under ``provider``: quantized without changing the model's code.
+
+    Args:
+      model: a Linen module (unbound) or an NNX module.
+      provider: PtqProvider, QtProvider, LoraProvider, ...
+      *model_inputs: NNX only: inputs for one call that creates the quantized variables.
+      methods: the model's methods that run quantized.
+      **model_inputs_kwargs: NNX only: keyword inputs of that call.
+
+    Returns:
+      Linen: a module of a subclass of the model's class. NNX: a new model sharing the arrays;
+      the float model is left as it was.
+    """
+    methods = tuple(methods)
+    if isinstance(model, nn.Module):
+        if model_inputs or model_inputs_kwargs:
+            raise TypeError("Linen models take no inputs here; call init/apply on the result.")
+        cls = _subclass(_float_class(type(model)), methods, {_PROVIDER_ATTR: provider})
+        return cls(**_linen_fields(model))
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"expected a Linen or NNX module, got {type(model).__name__}")
+    return _quantize_nnx(model, provider, methods, model_inputs, model_inputs_kwargs)
+
+
+def _linen_fields(model: nn.Module) -> dict[str, Any]:
+    return {
+        name: getattr(model, name)
+        for name, f in model.__dataclass_fields__.items()
+        if f.init and name != "parent"
+    }
+
+
+def _quantize_nnx(model, provider, methods, inputs, kwargs) -> nnx.Module:
+    graphdef, state = nnx.split(model)
+    new = nnx.merge(graphdef, state)
+    # The provider is set on the top module only; its presence marks the model as quantized.
+    originals = interception.originals_of(list(provider.get_intercept_map()))
+    for path, node in nnx.iter_graph(new):
+        if isinstance(node, nnx.Module):
+            setattr(node, flax_util.PATH_ATTR, tuple(str(p) for p in path))
+            interception.late_bind_attributes(node, originals)
+    object.__setattr__(new, "__class__", _nnx_subclass(_float_class(type(new)), methods))
+    setattr(new, _PROVIDER_ATTR, provider)
+    if inputs or kwargs:
+        _init_state.initializing += 1
+        try:
+            getattr(new, methods[0])(*inputs, **kwargs)
+        finally:
+            _init_state.initializing -= 1
+    return new

@@ -1,0 +1,1 @@
+"""Quantization providers: one quantization mode per module."""

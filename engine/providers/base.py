@@ -1,0 +1,120 @@
+"""The provider interface: rules, op identification and the handlers every mode shares.
+
+A provider holds the rules and supplies handlers for the intercepted functions (see
+interception.py). The handlers ask ``current_rule_and_op_id`` which rule applies to the op being
+run, and get a name for it that is stable from call to call (``dot_general0``, ``einsum1``, ...:
+the op kind and its index among ops of that kind in the current module call), used to name the
+op's static scales and statistics.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from flax.linen import dtypes as linen_dtypes
+
+from qmill.engine import flax_util, provenance, qarray, rules
+
+
+class QuantizationProvider:
+    """Base class of the providers; subclasses add op handlers in ``get_intercept_map``."""
+
+    def __init__(self, rules_: Sequence[rules.QuantizationRule]) -> None:
+        self._rules = tuple(rules_)
+        self._used: set[int] = set()
+        self._used_lock = threading.Lock()
+
+    @property
+    def rules(self) -> tuple[rules.QuantizationRule, ...]:
+        return self._rules
+
+    def get_unused_rules(self) -> list[rules.QuantizationRule]:
+        """Rules that have not matched any op run so far (usually a mistyped module_path)."""
+        with self._used_lock:
+            return [r for i, r in enumerate(self._rules) if i not in self._used]
+
+    def current_rule_and_op_id(
+        self, op_name: str
+    ) -> tuple[rules.QuantizationRule | None, str | None, Any]:
+        """(rule or None, op id or None, module or None) for an op run by the caller."""
+        module, call = flax_util.current_module_and_call()
+        path = "/".join(flax_util.module_path(module)) if module is not None else ""
+        index, rule = rules.find_rule(self._rules, path, op_name)
+        if index is not None:
+            with self._used_lock:
+                self._used.add(index)
+        op_id = None
+        if call is not None:
+            op_id = f"{op_name}{provenance.next_op_index(call, op_name)}"
+        return rule, op_id, module
+
+    # Seeds' spelling, kept for subclasses written against it.
+    def _get_current_rule_and_op_id(self, op_name: str) -> tuple[Any, Any]:
+        rule, op_id, _ = self.current_rule_and_op_id(op_name)
+        return rule, op_id
+
+    def promote_dtype(self, *args: Any, dtype: Any = None, inexact: bool = True) -> list[Any]:
+        """Linen's promote_dtype, leaving quantized operands (WithAux, QArray) as they are."""
+        return _promote(args, dtype, inexact)
+
+    def nnx_promote_dtype(self, args: Any, /, *, dtype: Any = None, inexact: bool = True) -> Any:
+        """NNX's promote_dtype (one tuple argument), leaving quantized operands as they are."""
+        return tuple(_promote(tuple(args), dtype, inexact))
+
+    def nn_param(self, module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Linen Module.param: returns the param as usual and remembers that it is a weight."""
+        value = module.param(name, *args, **kwargs)
+        provenance.track(value, provenance.WeightRef(module, name))
+        return value
+
+    def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
+        """Dotted target -> handler while a model quantized by this provider runs."""
+        return {
+            **provenance.view_handlers(),
+            "flax.linen.Module.param": self.nn_param,
+            "flax.linen.dtypes.promote_dtype": self.promote_dtype,
+            "flax.nnx.nn.dtypes.promote_dtype": self.nnx_promote_dtype,
+        }
+
+
+def is_quantized(x: Any) -> bool:
+    """Whether x is a quantized operand (QArray, or a container of one such as WithAux)."""
+    return isinstance(x, qarray.QArray) or isinstance(getattr(x, "array", None), qarray.QArray)
+
+
+def _promote(args: tuple[Any, ...], dtype: Any, inexact: bool) -> list[Any]:
+    plain = [a for a in args if a is not None and not is_quantized(a)]
+    target = linen_dtypes.canonicalize_dtype(*plain, dtype=dtype, inexact=inexact)
+    out = []
+    for a in args:
+        if a is None or is_quantized(a):
+            out.append(a)
+            continue
+        converted = a if getattr(a, "dtype", None) == target else jnp.asarray(a, target)
+        ref = provenance.lookup(a)
+        if ref is not None and converted is not a:
+            provenance.track(converted, ref.__class__(ref.owner, ref.name, (*ref.views, "astype")))
+        out.append(converted)
+    return out
+
+
+def matmul_targets(dot: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """Handlers for ``x @ w`` / jnp.matmul: 2-D right operands go through ``dot``.
+
+    jnp.matmul is jitted, so its inner dot_general sees new tracers and can't tell weights apart;
+    it is intercepted at the entry instead. Batched matmuls (rhs ndim > 2) stay unquantized.
+    """
+
+    def matmul(a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(b, "ndim", 0) == 2 and getattr(a, "ndim", 0) >= 1 and not args and not kwargs:
+            return dot(a, b)
+        return jnp.matmul(a, b, *args, **kwargs)
+
+    return {
+        "jax.numpy.matmul": matmul,
+        "jax._src.array.ArrayImpl.__matmul__": matmul,
+        "jax._src.core.Tracer.__matmul__": matmul,
+    }

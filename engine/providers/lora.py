@@ -1,0 +1,147 @@
+"""LoRA and QLoRA: a trainable low-rank adapter beside a frozen (optionally quantized) weight.
+
+For an op ``y = x · W`` matched by a LoraRule, the provider computes
+``y = base(x, W) + (alpha / rank) · (dropout(x) · A) · B`` where ``A`` (``<weight>_lora_a``:
+W's contracting axes × rank) starts random and ``B`` (``<weight>_lora_b``: rank × W's output axes)
+starts at zero, so the adapted model starts as the base model. ``base`` is the PTQ op when the rule
+has a weight_qtype (QLoRA: nf4 / int4 base), the float op otherwise.
+
+In NNX the adapters are ``LoRAParam`` variables (a subclass of ``nnx.Param``): train them with
+``nnx.state(model, LoRAParam)`` / ``wrt=LoRAParam``. In Linen they are params named as above.
+Only dot_general, jnp.dot and two-operand einsum ops get adapters; convolutions keep their base.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from qmill.engine import flax_util, rules
+from qmill.engine import model as model_lib
+from qmill.engine.providers import ptq
+
+
+class LoRAParam(nnx.Param):
+    """NNX variable of a LoRA adapter (trainable; the base params are not)."""
+
+
+class LoraProvider(ptq.PtqProvider):
+    """PTQ (or float) frozen base plus LoRA adapters on the ops the LoraRules match."""
+
+    def __init__(self, rules_: Sequence[rules.QuantizationRule] | None = None, **kwargs: Any):
+        if rules_ is None:
+            rules_ = [rules.LoraRule(**kwargs)]
+        elif kwargs:
+            raise TypeError("pass either rules or LoraRule fields, not both")
+        super().__init__(rules_)
+        self.rngs: nnx.Rngs | None = None  # NNX: set by apply_lora_to_model to init adapters
+
+    def dot_general(
+        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
+    ) -> jax.Array:
+        rule, op_id, module = self.current_rule_and_op_id("dot_general")
+        if rule is None:
+            return jax.lax.dot_general(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs
+            )
+        ref = flax_util.find_param(rhs, module)
+        if rule.weight_qtype is None:
+            base = jax.lax.dot_general(
+                lhs,
+                jax.lax.stop_gradient(rhs),
+                dimension_numbers,
+                precision,
+                preferred_element_type,
+            )
+        else:
+            base = self.quantized_dot_general(rule, op_id, module, lhs, rhs, dimension_numbers)
+        (lc, rc), (lb, rb) = dimension_numbers
+        if not isinstance(rule, rules.LoraRule) or ref is None or lb or rb:
+            return base
+        free = [a for a in range(len(rhs.shape)) if a not in rc]
+        a, b = self._adapters(module, rule, ref.name, rhs, list(rc), free)
+        x = self._dropout(module, rule, lhs)
+        t = jax.lax.dot_general(x, a, ((tuple(lc), tuple(range(len(rc)))), ((), ())))
+        delta = jax.lax.dot_general(t, b, (((t.ndim - 1,), (0,)), ((), ())))
+        return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
+
+    def einsum(self, einsum_str, *operands, **kwargs) -> jax.Array:
+        rule, op_id, module = self.current_rule_and_op_id("einsum")
+        if rule is None or not isinstance(einsum_str, str) or len(operands) != 2:
+            return jnp.einsum(einsum_str, *operands, **kwargs)
+        lhs, rhs = operands
+        ref = flax_util.find_param(rhs, module)
+        if rule.weight_qtype is None:
+            base = jnp.einsum(einsum_str, lhs, jax.lax.stop_gradient(rhs), **kwargs)
+        else:
+            base = self.quantized_einsum(rule, op_id, module, einsum_str, lhs, rhs)
+        ins, out = einsum_str.replace(" ", "").split("->")
+        lhs_s, rhs_s = ins.split(",")
+        shared_out = set(lhs_s) & set(rhs_s) & set(out)
+        if not isinstance(rule, rules.LoraRule) or ref is None or shared_out or "." in ins:
+            return base
+        r = next(c for c in string.ascii_letters if c not in ins + out)
+        contract = [i for i, c in enumerate(rhs_s) if c in lhs_s]
+        free = [i for i, c in enumerate(rhs_s) if c not in lhs_s]
+        a, b = self._adapters(module, rule, ref.name, rhs, contract, free)
+        kept = "".join(c for c in lhs_s if c in out)
+        x = self._dropout(module, rule, lhs)
+        c_s, f_s = "".join(rhs_s[i] for i in contract), "".join(rhs_s[i] for i in free)
+        t = jnp.einsum(f"{lhs_s},{c_s}{r}->{kept}{r}", x, a)
+        delta = jnp.einsum(f"{kept}{r},{r}{f_s}->{out}", t, b)
+        return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
+
+    def _adapters(self, module, rule: rules.LoraRule, name: str, weight, contract, free):
+        shape = tuple(weight.shape)
+        dtype = weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.float32
+        a_shape = (*(shape[i] for i in contract), rule.rank)
+        b_shape = (rule.rank, *(shape[i] for i in free))
+        a = self._param(module, f"{name}_lora_a", rule.lora_a_initializer, a_shape, dtype)
+        b = self._param(module, f"{name}_lora_b", rule.lora_b_initializer, b_shape, dtype)
+        return a, b
+
+    def _param(self, module, name, init, shape, dtype) -> jax.Array:
+        if isinstance(module, nn.Module):
+            return module.param(name, init, shape, dtype)
+        existing = getattr(module, name, None)
+        if existing is None:
+            rngs = self.rngs if self.rngs is not None else nnx.Rngs(0)
+            existing = LoRAParam(init(rngs.params(), shape, dtype))
+            setattr(module, name, existing)
+        return existing[...]
+
+    def _dropout(self, module, rule: rules.LoraRule, x: jax.Array) -> jax.Array:
+        # Linen only, and only when the caller supplies a "dropout" rng (i.e. in training).
+        if (
+            rule.dropout == 0.0
+            or not isinstance(module, nn.Module)
+            or not module.has_rng("dropout")
+        ):
+            return x
+        keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rule.dropout, x.shape)
+        return jnp.where(keep, x / (1.0 - rule.dropout), 0).astype(x.dtype)
+
+    def get_intercept_map(self):
+        # Convolutions: the frozen base only (PTQ when weight_qtype is set).
+        return super().get_intercept_map()
+
+
+def apply_lora_to_model(
+    model: Any,
+    provider: LoraProvider,
+    *model_inputs: Any,
+    methods: Sequence[str] = ("__call__",),
+    rngs: nnx.Rngs | None = None,
+    **model_inputs_kwargs: Any,
+) -> Any:
+    """quantize_model with a LoraProvider; ``rngs`` (NNX) initialises the adapters (seed 0)."""
+    provider.rngs = rngs
+    return model_lib.quantize_model(
+        model, provider, *model_inputs, methods=methods, **model_inputs_kwargs
+    )

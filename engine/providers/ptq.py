@@ -1,0 +1,390 @@
+"""Post-training quantization (PTQ): quantized weights stored in the model, quantized compute.
+
+The provider can't know how to quantize a weight until an op uses it (the op decides which axes
+are contracted). So a PTQ model is initialised with float weights, and the first time an op meets
+a float weight it quantizes it and *replaces* the param with a ``WithAux`` (the QArray plus how it
+was quantized). Under ``jax.eval_shape`` / ``nnx.eval_shape`` this only produces shapes, so float
+weights are never materialised. ``quantize_params`` later uses the ``how`` recorded in an
+(abstract) PTQ param tree to quantize float checkpoints without running the model.
+
+Param layout: a quantized weight is ``<name>/array/{qvalue,scale[,zero_point]}`` and a static
+activation scale ``<op_id>_{lhs,rhs}_scale/array`` (+ ``..._zero_point``) in the module's params.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import flax.struct
+import jax
+from flax import linen as nn
+from flax import nnx
+
+from qmill.engine import averaging, flax_util, provenance, qarray, rules
+from qmill.engine.providers import base, op_adapter
+
+A = TypeVar("A", jax.Array, qarray.QArray)
+
+# Views a PTQ weight may go through: the stored QArray already has the compute shape, so a module's
+# reshape is a no-op on it; a transpose would have to be replayed by quantize_params, which only
+# reshapes, so it is refused rather than silently mis-quantized.
+_PTQ_VIEWS = frozenset({"reshape", "squeeze", "astype"})
+
+
+@flax.struct.dataclass
+class WithAux(Generic[A]):
+    """An array or QArray plus how it was quantized, so that quantize_params can redo it."""
+
+    array: A
+    how: qarray.HowToQuantize = flax.struct.field(pytree_node=False)
+
+    # Looks like an nnx.Variable / array to module code that reads the param.
+    value = property(lambda self: flax_util.unbox(self))
+    shape = property(lambda self: tuple(flax_util.unbox(self.array).shape))
+    ndim = property(lambda self: len(self.shape))
+    dtype = property(lambda self: flax_util.unbox(self.array).dtype)
+
+    def get_value(self) -> WithAux[A]:
+        return flax_util.unbox(self)
+
+    def __getitem__(self, key: Any) -> WithAux[A]:
+        if key is Ellipsis:  # nnx modules read params with `variable[...]`
+            return flax_util.unbox(self)
+        raise TypeError(f"a quantized weight can only be read whole (`[...]`), not with [{key!r}]")
+
+    def reshape(self, *shape: Any) -> WithAux[A]:
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = tuple(shape[0])
+        if tuple(shape) != self.shape:
+            raise ValueError(
+                f"PTQ weights are stored in the shape their op uses, {self.shape}, but the module "
+                f"asks for {tuple(shape)}."
+            )
+        return self
+
+
+class PtqProvider(base.QuantizationProvider):
+    """Quantized weights (replaced in the model on first use) and quantized compute."""
+
+    def __init__(self, rules_: Sequence[rules.QuantizationRule]) -> None:
+        super().__init__(rules_)
+
+    # ---- ops -------------------------------------------------------------------------------
+
+    def dot_general(
+        self,
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        **kwargs: Any,
+    ) -> jax.Array:
+        rule, op_id, module = self.current_rule_and_op_id("dot_general")
+        if rule is None or rule.weight_qtype is None:
+            return jax.lax.dot_general(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs
+            )
+        return self.quantized_dot_general(rule, op_id, module, lhs, rhs, dimension_numbers)
+
+    def quantized_dot_general(self, rule, op_id, module, lhs, rhs, dimension_numbers) -> jax.Array:
+        how = functools.partial(
+            op_adapter.dot_general_how,
+            dimension_numbers=dimension_numbers,
+            ndims=(len(lhs.shape), len(rhs.shape)),
+            tile_size=rule.tile_size,
+        )
+        lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
+        return op_adapter.dot_general(lhs, rhs, dimension_numbers)
+
+    def einsum(self, einsum_str: Any, *operands: Any, **kwargs: Any) -> jax.Array:
+        rule, op_id, module = self.current_rule_and_op_id("einsum")
+        if rule is None or rule.weight_qtype is None:
+            return jax.numpy.einsum(einsum_str, *operands, **kwargs)
+        if not isinstance(einsum_str, str) or len(operands) != 2:
+            raise ValueError(
+                f"quantized einsum takes a string and two operands, got {einsum_str!r} with "
+                f"{len(operands)} operands"
+            )
+        return self.quantized_einsum(rule, op_id, module, einsum_str, *operands)
+
+    def quantized_einsum(self, rule, op_id, module, einsum_str, lhs, rhs) -> jax.Array:
+        how = functools.partial(
+            op_adapter.einsum_how,
+            einsum_str=einsum_str,
+            ndims=(len(lhs.shape), len(rhs.shape)),
+            tile_size=rule.tile_size,
+        )
+        lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
+        return op_adapter.einsum(einsum_str, lhs, rhs)
+
+    def conv_general_dilated(
+        self, lhs: Any, rhs: Any, window_strides: Any, padding: Any, *args: Any, **kwargs: Any
+    ) -> jax.Array:
+        rule, op_id, module = self.current_rule_and_op_id("conv_general_dilated")
+        call = _ConvCall.bind(window_strides, padding, *args, **kwargs)
+        if rule is None or rule.weight_qtype is None:
+            return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs)
+        if rule.act_qtype is not None and rule.act_qtype != rule.weight_qtype:
+            raise ValueError(
+                "quantized conv_general_dilated needs act_qtype == weight_qtype (or act_qtype "
+                f"None); got {rule.act_qtype=} {rule.weight_qtype=}"
+            )
+        dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, call.dimension_numbers)
+        how = functools.partial(op_adapter.conv_how, dimension_numbers=dn)
+        lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
+        return op_adapter.conv_general_dilated(lhs, rhs, **call.quantized_kwargs(dn))
+
+    def dot(self, a: Any, b: Any, precision: Any = None, preferred_element_type: Any = None, **kw):
+        """jnp.dot, routed through dot_general (rules match it as "dot_general")."""
+        if a.ndim == 0 or b.ndim == 0:
+            return jax.numpy.dot(a, b, precision=precision, preferred_element_type=None, **kw)
+        rhs_contract = 0 if b.ndim == 1 else b.ndim - 2
+        dn = (((a.ndim - 1,), (rhs_contract,)), ((), ()))
+        return self.dot_general(a, b, dn, precision, preferred_element_type)
+
+    def nn_param(self, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Linen Module.param: an already-quantized param is returned as is (no shape check)."""
+        existing = module.get_variable("params", name)
+        if isinstance(existing, WithAux):
+            return nn.unbox(existing)
+        return super().nn_param(module, name, *args, **kwargs)
+
+    def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
+        return super().get_intercept_map() | {
+            "jax.lax.conv_general_dilated": self.conv_general_dilated,
+            "jax.lax.dot_general": self.dot_general,
+            "jax.numpy.dot": self.dot,
+            **base.matmul_targets(self.dot),
+            "jax.numpy.einsum": self.einsum,
+        }
+
+    # ---- operands ----------------------------------------------------------------------------
+
+    def _prepare_operands(self, lhs, rhs, how, rule, op_id, module) -> tuple[Any, Any]:
+        out = []
+        for side, x in (("lhs", lhs), ("rhs", rhs)):
+            for_lhs = side == "lhs"
+            ref = None if isinstance(x, WithAux) else flax_util.find_param(x, module)
+            if isinstance(x, WithAux):
+                x = x.array
+            elif ref is not None:
+                w_how = how(
+                    for_lhs=for_lhs,
+                    qtype=rule.weight_qtype,
+                    calibration_method=rule.weight_calibration_method,
+                )
+                x = self.quantize_weight(module, ref, x, w_how).array
+            elif rule.act_qtype is not None:
+                a_how = how(
+                    for_lhs=for_lhs,
+                    qtype=rule.act_qtype,
+                    calibration_method=rule.resolved_act_calibration_method,
+                )
+                name = None if op_id is None else f"{op_id}_{side}"
+                x = self.quantize_act(module, x, a_how, rule, name)
+            out.append(x)
+        return out[0], out[1]
+
+    def quantize_weight(self, module, ref, value, how) -> WithAux[qarray.QArray]:
+        """Quantizes a float weight met by an op and replaces the param in its module."""
+        return create_quantized_param(module, ref, value, how)
+
+    def quantize_act(self, module, array, how, rule, act_name) -> qarray.QArray:
+        return quantize_act(module, array, how, rule, act_name)
+
+
+class _ConvCall:
+    """The optional arguments of lax.conv_general_dilated, by name."""
+
+    _NAMES = (
+        "lhs_dilation",
+        "rhs_dilation",
+        "dimension_numbers",
+        "feature_group_count",
+        "batch_group_count",
+        "precision",
+        "preferred_element_type",
+    )
+
+    def __init__(self, window_strides, padding, values: dict[str, Any]) -> None:
+        self.window_strides, self.padding, self.values = window_strides, padding, values
+        self.dimension_numbers = values.get("dimension_numbers")
+
+    @classmethod
+    def bind(cls, window_strides, padding, *args: Any, **kwargs: Any) -> _ConvCall:
+        values = dict(zip(cls._NAMES, args, strict=False)) | kwargs
+        return cls(window_strides, padding, values)
+
+    def quantized_kwargs(self, dn: Any) -> dict[str, Any]:
+        kept = ("lhs_dilation", "rhs_dilation", "feature_group_count", "batch_group_count")
+        out = {k: self.values[k] for k in kept if self.values.get(k) is not None}
+        return out | {
+            "window_strides": self.window_strides,
+            "padding": self.padding,
+            "dimension_numbers": dn,
+        }
+
+
+def create_quantized_param(
+    module: Any, ref: provenance.WeightRef, value: jax.Array, how: qarray.HowToQuantize
+) -> WithAux[qarray.QArray]:
+    """Quantizes ``value`` and stores it as the param ``ref.name`` of ``module``."""
+    bad = [v for v in ref.views if v not in _PTQ_VIEWS]
+    if bad:
+        raise ValueError(
+            f"param {ref.name!r} reaches a quantized op through {bad}; PTQ stores weights in the "
+            "op's layout and can only follow reshapes. Store the param in the layout the op "
+            "uses, or exclude this module from the rules."
+        )
+    if (
+        isinstance(module, nn.Module)
+        and not module.is_initializing()
+        and not module.is_mutable_collection("params")
+    ):
+        raise ValueError(
+            f"param {ref.name!r} of module {'/'.join(module.path)!r} is unquantized but the model "
+            "is quantized: quantize the params with quantize_params(), or pass mutable=True."
+        )
+    unboxed = WithAux(qarray.quantize(value, how), how)
+    flax_util.replace_param(module, ref.name, unboxed)
+    return unboxed
+
+
+def quantize_act(
+    module: Any,
+    array: jax.Array,
+    how: qarray.HowToQuantize,
+    rule: rules.QuantizationRule,
+    act_name: str | None,
+) -> qarray.QArray:
+    """Quantizes an activation, with a static scale stored as a param if the rule asks for it."""
+    if not rule.resolved_act_static_scale or module is None or act_name is None:
+        return qarray.quantize(array, how)
+    # An NNX PTQ model converted from a QT one finds the QT statistics here and consumes them.
+    stat = flax_util.get_and_delete_variable(module, "quant_stats", act_name)
+    created_zero_point = []
+
+    def init() -> WithAux[jax.Array]:
+        if stat is not None:
+            calibration = averaging.calibration(stat)
+        else:
+            calibration = qarray.calibrate(array, how)
+        calibration = {
+            k: v.mean(axis=tuple(rule.act_batch_axes), keepdims=True)
+            for k, v in calibration.items()
+        }
+        scale, zero_point = qarray.compute_scale_zero_point(calibration, how.qtype)
+        created_zero_point.append(zero_point)
+        return WithAux(scale, how)
+
+    scale = flax_util.get_or_create_param(module, f"{act_name}_scale", init)
+    zp_name = f"{act_name}_zero_point"
+    if created_zero_point and created_zero_point[0] is not None:
+        zero_point = flax_util.get_or_create_param(module, zp_name, lambda: created_zero_point[0])
+    else:
+        zero_point = flax_util.get_variable(module, "params", zp_name)
+    return qarray.quantize_with_scale_zero_point(array, how.qtype, scale.array, zero_point)
+
+
+_MISSING = object()
+
+
+def get_value_from_path(obj: Any, path: Sequence[Any]) -> Any:
+    """Follows ``path`` through dicts, NNX modules and Linen boxes; _MISSING if absent."""
+    for key in path:
+        obj = nn.meta.unbox(obj) if isinstance(obj, nn.meta.AxisMetadata) else obj
+        if isinstance(obj, dict | flax.core.FrozenDict):
+            obj = obj.get(key, _MISSING)
+        else:
+            obj = getattr(obj, str(key), _MISSING)
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
+def _pure(x: Any) -> Any:
+    """WithAux / QArray -> the nested dict nnx.to_pure_dict would produce for them."""
+    if isinstance(x, WithAux):
+        return {"array": _pure(x.array)}
+    if isinstance(x, qarray.QArray):
+        out = {"qvalue": x.qvalue, "scale": x.scale}
+        return out if x.zero_point is None else out | {"zero_point": x.zero_point}
+    return x
+
+
+def quantize_params(
+    params: Any,
+    abstract_quantized_params: Any,
+    quant_stats: Any = flax.core.FrozenDict(),  # noqa: B008 - immutable, as in the seeds
+    *,
+    allow_extra_params: bool = False,
+) -> Any:
+    """Quantizes a float param tree (or any subtree of it) as the PTQ model would.
+
+    Args:
+      params: pure dict of float arrays (Linen: unboxed params; NNX: nnx.to_pure_dict(...)),
+        the whole tree or part of it with paths from the root.
+      abstract_quantized_params: the PTQ model's params (Linen, possibly abstract and boxed) or the
+        PTQ model itself (NNX, possibly abstract); it says how each weight is quantized.
+      quant_stats: static-range statistics from QT or calibration (pure dict), for static scales.
+      allow_extra_params: skip params that the PTQ model doesn't have instead of raising.
+
+    Returns:
+      The quantized tree with the structure of ``params`` (plus static scales): WithAux leaves for
+      Linen, a pure dict for NNX (feed it to nnx.update).
+    """
+    out: dict[tuple[Any, ...], Any] = {}
+    for path, param in flax.traverse_util.flatten_dict(params).items():
+        if not isinstance(param, jax.Array):
+            raise TypeError(f"params must be a pure dict of jax.Array; {path} is {type(param)}")
+        abstract = get_value_from_path(abstract_quantized_params, path)
+        if abstract is _MISSING:
+            if allow_extra_params:
+                continue
+            raise ValueError(
+                f"{'/'.join(map(str, path))} is not in the quantized model's params; pass "
+                "allow_extra_params=True to skip such params."
+            )
+        if isinstance(abstract, WithAux) and isinstance(
+            flax_util.unbox(abstract.array), qarray.QArray
+        ):
+            # The module may reshape the weight before its op; the PTQ param has the op's shape.
+            param = WithAux(
+                qarray.quantize(param.reshape(abstract.shape), abstract.how), abstract.how
+            )
+        out[path] = param
+    for path, stat in _stats_by_op(quant_stats).items():
+        _quantize_static_scale(out, abstract_quantized_params, path, stat)
+    if isinstance(abstract_quantized_params, nnx.Module):
+        out = {path: _pure(value) for path, value in out.items()}
+    return flax.traverse_util.unflatten_dict(out)
+
+
+def _stats_by_op(quant_stats: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
+    flat = flax.traverse_util.flatten_dict(flax_util.unbox(quant_stats))
+    grouped: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for path, value in flat.items():
+        grouped.setdefault(path[:-1], {})[path[-1]] = value
+    return grouped
+
+
+def _quantize_static_scale(out, abstract, path, stat) -> None:
+    count = stat["count"]
+    if not isinstance(count, jax.core.Tracer) and int(count) == 0:
+        raise ValueError(f"quant_stats for {'/'.join(map(str, path))} hold no batches (count 0).")
+    scale_path = (*path[:-1], f"{path[-1]}_scale")
+    abstract_scale = get_value_from_path(abstract, scale_path)
+    if not isinstance(abstract_scale, WithAux):
+        raise ValueError(
+            f"quant_stats has {'/'.join(map(str, path))} but the PTQ model has no static scale "
+            f"{'/'.join(map(str, scale_path))}; do the rules match the QT rules?"
+        )
+    scale, zero_point = qarray.compute_scale_zero_point(
+        averaging.calibration(stat), abstract_scale.how.qtype
+    )
+    out[scale_path] = WithAux(scale, abstract_scale.how)
+    if zero_point is not None:
+        out[(*path[:-1], f"{path[-1]}_zero_point")] = zero_point

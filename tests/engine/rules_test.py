@@ -1,0 +1,63 @@
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import linen as nn
+
+import qmill.engine as qe
+from qmill.engine import rules
+
+
+def test_full_match_and_first_rule_wins():
+    rs = [
+        rules.QuantizationRule(module_path="enc/.*", weight_qtype="int4"),
+        rules.QuantizationRule(module_path=".*", weight_qtype="int8"),
+    ]
+    assert rules.find_rule(rs, "enc/layer0", "dot_general") == (0, rs[0])
+    assert rules.find_rule(rs, "xenc/layer0", "dot_general") == (1, rs[1])  # full match only
+    assert rules.find_rule(rs[:1], "enc", "einsum") == (None, None)
+
+
+def test_op_names():
+    r = rules.QuantizationRule(op_names=["einsum"], weight_qtype="int8")
+    assert r.op_names == ("einsum",) and hash(r)
+    assert r.matches("a", "einsum") and not r.matches("a", "dot_general")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"act_qtype": "int8"}, "needs a weight_qtype"),
+        ({"weight_qtype": "int8", "act_static_scale": True}, "needs act_qtype"),
+        ({"module_path": "("}, "not a valid regex"),
+        ({"op_names": "einsum"}, "must be a collection"),
+        ({"weight_qtype": "int8", "tile_size": 0}, "positive"),
+    ],
+)
+def test_invalid_rules_refused(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        rules.QuantizationRule(**kwargs)
+
+
+def test_qt_and_lora_rule_checks():
+    with pytest.raises(ValueError, match="bwd_qtype"):
+        rules.QtRule(weight_qtype="int8", bwd_stochastic_rounding="uniform")
+    with pytest.raises(ValueError, match="bwd_stochastic_rounding"):
+        rules.QtRule(weight_qtype="int8", bwd_qtype="int8", bwd_stochastic_rounding="up")
+    with pytest.raises(ValueError, match="rank"):
+        rules.LoraRule(rank=0, alpha=1.0)
+    with pytest.raises(ValueError, match="dropout"):
+        rules.LoraRule(rank=2, alpha=1.0, dropout=1.0)
+
+
+def test_unused_rules_reported():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="dense")(x)
+
+    used = rules.QuantizationRule(module_path="dense", weight_qtype="int8")
+    typo = rules.QuantizationRule(module_path="dnese", weight_qtype="int4")
+    provider = qe.PtqProvider([typo, used])
+    assert provider.get_unused_rules() == [typo, used]
+    qe.quantize_model(M(), provider).init(jax.random.key(0), jnp.ones((1, 3)))
+    assert provider.get_unused_rules() == [typo]
