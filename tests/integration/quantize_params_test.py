@@ -58,7 +58,8 @@ def test_remote_outcomes_equal_embedded_outcomes(server):
         for name in r.parts:
             assert r.parts[name].dtype == e.parts[name].dtype
             assert r.parts[name].tobytes() == e.parts[name].tobytes()
-        assert r.sqnr_db == pytest.approx(e.sqnr_db)
+        if r.quantized:
+            assert r.sqnr_db == pytest.approx(e.sqnr_db)
     kernel = remote_out[0]
     assert kernel.parts["qvalue"].dtype == np.int8 and "zero_point" in kernel.parts
     assert remote_out[2].parts["qvalue"].dtype == ml_dtypes.int4
@@ -211,11 +212,12 @@ def test_every_qtype_the_server_offers_travels_back(server):
     with remote.Client(server.address) as client:
         qtypes = list(client.capabilities().qtypes)
         for qtype in qtypes:
+            tile = 16 if qtype in ("mxfp8_16", "nvfp4") else 32  # the mx/nv formats fix their tile
             recipe = {
                 "rules": [
                     {
                         "qtype": qtype,
-                        "tile_size": 32,
+                        "tile_size": tile,
                         "tile_if_divisible": True,
                         "contracting_axes": [1],
                         "channel_axes": [0],
