@@ -115,7 +115,7 @@ class AtomicOutput:
             _remove(old)
 
     def abort(self) -> None:
-        # Also whatever a library staged beside ours (Orbax writes to "<name>.orbax-checkpoint-tmp").
+        # Also what a library staged beside ours (Orbax writes "<name>.orbax-checkpoint-tmp").
         for path in self.staging.parent.glob(self.staging.name + "*"):
             _remove(path)
 
