@@ -47,12 +47,19 @@ def open_source(path: str | os.PathLike) -> TensorSource:
         return safetensors_format.open_index(path)
     elif path.suffix == ".safetensors":
         return safetensors_format.SafetensorsSource([path])
-    elif path.suffix == ".npz":
+    elif path.suffix == ".npz" or _starts_with(path, b"PK"):
         return npz_format.NpzSource(path)
+    elif path.is_file():
+        return safetensors_format.SafetensorsSource([path])  # raises if it is not one
     raise ValueError(
         f"{path} is not a checkpoint qmill reads: expected an Orbax checkpoint directory, a "
         ".safetensors file, a *.safetensors.index.json (or a directory with one), or an .npz file"
     )
+
+
+def _starts_with(path: pathlib.Path, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
 
 
 def create_writer(

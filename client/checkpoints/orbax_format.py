@@ -131,8 +131,12 @@ class OrbaxWriter(base.WriterBase):
         if array.dtype.name in _UNSUPPORTED:
             array, self._logical[path] = base.to_carrier(array, frozenset())
         file = self._stage / f"{len(self._files)}.npy"
-        # ml_dtypes types (kind "V") are staged as unsigned ints of their width.
-        raw = array.view(f"u{array.dtype.itemsize}") if array.dtype.kind == "V" else array
+        # npy cannot name ml_dtypes types: they are staged as unsigned ints of their width.
+        raw = (
+            array
+            if array.dtype.type.__module__ == "numpy"
+            else array.view(f"u{array.dtype.itemsize}")
+        )
         np.save(file, raw, allow_pickle=False)
         self._files[path] = (file, array.dtype)
 
