@@ -1,0 +1,59 @@
+"""qmill.engine: the quantization engine (pure JAX; no files, network or gRPC).
+
+Submodules are imported as modules (`from qmill.engine import qarray`); the names below are the
+seed-compatible public surface.
+"""
+
+from qmill.engine import averaging as averaging
+from qmill.engine import calibration as calibration
+from qmill.engine import interception as interception
+from qmill.engine import numerics as numerics
+from qmill.engine import qarray as qarray
+from qmill.engine import qtypes as qtypes
+from qmill.engine import tiling as tiling
+from qmill.engine.averaging import SimpleMovingAverage as SimpleMovingAverage
+from qmill.engine.model import quantize_model as quantize_model
+from qmill.engine.providers.base import QuantizationProvider as QuantizationProvider
+from qmill.engine.providers.lora import LoRAParam as LoRAParam
+from qmill.engine.providers.lora import LoraProvider as LoraProvider
+from qmill.engine.providers.lora import apply_lora_to_model as apply_lora_to_model
+from qmill.engine.providers.ptq import PtqProvider as PtqProvider
+from qmill.engine.providers.ptq import WithAux as WithAux
+from qmill.engine.providers.ptq import quantize_params as quantize_params
+from qmill.engine.providers.qt import QtProvider as QtProvider
+from qmill.engine.providers.qt import QuantStat as QuantStat
+from qmill.engine.qarray import HowToQuantize as HowToQuantize
+from qmill.engine.qarray import QArray as QArray
+from qmill.engine.qarray import dequantize as dequantize
+from qmill.engine.qarray import quantize_api as quantize
+from qmill.engine.rules import LoraRule as LoraRule
+from qmill.engine.rules import QtRule as QtRule
+from qmill.engine.rules import QuantizationRule as QuantizationRule
+
+__all__ = [
+    "HowToQuantize",
+    "LoRAParam",
+    "LoraProvider",
+    "LoraRule",
+    "PtqProvider",
+    "QArray",
+    "QtProvider",
+    "QtRule",
+    "QuantStat",
+    "QuantizationProvider",
+    "QuantizationRule",
+    "SimpleMovingAverage",
+    "WithAux",
+    "apply_lora_to_model",
+    "averaging",
+    "calibration",
+    "dequantize",
+    "interception",
+    "numerics",
+    "qarray",
+    "qtypes",
+    "quantize",
+    "quantize_model",
+    "quantize_params",
+    "tiling",
+]

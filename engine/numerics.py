@@ -1,0 +1,227 @@
+"""Arithmetic of quantization: scales, zero points, and converting values to and from a qtype.
+
+Lingo:
+  x        the real (float) array being quantized.
+  scale    per-tile multiplier: x ≈ (q − zero_point) · scale.
+  y        x / scale (+ zero_point) (+ noise): x in units of the qtype, before conversion.
+  q        the stored code (qvalue): an integer, a narrow float, or an nf4 index.
+  levels   the real value of each nf4 code.
+
+NUMERICS.md fixes every step (the reference is bit for bit); comments below say which rule a line
+implements where the reason is not obvious.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from qmill.engine import qtypes
+
+# (exponent bits, mantissa bits) of the float formats computed in float32 and rounded back.
+_NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
+
+
+# Exactness. The reference evaluates op by op; each op is its own small XLA computation, whose
+# result we must reproduce inside one big jit, where XLA would otherwise rewrite differently:
+#   - bf16 ops run in float32 and are rounded to bf16 once per op ("excess precision" inside a
+#     jit would skip that rounding); f16 ops are rounded to f16 per op, as are their constants.
+#   - `a / b` with b broadcast (a scalar or lower-rank scale) compiles to `a * (1 / b)`, the
+#     reciprocal in float32 (bf16, f32) or f16 (f16); with b of a's shape it is a true division.
+# So narrow floats are carried in float32 and rounded back explicitly with reduce_precision
+# (which XLA keeps), broadcast divisions are written as the reciprocal multiply they compile to,
+# and true divisions get a divisor XLA can't see as a broadcast (`b + a * 0`, not foldable for
+# floats). All of it stays inside the same fused elementwise loop.
+
+
+def wide_dtype(dtype: jnp.dtype) -> np.dtype:
+    """The dtype arithmetic on `dtype` values is carried out in."""
+    return np.dtype(jnp.float32) if np.dtype(dtype) in _NARROW else np.dtype(dtype)
+
+
+def widen(x: jax.Array) -> jax.Array:
+    return x.astype(wide_dtype(x.dtype))
+
+
+def fit(v: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rounds a wide intermediate to `dtype`'s precision, keeping the wide dtype."""
+    dtype = np.dtype(dtype)
+    if dtype in _NARROW:
+        return jax.lax.reduce_precision(v.astype(jnp.float32), *_NARROW[dtype])
+    return v.astype(dtype)
+
+
+def const(c: float, dtype: jnp.dtype) -> float:
+    """A Python constant as an op on `dtype` sees it (weak typing rounds it to `dtype` first)."""
+    return float(np.asarray(c, dtype=dtype).astype(np.float64))
+
+
+def reciprocal(b: jax.Array | float, dtype: jnp.dtype) -> jax.Array | float:
+    """1 / b as the broadcast division of `dtype` computes it (see above)."""
+    f16 = np.dtype(dtype) == np.dtype(jnp.float16)
+    if isinstance(b, float | int):
+        r = np.float32(1) / np.float32(const(b, dtype))
+        return const(r, dtype) if f16 else float(r)
+    r = 1 / widen(b)
+    return fit(r, dtype) if f16 else r
+
+
+def settle(v: jax.Array) -> jax.Array:
+    """v, rounded now: keeps a product from fusing with a following add into an FMA.
+
+    XLA's CPU/GPU backends contract `a * b + c` into one FMA (one rounding instead of two). A
+    select between the multiply and the add blocks that; narrow floats get the same effect from
+    `fit`. A NaN becomes 0 here, which only matters for NaN input (see qarray on NaN).
+    """
+    if np.dtype(v.dtype) in _NARROW:
+        return v
+    return jnp.where(v == v, v, jnp.zeros_like(v))
+
+
+def opaque(c: float, like: jax.Array) -> jax.Array:
+    """Constant c shaped like `like`, hidden from XLA's constant folding and reassociation.
+
+    `(a * c1) * c2 -> a * (c1 * c2)` or `a * c - b * c -> (a - b) * c` are legal for XLA but not
+    for us: each op must round as the reference's did.
+    """
+    like = widen(like)
+    return c + like * 0
+
+
+def multiply_const(a: jax.Array, c: float, dtype: jnp.dtype) -> jax.Array:
+    """`a * c` in `dtype` (wide out) with c a Python constant, weakly typed to `dtype`."""
+    return settle(fit(widen(a) * opaque(const(c, dtype), a), dtype))
+
+
+def divide_broadcast(a: jax.Array, b: jax.Array | float, dtype: jnp.dtype) -> jax.Array:
+    """`a / b` in `dtype` (wide in, wide out) where b is broadcast against a."""
+    if a.size == np.size(b):  # nothing is broadcast (one element): a true division
+        return divide_exact(a, jnp.broadcast_to(jnp.asarray(b, wide_dtype(dtype)), a.shape), dtype)
+    r = reciprocal(b, dtype)
+    return fit(widen(a) * (opaque(r, a) if isinstance(r, float) else r), dtype)
+
+
+def divide_exact(a: jax.Array, b: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`a / b` in `dtype` (wide in, wide out) where b has a's shape: a true division."""
+    a = widen(a)
+    return fit(a / (widen(b) + a * 0), dtype)
+
+
+def _snap_pow2(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """mx formats: the scale rounded up to a power of two, 2^ceil(log2(scale)).
+
+    The reference takes log2 in the scale's dtype as jnp does (log(s) / log(2), each op rounded
+    to the dtype, the division a multiply by the rounded reciprocal), so a scale just above a
+    power of two may stay on it in bf16/f16; the power itself is exact. (NUMERICS.md describes a
+    "× c, keep the bf16 exponent" rule; the reference 0.1.8 measurably does this instead.)
+    """
+    log = fit(jnp.log(scale), dtype)
+    log2 = divide_broadcast(log, float(np.log(2.0)), dtype)
+    exponent = jnp.ceil(log2).astype(jnp.int32)
+    return jnp.ldexp(jnp.ones_like(scale), exponent)
+
+
+def _replace_tiny(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    # A scale this small would overflow x / scale; 1 keeps all-zero blocks exact.
+    tiny = float(np.sqrt(ml_dtypes.finfo(dtype).tiny))
+    return jnp.where(scale < tiny, jnp.ones_like(scale), scale)
+
+
+def compute_scale_zero_point(
+    calibration: Mapping[str, jax.Array],
+    qtype: qtypes.QType | str,
+    scale_dtype: jnp.dtype | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Scale and zero point (None when symmetric) from a calibration dict.
+
+    The scale is computed in the calibration's dtype; `scale_dtype` only casts the result.
+
+    Raises:
+      ValueError: an asymmetric calibration for a qtype without an asymmetric range.
+    """
+    qt = qtypes.get(qtype)
+    if "absmax" in calibration:
+        dtype = calibration["absmax"].dtype
+        scale = divide_broadcast(calibration["absmax"], float(qt.bound), dtype)
+        lo = None
+    else:
+        if qt.asymmetric_range is None:
+            allowed = [n for n in qtypes.names() if qtypes.get(n).asymmetric_range]
+            raise ValueError(
+                f"{qt.name} doesn't support asymmetric calibration (minmax or an asymmetric "
+                f"fixed range); use absmax, or one of {allowed}"
+            )
+        qmin, qmax = qt.asymmetric_range
+        dtype = calibration["min"].dtype
+        lo, hi = widen(calibration["min"]), widen(calibration["max"])
+        scale = divide_broadcast(fit(hi - lo, dtype), float(qmax - qmin), dtype)
+    if qt.scale_rounding == qtypes.POW2:
+        scale = _snap_pow2(scale, dtype)
+    elif qt.scale_rounding == qtypes.E4M3:
+        scale = widen(scale.astype(dtype).astype(jnp.float8_e4m3fn).astype(dtype))
+    scale = _replace_tiny(scale, dtype)
+    zero_point = None
+    if lo is not None:
+        shifted = divide_exact(lo, scale, dtype)
+        zero_point = jnp.round(fit(opaque(qmin, shifted) - shifted, dtype)).astype(qt.storage)
+    # The reference quantizes with the scale in the input's dtype and casts only what it stores.
+    return scale.astype(scale_dtype or dtype), zero_point
+
+
+@functools.cache
+def _nf4_thresholds() -> np.ndarray:
+    """Per pair of neighbouring levels, the smallest float32 y whose nearest level is the upper one.
+
+    Matches "nearest of the 16 levels, ties to the lower index" with distances computed in
+    float32, exactly: around each midpoint we test neighbouring float32 values with the same
+    arithmetic the rule uses, so a comparison count against these thresholds never disagrees
+    with an argmin, but costs 15 compares instead of 16 subtractions and a reduction.
+    """
+    levels = np.asarray(qtypes.NF4_LEVELS, np.float32)
+    out = []
+    for lower, upper in itertools.pairwise(levels):
+        y = np.float32((lower + upper) / 2)
+        for _ in range(8):  # step down while still "upper"
+            prev = np.nextafter(y, np.float32(-np.inf))
+            if abs(prev - upper) < abs(prev - lower):
+                y = prev
+            else:
+                break
+        while not abs(y - upper) < abs(y - lower):  # step up until "upper"
+            y = np.nextafter(y, np.float32(np.inf))
+        out.append(y)
+    return np.asarray(out, np.float32)
+
+
+def _nf4_codes(y: jax.Array) -> jax.Array:
+    y32 = y.astype(jnp.float32)
+    code = jnp.zeros(y.shape, jnp.uint8)
+    for t in _nf4_thresholds():
+        code = code + (y32 >= t).astype(jnp.uint8)
+    return code.astype(jnp.uint4)
+
+
+def to_qtype(y: jax.Array, qtype: qtypes.QType | str) -> jax.Array:
+    """Converts y (x in units of the qtype, already rounded to its dtype) to codes of `qtype`."""
+    qt = qtypes.get(qtype)
+    if qt.kind == qtypes.LOOKUP:
+        return _nf4_codes(y)
+    if qt.kind == qtypes.FLOAT:
+        return jnp.clip(y, qt.qmin, qt.qmax).astype(qt.storage)
+    # Integers: round half to even, then saturate (the half step past qmax lands here).
+    return jnp.clip(jnp.round(y), qt.qmin, qt.qmax).astype(qt.storage)
+
+
+def from_qtype(q: jax.Array, qtype: qtypes.QType | str, dtype: jnp.dtype) -> jax.Array:
+    """The real values codes `q` of `qtype` stand for, rounded to `dtype`, in its wide dtype."""
+    qt = qtypes.get(qtype)
+    if qt.kind == qtypes.LOOKUP:
+        levels = np.asarray(qt.levels, np.float32).astype(dtype).astype(wide_dtype(dtype))
+        return jnp.take(jnp.asarray(levels), q.astype(jnp.int32), axis=0)
+    return fit(q.astype(wide_dtype(dtype)), dtype)

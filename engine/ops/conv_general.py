@@ -1,0 +1,93 @@
+"""Quantized conv_general_dilated.
+
+Lingo (jax.lax.ConvDimensionNumbers): lhs_spec = (batch N, feature C, spatial...), rhs_spec =
+(out feature O, in feature I, spatial...), out_spec = (N, C, spatial...). A conv sums over I and
+the window, so integer convolution is exact maths when the lhs scale varies at most along N and
+the rhs scale at most along O; the two scales then multiply the output along its N and C axes.
+Anything else (nf4, zero points, finer scales, batch groups) is dequantized first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qmill.engine import qarray, qtypes
+
+
+def get_how_to_quantize(
+    *,
+    dimension_numbers: jax.lax.ConvDimensionNumbers,
+    for_lhs: bool,
+    qtype: Any,
+    calibration_method: str = "absmax",
+) -> qarray.HowToQuantize:
+    """lhs: one scale per batch item (N); rhs: one scale per output feature (O)."""
+    axis = dimension_numbers.lhs_spec[0] if for_lhs else dimension_numbers.rhs_spec[0]
+    return qarray.HowToQuantize(
+        qtype=qtype, channelwise_axes=(axis,), calibration_method=calibration_method
+    )
+
+
+def _only_along(s: jax.Array, axis: int) -> bool:
+    return all(n == 1 for i, n in enumerate(s.shape) if i != axis)
+
+
+def _as_array(x: Any) -> jax.Array:
+    return qarray.dequantize(x) if isinstance(x, qarray.QArray) else jnp.asarray(x)
+
+
+def conv_general_dilated(
+    lhs: jax.Array | qarray.QArray,
+    rhs: jax.Array | qarray.QArray,
+    window_strides: Any,
+    padding: Any,
+    lhs_dilation: Any = None,
+    rhs_dilation: Any = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> jax.Array:
+    """jax.lax.conv_general_dilated accepting QArrays."""
+    dims = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    conv = lambda a, b, pet: jax.lax.conv_general_dilated(  # noqa: E731
+        a,
+        b,
+        window_strides,
+        padding,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
+        dimension_numbers=dims,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count,
+        precision=precision,
+        preferred_element_type=pet,
+    )
+    if (
+        isinstance(lhs, qarray.QArray)
+        and isinstance(rhs, qarray.QArray)
+        and batch_group_count == 1
+        and lhs.zero_point is None
+        and rhs.zero_point is None
+        and _only_along(lhs.scale, dims.lhs_spec[0])
+        and _only_along(rhs.scale, dims.rhs_spec[0])
+    ):
+        ql, qr = qtypes.get(lhs.qtype), qtypes.get(rhs.qtype)
+        if ql.native_matmul and qr.native_matmul and ql.kind == qr.kind:
+            integer = ql.kind == qtypes.INT
+            cast = jnp.int8 if integer else jnp.bfloat16
+            acc = jnp.int32 if integer else jnp.float32
+            out = conv(lhs.qvalue.astype(cast), rhs.qvalue.astype(cast), acc).astype(jnp.float32)
+            shape_n = [1] * out.ndim
+            shape_n[dims.out_spec[0]] = lhs.scale.shape[dims.lhs_spec[0]]
+            shape_c = [1] * out.ndim
+            shape_c[dims.out_spec[1]] = rhs.scale.shape[dims.rhs_spec[0]]
+            out = out * lhs.scale.astype(jnp.float32).reshape(shape_n)
+            out = out * rhs.scale.astype(jnp.float32).reshape(shape_c)
+            dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
+            return out.astype(dtype)
+    return conv(_as_array(lhs), _as_array(rhs), preferred_element_type)

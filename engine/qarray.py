@@ -1,0 +1,296 @@
+"""QArray, HowToQuantize, and quantize / dequantize.
+
+Lingo:
+  QArray        qvalue (codes, x's shape), scale and zero_point (same rank, each axis dividing x's),
+                qtype (logical type of the codes). x ≈ (levels(qvalue) − zero_point) · scale, the
+                scale "generically broadcast": each scale entry covers one tile of x.
+  HowToQuantize the static recipe for one tensor: qtype, channelwise / tiled axes, calibration.
+  calibration   {"absmax"} or {"min", "max"} per tile (calibration.py).
+
+Invalid / non-finite input: `quantize` called eagerly (not under a jax transformation) raises
+ValueError when a tile's calibration is NaN/Inf, or, for fixed ranges, when x has a NaN/Inf. Under
+jit nothing can be raised: a tile holding NaN/Inf gets a NaN/Inf scale, its codes are unspecified
+and it dequantizes to NaN — callers that jit must check inputs themselves (leaf.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmill.engine import calibration as calibration_lib
+from qmill.engine import numerics, qarray_ops, qtypes, tiling
+
+# A noise function for stochastic rounding: shape -> noise added to x / scale before rounding
+# (uniform in [-0.5, 0.5) gives unbiased rounding).
+NoiseFn = Callable[[tuple[int, ...]], jax.Array]
+
+_FLOAT_INPUTS = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    return None if dtype is None else jnp.dtype(dtype).name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HowToQuantize:
+    """How one tensor is quantized. Frozen and hashable: usable as a static jit argument."""
+
+    # Logical qtype; any accepted form is normalized to its canonical name.
+    qtype: str
+    # Axes with one scale per index.
+    channelwise_axes: tuple[int, ...] = ()
+    # Sorted ((axis, tile), ...); a dict is accepted. Int tile = size, float f = round(size * f).
+    tiled_axes: tuple[tuple[int, int | float], ...] = ()
+    # "<method>[,<args>]" (calibration.py).
+    calibration_method: str = "absmax"
+    # Stochastic rounding: shape -> noise added before rounding; None = round to nearest even.
+    noise_fn: NoiseFn | None = None
+    # dtype name of the scale; None = the input's dtype.
+    scale_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        set_("qtype", qtypes.name(self.qtype))
+        set_("channelwise_axes", tuple(int(a) for a in self.channelwise_axes))
+        tiled = self.tiled_axes
+        items = tiled.items() if isinstance(tiled, Mapping) else (tiled or ())
+        set_("tiled_axes", tuple(sorted((int(a), t) for a, t in items)))
+        calibration_lib.parse(self.calibration_method)  # fail early on a bad method
+        set_("scale_dtype", _dtype_name(self.scale_dtype))
+
+    @property
+    def tiled_axes_dict(self) -> dict[int, int | float]:
+        return dict(self.tiled_axes)
+
+    def tiles(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Tile per axis for an array of `shape`; fixed calibration means one per-tensor tile."""
+        if calibration_lib.parse(self.calibration_method).is_fixed:
+            return tuple(shape)
+        tiles = tiling.resolve_tiles(shape, self.channelwise_axes, self.tiled_axes_dict)
+        required = qtypes.get(self.qtype).required_tile
+        if required is not None:
+            for axis, tile in self.tiled_axes:
+                if tiles[axis] != required:
+                    raise ValueError(
+                        f"{self.qtype} requires a tile size of {required}, but axis {axis} got "
+                        f"{tiles[axis]} (tiled_axes={{{axis}: {tile}}})"
+                    )
+            if not self.tiled_axes:
+                raise ValueError(f"{self.qtype} requires tiled_axes with a tile of {required}")
+        return tiles
+
+
+@flax.struct.dataclass
+class QArray:
+    """A quantized array; see the module docstring. A pytree whose qtype is static."""
+
+    qvalue: jax.Array
+    scale: jax.Array
+    zero_point: jax.Array | None = None
+    qtype: str | None = flax.struct.field(pytree_node=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.qtype is None and hasattr(self.qvalue, "dtype"):
+            object.__setattr__(self, "qtype", qtypes.name(self.qvalue.dtype))
+        elif self.qtype is not None:
+            object.__setattr__(self, "qtype", qtypes.name(self.qtype))
+        validate(self)
+
+    shape = property(lambda self: tuple(self.qvalue.shape))
+    ndim = property(lambda self: self.qvalue.ndim)
+    size = property(lambda self: self.qvalue.size)
+    # The dequantized dtype is the scale's.
+    dtype = property(lambda self: self.scale.dtype)
+    T = property(lambda self: qarray_ops.transpose(self))
+    mT = property(lambda self: qarray_ops.swapaxes(self, -1, -2))
+
+    @property
+    def scale_tile_shape(self) -> tuple[int, ...]:
+        return tiling.tiles_of(self.qvalue.shape, self.scale.shape)
+
+    @property
+    def zero_point_tile_shape(self) -> tuple[int, ...] | None:
+        if self.zero_point is None:
+            return None
+        return tiling.tiles_of(self.qvalue.shape, self.zero_point.shape)
+
+    def astype(self, dtype: Any) -> QArray:
+        """Casts the dequantized dtype (the scale's); the codes are unchanged."""
+        return self.replace(scale=self.scale.astype(dtype))
+
+    def reshape(self, *shape: Any) -> QArray:
+        return qarray_ops.reshape(self, *shape)
+
+    def transpose(self, *axes: Any) -> QArray:
+        return qarray_ops.transpose(self, *axes)
+
+    def swapaxes(self, axis1: int, axis2: int) -> QArray:
+        return qarray_ops.swapaxes(self, axis1, axis2)
+
+    def __getitem__(self, key: Any) -> QArray:
+        return qarray_ops.getitem(self, key)
+
+
+def validate(qa: QArray) -> None:
+    """Checks shapes and dtypes when the leaves are arrays (leaves may be anything in pytree maps).
+
+    Raises:
+      ValueError: scale / zero point rank or shape not dividing qvalue's, or a qvalue dtype that
+        is not the qtype's storage dtype.
+    """
+    leaves = (qa.qvalue, qa.scale) + (() if qa.zero_point is None else (qa.zero_point,))
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+        return
+    tiling.tiles_of(qa.qvalue.shape, qa.scale.shape)
+    if qa.zero_point is not None and qa.zero_point.shape != qa.scale.shape:
+        raise ValueError(
+            f"zero_point shape {qa.zero_point.shape} must equal scale shape {qa.scale.shape}"
+        )
+    if qa.qtype is not None:
+        storage = qtypes.get(qa.qtype).storage
+        if np.dtype(qa.qvalue.dtype) != storage:
+            raise ValueError(
+                f"qvalue dtype {np.dtype(qa.qvalue.dtype).name} is not the storage dtype "
+                f"{storage.name} of qtype {qa.qtype}"
+            )
+    if not jnp.issubdtype(qa.scale.dtype, jnp.floating):
+        raise ValueError(f"scale must be floating point, got {np.dtype(qa.scale.dtype).name}")
+
+
+def _check_input(array: Any) -> jax.Array:
+    array = jnp.asarray(array)
+    if np.dtype(array.dtype) not in _FLOAT_INPUTS:
+        raise TypeError(
+            f"only float arrays (bfloat16, float16, float32, float64) can be quantized, got "
+            f"{np.dtype(array.dtype).name}"
+        )
+    return array
+
+
+def calibrate(array: jax.Array, how: HowToQuantize) -> dict[str, jax.Array]:
+    """The calibration dict of `array` per tile of `how`."""
+    array = _check_input(array)
+    return calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
+
+
+def compute_scale_zero_point(
+    calibration: Mapping[str, jax.Array], qtype: Any, scale_dtype: Any = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """(scale, zero_point or None) from a calibration dict (numerics.compute_scale_zero_point)."""
+    return numerics.compute_scale_zero_point(calibration, qtype, scale_dtype)
+
+
+def quantize_with_scale_zero_point(
+    array: jax.Array,
+    qtype: Any,
+    scale: jax.Array,
+    zero_point: jax.Array | None,
+    noise_fn: NoiseFn | None = None,
+) -> QArray:
+    """Quantizes with a given scale (and zero point): q = convert(x / scale (+ zp) (+ noise))."""
+    array = _check_input(array)
+    qt = qtypes.get(qtype)
+
+    def shift(x: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
+        # In the input dtype with the scale (and zero point) cast to it; see numerics on exactness.
+        s = numerics.fit(s, x.dtype)
+        if s.shape == x.shape:
+            y = numerics.divide_exact(x, s, x.dtype)
+        else:
+            y = numerics.divide_broadcast(x, s, x.dtype)
+        if zp is None:
+            return y
+        return numerics.fit(numerics.settle(y) + numerics.from_qtype(zp, qt, x.dtype), x.dtype)
+
+    y = tiling.apply_tiled(shift, array, numerics.widen(scale), zero_point)
+    # Stochastic rounding applies to integer qtypes; the reference ignores noise for the others.
+    if noise_fn is not None and qt.kind == qtypes.INT:
+        noise = noise_fn(y.shape)
+        dtype = jnp.result_type(array.dtype, noise.dtype)
+        y = numerics.fit(numerics.settle(y) + numerics.widen(noise), dtype)
+    return QArray(numerics.to_qtype(y, qt), scale, zero_point, qt.name)
+
+
+def _quantize(array: jax.Array, how: HowToQuantize, scale_dtype: str | None) -> QArray:
+    calib = calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
+    scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype)
+    qa = quantize_with_scale_zero_point(array, how.qtype, scale, zero_point, how.noise_fn)
+    # The codes use the scale in the input's dtype; only the stored scale takes scale_dtype.
+    scale_dtype = scale_dtype or how.scale_dtype
+    return qa if scale_dtype is None else qa.astype(scale_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("how", "scale_dtype"))
+def _quantize_checked(
+    array: jax.Array, how: HowToQuantize, scale_dtype: str | None
+) -> tuple[QArray, jax.Array]:
+    qa = _quantize(array, how, scale_dtype)
+    if calibration_lib.parse(how.calibration_method).is_fixed:
+        finite = jnp.isfinite(array).all()
+    else:
+        # A tile with NaN/Inf has a NaN/Inf scale: checking the scales is nearly free.
+        finite = jnp.isfinite(qa.scale).all()
+    return qa, finite
+
+
+def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -> QArray:
+    """Quantizes `array` as `how` says (dynamic range). Jittable with `how` static.
+
+    Raises:
+      TypeError: a non-float input.
+      ValueError: a bad tiling or method, an asymmetric method for a symmetric-only qtype, or
+        (eagerly only) NaN/Inf in the input.
+    """
+    array = _check_input(array)
+    scale_dtype = _dtype_name(scale_dtype)
+    if isinstance(array, jax.core.Tracer):
+        return _quantize(array, how, scale_dtype)
+    qa, finite = _quantize_checked(array, how, scale_dtype)
+    if not bool(finite):
+        raise ValueError(
+            f"array of shape {array.shape} contains NaN or Inf; quantizing it would spread them "
+            "over whole scale tiles. Clean the tensor or leave it unquantized"
+        )
+    return qa
+
+
+def dequantize(qa: QArray) -> jax.Array:
+    """x̂ = (levels(q) − zero_point) · scale, in the scale's dtype."""
+    qt = qtypes.get(qa.qtype)
+
+    def scale_back(q: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
+        v = numerics.from_qtype(q, qt, dtype)
+        if zp is not None:
+            v = numerics.fit(v - numerics.from_qtype(zp, qt, dtype), dtype)
+        return numerics.fit(v * s, dtype)
+
+    dtype = qa.scale.dtype
+    out = tiling.apply_tiled(scale_back, qa.qvalue, numerics.widen(qa.scale), qa.zero_point)
+    return out.astype(dtype)
+
+
+def quantize_api(
+    array: jax.Array,
+    qtype: Any,
+    *,
+    channelwise_axes: Collection[int] = (),
+    tiled_axes: Mapping[int, int | float] | None = None,
+    calibration_method: str = "absmax",
+    scale_dtype: Any = None,
+) -> QArray:
+    """Quantizes without building a HowToQuantize (the seeds' public `quantize`)."""
+    how = HowToQuantize(
+        qtype=qtype,
+        channelwise_axes=tuple(channelwise_axes),
+        tiled_axes=dict(tiled_axes or {}),
+        calibration_method=calibration_method,
+    )
+    return quantize(array, how, scale_dtype=scale_dtype)
