@@ -85,11 +85,16 @@ class SafetensorsSource:
     def read(self, path: str) -> np.ndarray:
         file, info, data_start, logical = self._where[path]
         start, end = info["data_offsets"]
-        dtype = np.dtype(_CODES[info["dtype"]]).newbyteorder("<")
+        array = np.empty(info["shape"], dtype=np.dtype(_CODES[info["dtype"]]).newbyteorder("<"))
+        if array.nbytes != end - start:
+            raise ValueError(
+                f"{file}: tensor {path} has {end - start} bytes for shape {info['shape']}"
+            )
+        # Straight into the array's buffer: one copy of the tensor in memory, not two.
         with open(file, "rb") as f:
             f.seek(data_start + start)
-            data = f.read(end - start)
-        array = np.frombuffer(data, dtype=dtype).reshape(info["shape"]).copy()
+            if f.readinto(memoryview(array.reshape(-1).view(np.uint8))) != array.nbytes:
+                raise ValueError(f"{file}: truncated data for tensor {path}")
         return base.from_carrier(array, logical)
 
     def close(self) -> None:
