@@ -254,7 +254,8 @@ def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -
     if isinstance(array, jax.core.Tracer):
         return _quantize(array, how, scale_dtype)
     qa, finite = _quantize_checked(array, how, scale_dtype)
-    if not bool(finite):
+    # Under an outer trace (a concrete array closed over in jit) the flag is traced: no check.
+    if not isinstance(finite, jax.core.Tracer) and not bool(finite):
         raise ValueError(
             f"array of shape {array.shape} contains NaN or Inf; quantizing it would spread them "
             "over whole scale tiles. Clean the tensor or leave it unquantized"

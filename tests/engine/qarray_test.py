@@ -233,3 +233,20 @@ def test_reshape_transpose_index() -> None:
         q.reshape(4, 48)  # scales would repeat with period 8 inside the merged axis
     with pytest.raises(ValueError, match="cuts through scale tiles"):
         q[:, :, 1:5]
+
+
+def test_quantize_of_a_concrete_array_inside_an_outer_jit():
+    import jax
+    import jax.numpy as jnp
+
+    from qmill.engine import qarray as qarray_lib
+
+    x = jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32).reshape(4, 8)
+    how = qarray_lib.HowToQuantize(qtype="int8", channelwise_axes=(1,))
+
+    @jax.jit
+    def closed_over(y):
+        return qarray_lib.dequantize(qarray_lib.quantize(x, how)) + y
+
+    expected = qarray_lib.dequantize(qarray_lib.quantize(x, how))
+    assert jnp.array_equal(closed_over(jnp.zeros(())), expected)
