@@ -6,6 +6,7 @@ User errors print one line and exit 1; tracebacks are kept for bugs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -80,27 +81,17 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         backend = embedded.EmbeddedClient()
     started = time.monotonic()
-    with backend:
-        if args.quiet or not err.is_terminal:
-            rows = job.quantize_checkpoint(
-                args.source,
-                args.output,
-                recipe,
-                backend=backend,
-                output_format=args.format,
-                overwrite=args.overwrite,
-            )
-        else:
-            with report.ProgressBar(err) as bar:
-                rows = job.quantize_checkpoint(
-                    args.source,
-                    args.output,
-                    recipe,
-                    backend=backend,
-                    output_format=args.format,
-                    overwrite=args.overwrite,
-                    progress=bar,
-                )
+    quiet = args.quiet or not err.is_terminal
+    with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
+        rows = job.quantize_checkpoint(
+            args.source,
+            args.output,
+            recipe,
+            backend=backend,
+            output_format=args.format,
+            overwrite=args.overwrite,
+            progress=bar,
+        )
     seconds = time.monotonic() - started
     if not args.quiet:
         out.print(report.quality_table(rows))
