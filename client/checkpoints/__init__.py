@@ -1,22 +1,37 @@
-"""Checkpoint readers and writers: Orbax, safetensors (single or sharded) and npz.
+"""Checkpoint I/O for the qmill client: read tensors one at a time, write a quantized checkpoint.
 
-`open_source` reads a checkpoint tensor by tensor; `create_writer` writes one that appears under
-its final name only on commit. `import qmill.client.checkpoints` does not import jax or Orbax;
-the Orbax format imports them when used.
+Formats: Orbax PyTree checkpoints (directories), safetensors (one file, or a sharded set with a
+`*.safetensors.index.json`) and .npz archives. `open_source` detects the format; `create_writer`
+writes one. Memory stays bounded by a few tensors on both sides, whatever the checkpoint's size.
+
+Paths: '/'-joined tree keys for Orbax and npz ("params/Dense_0/kernel"), the key verbatim for
+safetensors. A quantized leaf P is written in the Qwix PTQ param layout (P/array/qvalue,
+P/array/scale, P/array/zero_point; with "." for safetensors): a nested {"array": {...}} under P
+in Orbax.
+
+Atomic outputs: a writer stages its output beside the destination (`.NAME.qmill-tmp-*`) and
+renames it into place on commit; on an exception the staged output is deleted. An existing
+destination is refused unless `overwrite=True`.
+
+Dtypes a format cannot store (uint4 and float8_e4m3 in Orbax; bfloat16, float8 and int4 in
+npz; int4, uint4 and float4 in safetensors): 4-bit (and 2-bit) integers are stored as int8 /
+uint8 with the same values, one per byte; other types as their raw bits in the unsigned integer
+of their width. The logical dtype is recorded beside the data -- safetensors:
+`__metadata__["qmill.dtypes"]`, Orbax: `_CHECKPOINT_METADATA` custom_metadata
+`{"qmill": {"dtypes": ...}}`, npz: a `__qmill_dtypes__` member -- each a JSON map from path to
+dtype name, and the readers give the original dtype back. bfloat16 and float8_e4m3fn/e5m2 are
+native in Orbax and safetensors; int4 is native in Orbax.
+
+`import qmill.client.checkpoints` does not import jax or Orbax; opening or writing an Orbax
+checkpoint imports them.
 """
 
-from __future__ import annotations
-
-import os
-import pathlib
-from typing import Any
-
-from qmill.client.checkpoints import npz_format, orbax_format, safetensors_format
-from qmill.client.checkpoints.base import CheckpointWriter as CheckpointWriter
-from qmill.client.checkpoints.base import TensorEntry as TensorEntry
-from qmill.client.checkpoints.base import TensorSource as TensorSource
-
-FORMATS = ("orbax", "safetensors", "npz")
+from qmill.client.checkpoints.formats import FORMATS as FORMATS
+from qmill.client.checkpoints.formats import create_writer as create_writer
+from qmill.client.checkpoints.formats import open_source as open_source
+from qmill.client.checkpoints.protocols import CheckpointWriter as CheckpointWriter
+from qmill.client.checkpoints.protocols import TensorEntry as TensorEntry
+from qmill.client.checkpoints.protocols import TensorSource as TensorSource
 
 __all__ = [
     "FORMATS",
@@ -26,56 +41,3 @@ __all__ = [
     "create_writer",
     "open_source",
 ]
-
-
-def open_source(path: str | os.PathLike) -> TensorSource:
-    """Opens an Orbax directory, a .safetensors file, a sharded set (index file or directory) or
-    an .npz file. Raises FileNotFoundError or ValueError naming the accepted formats."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if orbax_format.is_orbax_dir(path):
-        return orbax_format.OrbaxSource(path)
-    if path.is_dir():
-        indexes = sorted(path.glob("*.safetensors.index.json"))
-        if len(indexes) == 1:
-            return safetensors_format.open_index(indexes[0])
-        files = sorted(path.glob("*.safetensors"))
-        if len(files) == 1 and not indexes:
-            return safetensors_format.SafetensorsSource(files)
-    elif path.name.endswith(".safetensors.index.json"):
-        return safetensors_format.open_index(path)
-    elif path.suffix == ".safetensors":
-        return safetensors_format.SafetensorsSource([path])
-    elif path.suffix == ".npz" or _starts_with(path, b"PK"):
-        return npz_format.NpzSource(path)
-    elif path.is_file():
-        return safetensors_format.SafetensorsSource([path])  # raises if it is not one
-    raise ValueError(
-        f"{path} is not a checkpoint qmill reads: expected an Orbax checkpoint directory, a "
-        ".safetensors file, a *.safetensors.index.json (or a directory with one), or an .npz file"
-    )
-
-
-def _starts_with(path: pathlib.Path, magic: bytes) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(magic)) == magic
-
-
-def create_writer(
-    destination: str | os.PathLike, format: str, *, like: Any = None, overwrite: bool = False
-) -> Any:
-    """A writer (context manager: commit on success, abort on error) for `format`.
-
-    safetensors: `destination` ending in .safetensors is one file; otherwise a directory holding
-    model.safetensors, or one shard per input shard plus model.safetensors.index.json when `like`
-    is a sharded source.
-    """
-    writers = {
-        "orbax": orbax_format.OrbaxWriter,
-        "safetensors": safetensors_format.SafetensorsWriter,
-        "npz": npz_format.NpzWriter,
-    }
-    if format not in writers:
-        raise ValueError(f"unknown checkpoint format {format!r}; valid: {', '.join(FORMATS)}")
-    return writers[format](destination, like=like, overwrite=overwrite)

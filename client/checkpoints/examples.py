@@ -7,10 +7,11 @@ import os
 import ml_dtypes
 import numpy as np
 
-from qmill.client import checkpoints
+from qmill.client.checkpoints import formats
 
 
 def example_tree(seed: int = 0) -> dict[str, np.ndarray]:
+    """The example's tensors by '/'-joined path; the same seed gives the same bytes."""
     rng = np.random.default_rng(seed)
     return {
         "params/Conv_0/kernel": rng.normal(0, 0.2, (3, 3, 8, 16)).astype(np.float32),
@@ -23,8 +24,10 @@ def example_tree(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_example_checkpoint(
-    destination: str | os.PathLike, format: str = "orbax", *, seed: int = 0, overwrite: bool = False
+    dest: str | os.PathLike, format: str = "orbax", *, seed: int = 0, overwrite: bool = False
 ) -> None:
-    with checkpoints.create_writer(destination, format, overwrite=overwrite) as writer:
+    """Writes the example tree to `dest` as an Orbax directory, a safetensors file (or directory
+    when `dest` does not end in .safetensors) or an .npz file."""
+    with formats.create_writer(dest, format, overwrite=overwrite) as writer:
         for path, array in example_tree(seed).items():
             writer.write(path, array)

@@ -1,0 +1,69 @@
+"""Writing .npz archives member by member, uncompressed like `np.savez`, into a staged file.
+
+npy describes only numpy's own dtypes: bfloat16, float8 and 4-bit arrays go into carriers (see
+dtypes.py) and their logical dtypes into a `__qmill_dtypes__` member written on commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+import numpy as np
+
+from qmill.client.checkpoints import dtypes, staging, writer_base
+from qmill.client.checkpoints.npz_source import DTYPES_MEMBER
+
+# numpy's own dtypes (kinds b, i, u, f, c); ml_dtypes types are kind "V" and need a carrier.
+_NATIVE = frozenset(
+    np.dtype(t).name
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+)
+
+
+class NpzWriter(writer_base.WriterBase):
+    separator = "/"
+
+    def __init__(self, destination: str | os.PathLike, *, overwrite: bool = False) -> None:
+        super().__init__()
+        self._out = staging.StagedOutput(destination, overwrite=overwrite)
+        self._zip = zipfile.ZipFile(self._out.staging, "w", allowZip64=True)
+        self._logical: dict[str, str] = {}
+
+    def _put(self, key: str, array: np.ndarray, origin: str) -> None:
+        if key == DTYPES_MEMBER:
+            raise ValueError(f"{key} is reserved for qmill's dtype record")
+        stored, logical = dtypes.to_carrier(array, _NATIVE)
+        if logical:
+            self._logical[key] = logical
+        # write_array streams the member in bounded chunks; the archive never holds two.
+        with self._zip.open(key + ".npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, stored, allow_pickle=False)
+
+    def _commit(self) -> None:
+        if self._logical:
+            record = np.array(json.dumps(self._logical, sort_keys=True))
+            with self._zip.open(DTYPES_MEMBER + ".npy", "w") as f:
+                np.lib.format.write_array(f, record, allow_pickle=False)
+        self._zip.close()
+        self._out.commit()
+
+    def _abort(self) -> None:
+        self._zip.close()
+        self._out.abort()

@@ -1,0 +1,121 @@
+"""Reading safetensors: one file, or a sharded set (an `*.safetensors.index.json` and its shards,
+or a directory of .safetensors files), one tensor at a time straight from disk."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from qmill.client.checkpoints import dtypes, protocols
+from qmill.client.checkpoints import safetensors_header as header_lib
+
+
+class _Location:
+    __slots__ = ("begin", "data_start", "logical", "shape", "shard", "stored")
+
+    def __init__(
+        self, shard: int, data_start: int, info: dict[str, Any], logical: str | None
+    ) -> None:
+        self.shard = shard
+        self.data_start = data_start
+        self.begin = info["data_offsets"][0]
+        self.stored = header_lib.CODES[info["dtype"]]
+        self.shape = tuple(info["shape"])
+        self.logical = logical
+
+
+class SafetensorsSource:
+    """Shards in order, tensors in file order within each shard."""
+
+    format = "safetensors"
+    separator = "."
+
+    def __init__(self, files: list[pathlib.Path], *, index: pathlib.Path | None = None) -> None:
+        self.files = list(files)
+        # Set when the checkpoint came as a sharded set: a writer given `like=` mirrors it.
+        self.index = index
+        self._handles: dict[int, BinaryIO] = {}
+        self._where: dict[str, _Location] = {}
+        self._entries: list[protocols.TensorEntry] = []
+        self.metadata: dict[str, str] = {}
+        for shard, path in enumerate(self.files):
+            tensors, metadata, data_start = header_lib.read_header(path)
+            logical = json.loads(metadata.get(header_lib.DTYPES_KEY, "{}"))
+            if shard == 0:
+                self.metadata = {k: v for k, v in metadata.items() if k != header_lib.DTYPES_KEY}
+            for name, info in tensors.items():
+                if name in self._where:
+                    other = self.files[self._where[name].shard]
+                    raise ValueError(f"tensor {name} is in both {other} and {path}")
+                where = _Location(shard, data_start, info, logical.get(name))
+                self._where[name] = where
+                dtype = dtypes.carried_dtype(where.stored, where.logical)
+                self._entries.append(protocols.entry(name, dtype, where.shape))
+
+    @property
+    def sharded(self) -> bool:
+        return self.index is not None or len(self.files) > 1
+
+    def shard_of(self, path: str) -> int | None:
+        """The index in `files` of the shard holding tensor `path` (None: not in this source)."""
+        where = self._where.get(path)
+        return None if where is None else where.shard
+
+    def entries(self) -> list[protocols.TensorEntry]:
+        return list(self._entries)
+
+    def read(self, path: str) -> np.ndarray:
+        try:
+            where = self._where[path]
+        except KeyError:
+            raise KeyError(f"no tensor {path!r} in {self.files[0].parent}") from None
+        array = np.empty(where.shape, where.stored)
+        f = self._handle(where.shard)
+        f.seek(where.data_start + where.begin)
+        # Straight into the array's buffer: one copy of the tensor in memory, not two.
+        # Safetensors data is little-endian, as is every host qmill runs on (x86-64, arm64).
+        buffer = memoryview(array.reshape(-1).view(np.uint8))
+        if array.nbytes and f.readinto(buffer) != array.nbytes:
+            raise ValueError(f"{self.files[where.shard]}: truncated data for tensor {path}")
+        return dtypes.from_carrier(array, where.logical)
+
+    def _handle(self, shard: int) -> BinaryIO:
+        if shard not in self._handles:
+            self._handles[shard] = open(self.files[shard], "rb")  # noqa: SIM115 - closed in close()
+        return self._handles[shard]
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+    def __enter__(self) -> SafetensorsSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_index(index: pathlib.Path) -> SafetensorsSource:
+    """A sharded set from its index: the shards its weight_map names, in name order."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a safetensors index (no weight_map: {e})") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} is not a safetensors index (empty or malformed weight_map)")
+    names = sorted(set(weight_map.values()))
+    files = [index.parent / name for name in names]
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"shard {file} named by {index} does not exist")
+    source = SafetensorsSource(files, index=index)
+    for name, shard in weight_map.items():
+        found = source.shard_of(name)
+        if found is None or files[found].name != shard:
+            source.close()
+            raise ValueError(f"{index} puts tensor {name} in {shard}, which does not hold it")
+    return source

@@ -1,0 +1,211 @@
+"""Writing safetensors: one file, or shards with a `model.safetensors.index.json`.
+
+Destination: a path ending in `.safetensors` is one file. Any other path is a directory in the
+Hugging Face layout: `model.safetensors`, or `model-00001-of-0000N.safetensors` ... plus
+`model.safetensors.index.json` when sharded. The output is sharded when `like` is a sharded
+safetensors source (output shard i holds what came from input shard i) or, otherwise, when
+`max_shard_bytes` is set (a new shard starts before a tensor that would overflow the current one).
+
+Memory and I/O: a safetensors header precedes the data but is known only at the end, so each
+shard's tensors are appended to a staging file as they arrive, behind space reserved for the
+header. When `like` tells which tensors will come (a quantized leaf P becomes at most three
+tensors P.array.*), the reservation is sized from its entries and commit writes the header in
+place, padded with spaces as the format allows. Otherwise, or when the header outgrows the space,
+commit copies the data behind the header in the kernel. Neither path holds more than the tensor
+being written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from qmill.client.checkpoints import dtypes, staging, writer_base
+from qmill.client.checkpoints import safetensors_header as header_lib
+from qmill.client.checkpoints import safetensors_source as source_lib
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_COPY_CHUNK = 64 * 2**20
+
+
+# Header bytes reserved per source entry: three tensors P.array.{qvalue,scale,zero_point} of
+# ~100 bytes of JSON plus the name each, and a qmill.dtypes record.
+_RESERVE_PER_ENTRY = 128
+_RESERVE_SLACK = 4096
+
+
+def header_reserve(entries: list[Any]) -> int:
+    """Header bytes to reserve for the outputs of these source entries (a multiple of 8)."""
+    reserve = _RESERVE_SLACK + sum(4 * (len(e.path) + _RESERVE_PER_ENTRY) for e in entries)
+    return reserve + (-reserve % 8)
+
+
+class _Shard:
+    """One output file, staged: tensors appended behind `reserve` bytes kept for the header."""
+
+    def __init__(self, data_path: pathlib.Path, reserve: int = 0) -> None:
+        self.data_path = data_path
+        self.reserve = reserve
+        self._data: BinaryIO = open(data_path, "wb")  # noqa: SIM115 - closed in finish/close
+        self._data.seek(8 + reserve if reserve else 0)
+        self.tensors: dict[str, dict[str, Any]] = {}
+        self.logical: dict[str, str] = {}
+        self.nbytes = 0
+
+    def add(self, key: str, array: np.ndarray) -> None:
+        stored, logical = dtypes.to_carrier(array, header_lib.NATIVE)
+        if stored.dtype.byteorder == ">":
+            stored = stored.astype(stored.dtype.newbyteorder("<"))
+        # order="C" without ascontiguousarray, which would turn a 0-d array into a 1-d one.
+        stored = np.asarray(stored, order="C")
+        if stored.nbytes:
+            self._data.write(memoryview(stored.reshape(-1).view(np.uint8)))
+        self.tensors[key] = {
+            "dtype": header_lib.CODE_OF[stored.dtype.name],
+            "shape": list(stored.shape),
+            "data_offsets": [self.nbytes, self.nbytes + stored.nbytes],
+        }
+        if logical:
+            self.logical[key] = logical
+        self.nbytes += stored.nbytes
+
+    def finish(self, path: pathlib.Path, metadata: dict[str, str]) -> None:
+        """Writes the finished file at `path`."""
+        self._data.close()
+        metadata = dict(metadata)
+        if self.logical:
+            metadata[header_lib.DTYPES_KEY] = json.dumps(self.logical, sort_keys=True)
+        header = header_lib.encode_header(self.tensors, metadata)
+        if self.reserve and len(header) - 8 <= self.reserve:
+            with open(self.data_path, "r+b") as f:
+                f.write(header_lib.encode_header(self.tensors, metadata, size=self.reserve))
+            os.replace(self.data_path, path)
+            return
+        data_start = 8 + self.reserve if self.reserve else 0
+        with open(path, "wb") as out:
+            out.write(header)
+            _append(self.data_path, data_start, out, self.nbytes)
+        self.data_path.unlink()
+
+    def close(self) -> None:
+        self._data.close()
+
+
+def _append(src_path: pathlib.Path, offset: int, dst: BinaryIO, nbytes: int) -> None:
+    """Appends nbytes of src_path from `offset` to dst, in the kernel where the OS allows it."""
+    dst.flush()
+    copied = 0
+    with open(src_path, "rb", buffering=0) as src:
+        try:
+            while copied < nbytes:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - copied, offset + copied)
+                if n == 0:
+                    break
+                copied += n
+        except (AttributeError, OSError):
+            pass  # missing (macOS) or refused by the filesystem: finish in Python
+        dst.seek(0, os.SEEK_END)
+        src.seek(offset + copied)
+        while copied < nbytes:
+            chunk = src.read(min(_COPY_CHUNK, nbytes - copied))
+            if not chunk:
+                raise OSError(f"{src_path} is shorter than the {nbytes} bytes written to it")
+            dst.write(chunk)
+            copied += len(chunk)
+
+
+class SafetensorsWriter(writer_base.WriterBase):
+    separator = "."
+
+    def __init__(
+        self,
+        destination: str | os.PathLike,
+        *,
+        like: Any = None,
+        overwrite: bool = False,
+        max_shard_bytes: int | None = None,
+    ) -> None:
+        super().__init__()
+        # Any source tells which tensors will come (to reserve header space); a safetensors
+        # one also gives its sharding and __metadata__.
+        source = like
+        like = like if isinstance(like, source_lib.SafetensorsSource) else None
+        self._mirror = like if like is not None and like.sharded else None
+        self._max_shard_bytes = None if self._mirror else max_shard_bytes
+        sharded = self._mirror is not None or max_shard_bytes is not None
+        self._single_file = str(destination).endswith(".safetensors")
+        if self._single_file and sharded:
+            raise ValueError(
+                f"{destination}: a sharded safetensors output is a directory; give a path "
+                "that does not end in .safetensors"
+            )
+        self._out = staging.StagedOutput(destination, overwrite=overwrite)
+        self._sharded = sharded
+        self._metadata = dict(like.metadata) if like is not None else {}
+        self._shards: list[_Shard] = []
+        if self._single_file:
+            data = self._out.staging.with_name(self._out.staging.name + ".data")
+            self._shards.append(_Shard(data, self._reserve(source, None)))
+        else:
+            self._out.staging.mkdir()
+            if self._mirror is not None:
+                for i in range(len(self._mirror.files)):
+                    self._new_shard(self._reserve(source, i))
+            else:
+                # Shards cut by size can't tell ahead which entries they will hold.
+                self._new_shard(self._reserve(source, None) if not sharded else 0)
+
+    def _reserve(self, source: Any, shard: int | None) -> int:
+        if source is None:
+            return 0
+        entries = source.entries()
+        if shard is not None:
+            entries = [e for e in entries if self._mirror.shard_of(e.path) == shard]
+        return header_reserve(entries)
+
+    def _new_shard(self, reserve: int = 0) -> _Shard:
+        shard = _Shard(self._out.staging / f".data-{len(self._shards):05d}", reserve)
+        self._shards.append(shard)
+        return shard
+
+    def _shard_for(self, origin: str, nbytes: int) -> _Shard:
+        if self._mirror is not None:
+            # A tensor the input did not have goes into the first shard.
+            return self._shards[self._mirror.shard_of(origin) or 0]
+        current = self._shards[-1]
+        limit = self._max_shard_bytes
+        if limit is not None and current.tensors and current.nbytes + nbytes > limit:
+            return self._new_shard()
+        return current
+
+    def _put(self, key: str, array: np.ndarray, origin: str) -> None:
+        self._shard_for(origin, array.nbytes).add(key, array)
+
+    def _commit(self) -> None:
+        if self._single_file:
+            self._shards[0].finish(self._out.staging, self._metadata)
+        elif not self._sharded:
+            self._shards[0].finish(self._out.staging / SINGLE_NAME, self._metadata)
+        else:
+            count = len(self._shards)
+            names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+            weight_map = {}
+            for shard, name in zip(self._shards, names, strict=True):
+                shard.finish(self._out.staging / name, self._metadata)
+                weight_map.update(dict.fromkeys(shard.tensors, name))
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for s in self._shards)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            (self._out.staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        self._out.commit()
+
+    def _abort(self) -> None:
+        for shard in self._shards:
+            shard.close()
+        self._out.abort()
