@@ -17,6 +17,27 @@ import ml_dtypes
 import numpy as np
 
 # Value carriers: astype is exact both ways for every value these types can hold.
+# numpy's own dtypes (kinds b, i, u, f, c), which every format here can hold or npy can name.
+NUMPY_NATIVE = frozenset(
+    np.dtype(t).name
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+)
+
 _BY_VALUE = {
     "int4": np.dtype(np.int8),
     "uint4": np.dtype(np.uint8),

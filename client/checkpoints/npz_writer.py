@@ -15,26 +15,8 @@ import numpy as np
 from qmill.client.checkpoints import dtypes, staging, writer_base
 from qmill.client.checkpoints.npz_source import DTYPES_MEMBER
 
-# numpy's own dtypes (kinds b, i, u, f, c); ml_dtypes types are kind "V" and need a carrier.
-_NATIVE = frozenset(
-    np.dtype(t).name
-    for t in (
-        np.bool_,
-        np.int8,
-        np.int16,
-        np.int32,
-        np.int64,
-        np.uint8,
-        np.uint16,
-        np.uint32,
-        np.uint64,
-        np.float16,
-        np.float32,
-        np.float64,
-        np.complex64,
-        np.complex128,
-    )
-)
+# numpy's own dtypes only; ml_dtypes types need a carrier (npy cannot name them).
+_NATIVE = dtypes.NUMPY_NATIVE
 
 
 class NpzWriter(writer_base.WriterBase):

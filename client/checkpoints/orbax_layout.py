@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import numpy as np
+from qmill.client.checkpoints import dtypes
 
 PYTREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -20,27 +20,8 @@ QMILL_KEY = "qmill"
 # Stored as themselves: numpy's dtypes and the ml_dtypes tensorstore knows. Orbax refuses the
 # others (`Unsupported data type: "uint4"`, also float8_e4m3, uint2, float6_*), which go into
 # carriers. dtypes_test round-trips every ml_dtypes type to keep this list honest.
-NATIVE = frozenset(
+NATIVE = dtypes.NUMPY_NATIVE | frozenset(
     [
-        np.dtype(t).name
-        for t in (
-            np.bool_,
-            np.int8,
-            np.int16,
-            np.int32,
-            np.int64,
-            np.uint8,
-            np.uint16,
-            np.uint32,
-            np.uint64,
-            np.float16,
-            np.float32,
-            np.float64,
-            np.complex64,
-            np.complex128,
-        )
-    ]
-    + [
         "bfloat16",
         "float8_e4m3fn",
         "float8_e5m2",
