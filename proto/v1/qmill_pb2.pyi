@@ -47,6 +47,15 @@ class ResultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESULT_KIND_UNSPECIFIED: _ClassVar[ResultKind]
     RESULT_KIND_QUANTIZED: _ClassVar[ResultKind]
     RESULT_KIND_KEPT: _ClassVar[ResultKind]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
 DTYPE_UNSPECIFIED: DType
 DTYPE_F64: DType
 DTYPE_F32: DType
@@ -78,6 +87,12 @@ CONVENTION_TORCH: Convention
 RESULT_KIND_UNSPECIFIED: ResultKind
 RESULT_KIND_QUANTIZED: ResultKind
 RESULT_KIND_KEPT: ResultKind
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
 
 class TensorHeader(_message.Message):
     __slots__ = ("path", "dtype", "shape", "byte_length", "crc32c")
@@ -145,14 +160,16 @@ class Recipe(_message.Message):
     def __init__(self, rules: _Optional[_Iterable[_Union[Rule, _Mapping]]] = ..., convention: _Optional[_Union[Convention, str]] = ...) -> None: ...
 
 class QuantizeParamsRequest(_message.Message):
-    __slots__ = ("recipe", "header", "chunk")
+    __slots__ = ("recipe", "header", "chunk", "upload_id")
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     recipe: Recipe
     header: TensorHeader
     chunk: TensorChunk
-    def __init__(self, recipe: _Optional[_Union[Recipe, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    upload_id: str
+    def __init__(self, recipe: _Optional[_Union[Recipe, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., upload_id: _Optional[str] = ...) -> None: ...
 
 class HowToQuantize(_message.Message):
     __slots__ = ("qtype", "channelwise_axes", "tiled_axes", "calibration_method")
@@ -228,7 +245,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("qmill_version", "jax_version", "device_kind", "device_description", "qtypes", "calibration_methods", "wire_dtypes", "max_message_bytes", "max_tensor_bytes", "max_chunk_bytes")
+    __slots__ = ("qmill_version", "jax_version", "device_kind", "device_description", "qtypes", "calibration_methods", "wire_dtypes", "max_message_bytes", "max_tensor_bytes", "max_chunk_bytes", "models", "odml_available", "odml_unavailable_reason", "max_upload_bytes")
     QMILL_VERSION_FIELD_NUMBER: _ClassVar[int]
     JAX_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +256,10 @@ class GetCapabilitiesResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    ODML_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    ODML_UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     qmill_version: str
     jax_version: str
     device_kind: str
@@ -249,4 +270,279 @@ class GetCapabilitiesResponse(_message.Message):
     max_message_bytes: int
     max_tensor_bytes: int
     max_chunk_bytes: int
-    def __init__(self, qmill_version: _Optional[str] = ..., jax_version: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_description: _Optional[str] = ..., qtypes: _Optional[_Iterable[str]] = ..., calibration_methods: _Optional[_Iterable[str]] = ..., wire_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    odml_available: bool
+    odml_unavailable_reason: str
+    max_upload_bytes: int
+    def __init__(self, qmill_version: _Optional[str] = ..., jax_version: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_description: _Optional[str] = ..., qtypes: _Optional[_Iterable[str]] = ..., calibration_methods: _Optional[_Iterable[str]] = ..., wire_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., odml_available: _Optional[bool] = ..., odml_unavailable_reason: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "description", "config_fields", "origin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    config_fields: _containers.RepeatedCompositeFieldContainer[ModelConfigField]
+    origin: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., config_fields: _Optional[_Iterable[_Union[ModelConfigField, _Mapping]]] = ..., origin: _Optional[str] = ...) -> None: ...
+
+class ModelConfigField(_message.Message):
+    __slots__ = ("name", "type", "default_json", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    default_json: str
+    description: str
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., default_json: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("name", "config_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    config_json: str
+    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class ModelRule(_message.Message):
+    __slots__ = ("module_path", "op_names", "weight_qtype", "act_qtype", "tile_size", "weight_calibration_method", "act_calibration_method", "act_static_scale")
+    MODULE_PATH_FIELD_NUMBER: _ClassVar[int]
+    OP_NAMES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_QTYPE_FIELD_NUMBER: _ClassVar[int]
+    ACT_QTYPE_FIELD_NUMBER: _ClassVar[int]
+    TILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CALIBRATION_METHOD_FIELD_NUMBER: _ClassVar[int]
+    ACT_CALIBRATION_METHOD_FIELD_NUMBER: _ClassVar[int]
+    ACT_STATIC_SCALE_FIELD_NUMBER: _ClassVar[int]
+    module_path: str
+    op_names: _containers.RepeatedScalarFieldContainer[str]
+    weight_qtype: str
+    act_qtype: str
+    tile_size: int
+    weight_calibration_method: str
+    act_calibration_method: str
+    act_static_scale: bool
+    def __init__(self, module_path: _Optional[str] = ..., op_names: _Optional[_Iterable[str]] = ..., weight_qtype: _Optional[str] = ..., act_qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., weight_calibration_method: _Optional[str] = ..., act_calibration_method: _Optional[str] = ..., act_static_scale: _Optional[bool] = ...) -> None: ...
+
+class StartUploadRequest(_message.Message):
+    __slots__ = ("total_bytes", "sha256", "format", "name")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    sha256: str
+    format: str
+    name: str
+    def __init__(self, total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., format: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class UploadRequest(_message.Message):
+    __slots__ = ("upload_id", "offset", "data", "crc32c")
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    upload_id: str
+    offset: int
+    data: bytes
+    crc32c: int
+    def __init__(self, upload_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class QueryUploadRequest(_message.Message):
+    __slots__ = ("upload_id",)
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    upload_id: str
+    def __init__(self, upload_id: _Optional[str] = ...) -> None: ...
+
+class UploadStatus(_message.Message):
+    __slots__ = ("upload_id", "committed_bytes", "total_bytes", "complete", "sha256", "expires_unix")
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    upload_id: str
+    committed_bytes: int
+    total_bytes: int
+    complete: bool
+    sha256: str
+    expires_unix: float
+    def __init__(self, upload_id: _Optional[str] = ..., committed_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., sha256: _Optional[str] = ..., expires_unix: _Optional[float] = ...) -> None: ...
+
+class CalibrateStart(_message.Message):
+    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "return_ptq_params")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PTQ_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSpec
+    params_upload_id: str
+    rules: _containers.RepeatedCompositeFieldContainer[ModelRule]
+    calibration_id: str
+    return_ptq_params: bool
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., return_ptq_params: _Optional[bool] = ...) -> None: ...
+
+class CalibrateRequest(_message.Message):
+    __slots__ = ("start", "batch", "chunk")
+    START_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    start: CalibrateStart
+    batch: TensorHeader
+    chunk: TensorChunk
+    def __init__(self, start: _Optional[_Union[CalibrateStart, _Mapping]] = ..., batch: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class CalibrateProgress(_message.Message):
+    __slots__ = ("batches", "examples")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    batches: int
+    examples: int
+    def __init__(self, batches: _Optional[int] = ..., examples: _Optional[int] = ...) -> None: ...
+
+class CalibrateSummary(_message.Message):
+    __slots__ = ("calibration_id", "batches_total", "examples_total", "seconds")
+    CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    calibration_id: str
+    batches_total: int
+    examples_total: int
+    seconds: float
+    def __init__(self, calibration_id: _Optional[str] = ..., batches_total: _Optional[int] = ..., examples_total: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CalibrateResponse(_message.Message):
+    __slots__ = ("progress", "stat", "param", "chunk", "summary")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STAT_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    progress: CalibrateProgress
+    stat: TensorHeader
+    param: TensorResult
+    chunk: TensorChunk
+    summary: CalibrateSummary
+    def __init__(self, progress: _Optional[_Union[CalibrateProgress, _Mapping]] = ..., stat: _Optional[_Union[TensorHeader, _Mapping]] = ..., param: _Optional[_Union[TensorResult, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., summary: _Optional[_Union[CalibrateSummary, _Mapping]] = ...) -> None: ...
+
+class ExportOdmlRequest(_message.Message):
+    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "input_shape", "input_dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSpec
+    params_upload_id: str
+    rules: _containers.RepeatedCompositeFieldContainer[ModelRule]
+    calibration_id: str
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    input_dtype: DType
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class OdmlModelInfo(_message.Message):
+    __slots__ = ("byte_length", "crc32c", "ops", "quantized_weights")
+    class QuantizedWeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    byte_length: int
+    crc32c: int
+    ops: _containers.RepeatedScalarFieldContainer[str]
+    quantized_weights: _containers.ScalarMap[str, int]
+    def __init__(self, byte_length: _Optional[int] = ..., crc32c: _Optional[int] = ..., ops: _Optional[_Iterable[str]] = ..., quantized_weights: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ExportOdmlResponse(_message.Message):
+    __slots__ = ("info", "chunk")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    info: OdmlModelInfo
+    chunk: TensorChunk
+    def __init__(self, info: _Optional[_Union[OdmlModelInfo, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("source", "destination", "recipe", "request_id", "output_format", "overwrite")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    destination: str
+    recipe: Recipe
+    request_id: str
+    output_format: str
+    overwrite: bool
+    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    source: str
+    destination: str
+    request_id: str
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+    error: str
+    created_unix: float
+    updated_unix: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., request_id: _Optional[str] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("job", "message")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    message: str
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("states", "all_tenants")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    ALL_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[JobState]
+    all_tenants: bool
+    def __init__(self, states: _Optional[_Iterable[_Union[JobState, str]]] = ..., all_tenants: _Optional[bool] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...

@@ -149,3 +149,615 @@ class Quantizer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class UploadsStub:
+    """---------------------------------------------------------------------------------------------
+    Uploads: parameters stored once on the server, named by later calls instead of streamed again.
+
+    Resumable, content-addressed uploads of one file (a safetensors file of the model's params,
+    keys '/'-joined tree paths). The same bytes uploaded twice are stored once.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.StartUpload = channel.unary_unary(
+                '/qmill.v1.Uploads/StartUpload',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.StartUploadRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.FromString,
+                _registered_method=True)
+        self.Upload = channel.stream_unary(
+                '/qmill.v1.Uploads/Upload',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.FromString,
+                _registered_method=True)
+        self.QueryUpload = channel.unary_unary(
+                '/qmill.v1.Uploads/QueryUpload',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.QueryUploadRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.FromString,
+                _registered_method=True)
+
+
+class UploadsServicer:
+    """---------------------------------------------------------------------------------------------
+    Uploads: parameters stored once on the server, named by later calls instead of streamed again.
+
+    Resumable, content-addressed uploads of one file (a safetensors file of the model's params,
+    keys '/'-joined tree paths). The same bytes uploaded twice are stored once.
+    """
+
+    def StartUpload(self, request, context):
+        """Announces an upload; returns its id. With a sha256 the server already holds, the returned
+        status is complete at once. Errors: RESOURCE_EXHAUSTED (over the size limit or the quota).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Upload(self, request_iterator, context):
+        """Sends bytes from the committed offset on. Every message carries the upload id and the offset
+        of its data. Errors: OUT_OF_RANGE (offset is not the committed offset: call QueryUpload and
+        resume from there), DATA_LOSS (crc32c mismatch; nothing of that message is kept),
+        NOT_FOUND (unknown or expired id), RESOURCE_EXHAUSTED (disk full or quota).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryUpload(self, request, context):
+        """The committed offset, to resume after a disconnect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_UploadsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'StartUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartUpload,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.StartUploadRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.SerializeToString,
+            ),
+            'Upload': grpc.stream_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.SerializeToString,
+            ),
+            'QueryUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryUpload,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.QueryUploadRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'qmill.v1.Uploads', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('qmill.v1.Uploads', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Uploads:
+    """---------------------------------------------------------------------------------------------
+    Uploads: parameters stored once on the server, named by later calls instead of streamed again.
+
+    Resumable, content-addressed uploads of one file (a safetensors file of the model's params,
+    keys '/'-joined tree paths). The same bytes uploaded twice are stored once.
+    """
+
+    @staticmethod
+    def StartUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qmill.v1.Uploads/StartUpload',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.StartUploadRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/qmill.v1.Uploads/Upload',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qmill.v1.Uploads/QueryUpload',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.QueryUploadRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.UploadStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class CalibratorStub:
+    """---------------------------------------------------------------------------------------------
+    Calibrate: activation statistics for static-range quantization.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Calibrate = channel.stream_stream(
+                '/qmill.v1.Calibrator/Calibrate',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateResponse.FromString,
+                _registered_method=True)
+
+
+class CalibratorServicer:
+    """---------------------------------------------------------------------------------------------
+    Calibrate: activation statistics for static-range quantization.
+
+    """
+
+    def Calibrate(self, request_iterator, context):
+        """The first request is a CalibrateStart; then each tensor (header + chunks) is one batch of the
+        model's input. The server runs the model with QT static-range statistics and merges them
+        exactly (sums and counts) across batches and, with a calibration_id, across calls. Responses:
+        progress after each batch, then the merged quant_stats (a header and chunks per leaf), then
+        (when asked) the static-range PTQ params exactly as QuantizeParams streams results, then a
+        summary. Errors: NOT_FOUND (model, upload or calibration id), INVALID_ARGUMENT (config,
+        rules, batch shape or dtype), FAILED_PRECONDITION (params do not fit the model).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CalibratorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Calibrate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calibrate,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'qmill.v1.Calibrator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('qmill.v1.Calibrator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Calibrator:
+    """---------------------------------------------------------------------------------------------
+    Calibrate: activation statistics for static-range quantization.
+
+    """
+
+    @staticmethod
+    def Calibrate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/qmill.v1.Calibrator/Calibrate',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class OdmlExporterStub:
+    """---------------------------------------------------------------------------------------------
+    ExportOdml: a LiteRT (.tflite) model carrying qmill's quantized values and scales.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ExportOdml = channel.unary_stream(
+                '/qmill.v1.OdmlExporter/ExportOdml',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ExportOdmlRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ExportOdmlResponse.FromString,
+                _registered_method=True)
+
+
+class OdmlExporterServicer:
+    """---------------------------------------------------------------------------------------------
+    ExportOdml: a LiteRT (.tflite) model carrying qmill's quantized values and scales.
+
+    """
+
+    def ExportOdml(self, request, context):
+        """Builds the model, quantizes it as the rules say (static-range activations use the named
+        calibration's stats) and streams the .tflite bytes back. Errors: UNIMPLEMENTED (the server
+        lacks the qmill[odml] extra), NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION (a rule asks
+        for something LiteRT cannot store, or static-range rules without a calibration).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_OdmlExporterServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ExportOdml': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportOdml,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ExportOdmlRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ExportOdmlResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'qmill.v1.OdmlExporter', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('qmill.v1.OdmlExporter', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class OdmlExporter:
+    """---------------------------------------------------------------------------------------------
+    ExportOdml: a LiteRT (.tflite) model carrying qmill's quantized values and scales.
+
+    """
+
+    @staticmethod
+    def ExportOdml(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/qmill.v1.OdmlExporter/ExportOdml',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.ExportOdmlRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.ExportOdmlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class JobsStub:
+    """---------------------------------------------------------------------------------------------
+    Batch jobs: checkpoints the server reads and writes itself (local/mounted paths or object-store
+    URLs), kept across server restarts.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SubmitJob = channel.unary_unary(
+                '/qmill.v1.Jobs/SubmitJob',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/qmill.v1.Jobs/GetJob',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.FromString,
+                _registered_method=True)
+        self.WatchJob = channel.unary_stream(
+                '/qmill.v1.Jobs/WatchJob',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.JobEvent.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/qmill.v1.Jobs/ListJobs',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/qmill.v1.Jobs/CancelJob',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.FromString,
+                _registered_method=True)
+
+
+class JobsServicer:
+    """---------------------------------------------------------------------------------------------
+    Batch jobs: checkpoints the server reads and writes itself (local/mounted paths or object-store
+    URLs), kept across server restarts.
+
+    """
+
+    def SubmitJob(self, request, context):
+        """Starts a job, or returns the existing one with the same request_id (for this tenant).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchJob(self, request, context):
+        """The job's state now, then a new event on every change until it ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Stops a queued or running job; nothing is written to its destination.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JobsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SubmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.SubmitJobRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.SerializeToString,
+            ),
+            'WatchJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJob,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.JobEvent.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ListJobsRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'qmill.v1.Jobs', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('qmill.v1.Jobs', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Jobs:
+    """---------------------------------------------------------------------------------------------
+    Batch jobs: checkpoints the server reads and writes itself (local/mounted paths or object-store
+    URLs), kept across server restarts.
+
+    """
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qmill.v1.Jobs/SubmitJob',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.SubmitJobRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qmill.v1.Jobs/GetJob',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/qmill.v1.Jobs/WatchJob',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qmill.v1.Jobs/ListJobs',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.ListJobsRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qmill.v1.Jobs/CancelJob',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.GetJobRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
