@@ -1,0 +1,119 @@
+"""Checks bit-for-bit agreement with the reference ON THE CURRENT DEVICE (e.g. a GPU).
+
+golden_test.py compares against fixtures the reference produced on CPU. On another backend XLA
+may round some steps differently (division, sqrt, fused multiply-add), and then the reference
+itself no longer matches its CPU fixtures. This script runs the reference (Qwix 0.1.8, a black-box
+oracle, never a dependency) and qmill side by side on the default device, for every golden case,
+and prints where qmill differs from the reference on that device and where either differs from
+the CPU fixtures. Run by hand where qwix is importable:
+
+    python tests/engine/device_parity.py
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from qwix._src.core import qarray as ref_qarray
+
+from qmill.engine import qarray
+
+_DATA = np.load(pathlib.Path(__file__).parent / "golden" / "cases.npz")
+_META = json.loads(str(_DATA["meta"]))
+
+
+def _parts(q) -> dict[str, np.ndarray]:
+    parts = {
+        "qvalue": np.asarray(q.qvalue).astype(np.float32),
+        "scale": np.asarray(q.scale).astype(np.float32),
+    }
+    if q.zero_point is not None:
+        parts["zero_point"] = np.asarray(q.zero_point).astype(np.float32)
+    return parts
+
+
+def _golden(case: dict) -> dict[str, np.ndarray]:
+    p = f"c{case['id']}/"
+    parts = {
+        "qvalue": _DATA[p + "qvalue"],
+        "scale": _DATA[p + "scale"].view(jnp.dtype(case["scale_dtype_out"])).astype(np.float32),
+    }
+    if p + "zero_point" in _DATA:
+        parts["zero_point"] = _DATA[p + "zero_point"].astype(np.float32)
+    return parts
+
+
+def _diff(a: dict, b: dict) -> str:
+    out = []
+    for k in a:
+        if k not in b or a[k].shape != b[k].shape:
+            out.append(f"{k}:structure")
+        elif not np.array_equal(a[k], b[k], equal_nan=True):
+            n = int(np.sum(a[k] != b[k]))
+            out.append(f"{k}:{n}/{a[k].size}")
+    return " ".join(out)
+
+
+def main() -> None:
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    bad_vs_ref = bad_ref_vs_cpu = 0
+    for case in _META:
+        p = f"c{case['id']}/"
+        x = jnp.asarray(_DATA[p + "x"].view(jnp.dtype(case["dtype"])))
+        tiled = {a: t for a, t in case["tiled_axes"]}
+        noise_fn = None
+        if case["noise"]:
+            noise = jnp.asarray(_DATA[p + "noise"])
+            noise_fn = lambda shape, n=noise: n.reshape(shape)  # noqa: E731
+        cw = tuple(case["channelwise_axes"])
+        method = case["calibration_method"]
+        sdt = case["scale_dtype"]
+        if noise_fn is not None:
+            ref_how = ref_qarray.HowToQuantize(
+                qtype=case["qtype"],
+                channelwise_axes=cw,
+                tiled_axes=tiled,
+                calibration_method=method,
+                noise_fn=noise_fn,
+            )
+            ref = ref_qarray.quantize(x, ref_how)
+        else:
+            ref = qwix.quantize(
+                x,
+                case["qtype"],
+                channelwise_axes=cw,
+                tiled_axes=tiled,
+                calibration_method=method,
+                scale_dtype=sdt,
+            )
+        how = qarray.HowToQuantize(
+            qtype=case["qtype"],
+            channelwise_axes=cw,
+            tiled_axes=tiled,
+            calibration_method=method,
+            noise_fn=noise_fn,
+        )
+        ours = qarray.quantize(x, how, scale_dtype=sdt)
+        d_ref = _diff(_parts(ours), _parts(ref))
+        d_cpu = _diff(_parts(ref), _golden(case))
+        bad_vs_ref += bool(d_ref)
+        bad_ref_vs_cpu += bool(d_cpu)
+        if d_ref or d_cpu:
+            print(
+                f"case {case['id']:3d} {case['qtype']:>16} {case['dtype']:>8} {method:>12} "
+                f"cw{cw} t{tiled} s{sdt}: qmill-vs-ref[{d_ref or 'same'}] "
+                f"ref-vs-cpu[{d_cpu or 'same'}]"
+            )
+    print(
+        f"{len(_META)} cases: qmill differs from the reference on this device in {bad_vs_ref}; "
+        f"the reference differs from its CPU fixtures in {bad_ref_vs_cpu}"
+    )
+
+
+if __name__ == "__main__":
+    main()
