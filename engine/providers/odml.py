@@ -1,0 +1,417 @@
+"""ODML (LiteRT) modes: QAT for edge targets, and the conversion mode that exports qmill's scales.
+
+Lingo:
+  fake quant      x -> dequantize(quantize(x)) with a given scale (and zero point).
+  composite       a StableHLO op wrapping a decomposition; here every fake quant of the conversion
+                  model is a composite named ``quant.fake_quant`` whose attributes carry the scale,
+                  zero point, storage dtype ("i8", "i4", "i16"), narrow_range and the per-channel
+                  axis (``quantization_dimension``, -1 per tensor). The LiteRT converter in strict
+                  QDQ mode turns each one into a quantized tensor with exactly those parameters.
+  model output    LiteRT kernels are integer end to end only when the graph's output is quantized
+                  too; its static range is the statistic ``model_output`` at the top of
+                  quant_stats, which OdmlQatProvider records.
+
+What LiteRT can store, and so what these providers accept: one scale per tensor or per channel
+along one axis (no sub-channel tiles), symmetric weights, per-tensor activations with static
+scales. Anything else raises ``LiteRtUnsupported`` naming the rule to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from qmill.engine import averaging, flax_util, qarray, qtypes, rules
+from qmill.engine.providers import qt
+
+COMPOSITE_NAME = "quant.fake_quant"
+MODEL_OUTPUT = "model_output"
+# qmill qtype -> the converter's storage dtype name.
+_LITERT_DTYPES = {"int8": "i8", "int4": "i4", "int16": "i16"}
+# Views a weight may reach its op through: a reshape keeps the per-channel scales meaningful.
+_WEIGHT_VIEWS = frozenset({"reshape", "squeeze", "astype"})
+
+
+class LiteRtUnsupported(ValueError):
+    """A rule asks for a quantization that a LiteRT model cannot store."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FakeQuantRecord:
+    """One fake quant of an exported model, as the converter receives it."""
+
+    # '/'-joined module path and param or activation name ("Dense_0/kernel", "Conv_1/..._lhs").
+    name: str
+    # "weight", "activation" or "output".
+    kind: str
+    qtype: str
+    # One entry per channel along quantization_dimension, or one entry per tensor.
+    scale: np.ndarray
+    # Per tensor; None when symmetric.
+    zero_point: int | None
+    # The per-channel axis of the float tensor; -1 per tensor.
+    quantization_dimension: int
+    # Weights: qmill's integer values (int8 numpy), in the weight's layout; None for activations.
+    qvalue: np.ndarray | None = None
+
+
+def litert_dtype(qtype: Any) -> str:
+    """The converter's dtype name for a qtype LiteRT stores, else LiteRtUnsupported."""
+    name = qtypes.name(qtype)
+    if name not in _LITERT_DTYPES:
+        raise LiteRtUnsupported(
+            f"LiteRT models store {', '.join(_LITERT_DTYPES)} tensors, not {name}; change the "
+            "rule's qtype."
+        )
+    return _LITERT_DTYPES[name]
+
+
+def _broadcast_shape(ndim: int, axis: int) -> tuple[int, ...]:
+    return tuple(-1 if a == axis else 1 for a in range(ndim))
+
+
+def fake_quant_composite(
+    x: jax.Array,
+    *,
+    qtype: Any,
+    scale: np.ndarray,
+    zero_point: int | None = None,
+    quantization_dimension: int = -1,
+) -> jax.Array:
+    """x fake-quantized with qmill's numerics, wrapped in a ``quant.fake_quant`` composite."""
+    qt_name = qtypes.name(qtype)
+    storage = qtypes.get(qt_name).storage
+
+    def decomposition(x, *, scale, dtype, narrow_range, quantization_dimension, zero_point=None):
+        del dtype, narrow_range  # attributes for the converter; qt_name says the same
+        per_channel = scale.size > 1
+        shape = _broadcast_shape(x.ndim, int(quantization_dimension)) if per_channel else None
+        s = jnp.asarray(scale, x.dtype).reshape(shape or (1,) * x.ndim)
+        zp = None if zero_point is None else jnp.full(s.shape, zero_point, storage)
+        q = qarray.quantize_with_scale_zero_point(x, qt_name, s.astype(x.dtype), zp)
+        return qarray.dequantize(q).astype(x.dtype)
+
+    return jax.lax.composite(decomposition, COMPOSITE_NAME)(
+        x,
+        scale=np.asarray(scale, np.float32).reshape(-1),
+        zero_point=None if zero_point is None else np.int64(zero_point),
+        dtype=litert_dtype(qt_name),
+        # qmill's symmetric int bound is qmax + 0.5, so -128 (-8 for int4) is used: full range.
+        narrow_range=False,
+        quantization_dimension=np.int64(quantization_dimension),
+    )
+
+
+def weight_axis(how: qarray.HowToQuantize, shape: Sequence[int], where: str) -> int:
+    """The one per-channel axis of a weight quantized as ``how`` (-1: per tensor)."""
+    if how.tiled_axes:
+        raise LiteRtUnsupported(
+            f"{where}: LiteRT stores one scale per channel, not per tile; remove tile_size from "
+            "the rule."
+        )
+    axes = [a for a in how.channelwise_axes if shape[a] > 1]
+    if len(axes) > 1:
+        raise LiteRtUnsupported(
+            f"{where}: the weight has scales along axes {axes}; LiteRT stores them along one axis "
+            "only. Exclude this module from the rules."
+        )
+    return axes[0] if axes else (how.channelwise_axes[0] if how.channelwise_axes else -1)
+
+
+def _per_tensor(how: qarray.HowToQuantize) -> qarray.HowToQuantize:
+    return dataclasses.replace(how, channelwise_axes=())
+
+
+def _fake_quant_ste(x: jax.Array, how: qarray.HowToQuantize) -> jax.Array:
+    fq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(x), how)).astype(x.dtype)
+    return x + jax.lax.stop_gradient(fq - x)
+
+
+def _static_rule(rules_: Sequence[rules.QuantizationRule]) -> rules.QuantizationRule | None:
+    """The rule that sets how the model output is quantized: the first static-range one."""
+    return next((r for r in rules_ if r.resolved_act_static_scale and r.act_qtype), None)
+
+
+def _output_how(rule: rules.QuantizationRule) -> qarray.HowToQuantize:
+    # One calibration per batch (not per example averaged over the batch, as for op inputs): the
+    # output is what users read, and a range covering each batch's extremes rarely clips it.
+    return qarray.HowToQuantize(
+        qtype=rule.act_qtype, calibration_method=rule.resolved_act_calibration_method
+    )
+
+
+def _output_names(out: Any) -> list[str]:
+    leaves = jax.tree.leaves(out)
+    return (
+        [MODEL_OUTPUT] if len(leaves) == 1 else [f"{MODEL_OUTPUT}_{i}" for i in range(len(leaves))]
+    )
+
+
+def _check_static(rule: rules.QuantizationRule, where: str) -> None:
+    if not rule.resolved_act_static_scale:
+        raise LiteRtUnsupported(
+            f"{where}: LiteRT integer kernels need static activation scales; set "
+            "act_static_scale=True (and calibrate), or drop act_qtype for weight-only."
+        )
+
+
+class OdmlQatProvider(qt.QtProvider):
+    """Quantization-aware training (and calibration) for models exported to LiteRT.
+
+    Compared with QtProvider: only what LiteRT stores is accepted (per-channel or per-tensor
+    weights, static-range per-tensor activations), and the model output is fake-quantized with its
+    own static statistic (``model_output``), so the exported model is integer end to end.
+    """
+
+    def __init__(
+        self,
+        rules_: Sequence[rules.QuantizationRule],
+        *,
+        disable_per_channel_weights: bool = False,
+        strict: bool = True,
+    ) -> None:
+        super().__init__(rules_)
+        # One scale per weight tensor instead of one per output channel.
+        self._per_tensor_weights = disable_per_channel_weights
+        # Raise on rules LiteRT can't store (else they are trained as asked, export will refuse).
+        self._strict = strict
+
+    def _run(self, rule, op_id, module, lhs, rhs, how, compute) -> jax.Array:
+        where = "/".join(flax_util.module_path(module)) + f" {op_id}"
+        operands = []
+        for side, x in (("lhs", lhs), ("rhs", rhs)):
+            for_lhs = side == "lhs"
+            if flax_util.find_param(x, module) is not None:
+                h = how(
+                    for_lhs=for_lhs,
+                    qtype=rule.weight_qtype,
+                    calibration_method=rule.weight_calibration_method,
+                )
+                h = _per_tensor(h) if self._per_tensor_weights else h
+                if self._strict:
+                    litert_dtype(h.qtype)
+                    weight_axis(h, x.shape, where)
+                x = _fake_quant_ste(x, h)
+            elif rule.act_qtype is not None:
+                if self._strict:
+                    litert_dtype(rule.act_qtype)
+                    _check_static(rule, where)
+                h = how(
+                    for_lhs=for_lhs,
+                    qtype=rule.act_qtype,
+                    calibration_method=rule.resolved_act_calibration_method,
+                )
+                name = None if op_id is None else f"{op_id}_{side}"
+                x = x + jax.lax.stop_gradient(self.fake_quant_act(module, x, h, rule, name) - x)
+            operands.append(x)
+        return compute(*operands)
+
+    def model_output(self, module: Any, out: Any) -> Any:
+        """Hook of quantize_model: fake-quantizes the model output with its running statistic."""
+        rule = _static_rule(self.rules)
+        if rule is None or module is None:
+            return out
+        leaves, tree = jax.tree.flatten(out)
+        names = _output_names(out)
+        done = []
+        for name, y in zip(names, leaves, strict=True):
+            if isinstance(y, jax.Array) and jnp.issubdtype(y.dtype, jnp.floating):
+                with _variables_allowed(module):
+                    fq = self.fake_quant_act(module, y, _output_how(rule), rule, name)
+                y = y + jax.lax.stop_gradient(fq - y)
+            done.append(y)
+        return jax.tree.unflatten(tree, done)
+
+
+class OdmlConversionProvider(qt.QtProvider):
+    """The model as LiteRT will run it: every fake quant is a ``quant.fake_quant`` composite.
+
+    Scales are computed eagerly (in numpy terms) from ``params`` with qmill's own quantization,
+    and, for static-range activations, from ``quant_stats``; the composites carry them to the
+    converter. Export the model with its params closed over (constants), e.g.
+    ``jax.export.export(jax.jit(lambda x: model.apply({"params": params}, x)))``.
+
+    Supported: weight-only quantization and static-range quantization.
+    """
+
+    def __init__(
+        self,
+        rules_: Sequence[rules.QuantizationRule],
+        params: Any,
+        quant_stats: Any = None,
+        *,
+        disable_per_channel_weights: bool = False,
+    ) -> None:
+        super().__init__(rules_)
+        # Float params (pure dict); weights are looked up here when the model sees tracers.
+        self._params = flax_util.unbox(params) if params is not None else {}
+        # Static-range statistics (pure dict, as QT / OdmlQatProvider collect them).
+        self._stats = flax_util.unbox(quant_stats) if quant_stats is not None else {}
+        self._per_tensor_weights = disable_per_channel_weights
+        # Every fake quant of the last trace, by name (the export's info and tests read them).
+        self.records: dict[str, FakeQuantRecord] = {}
+
+    # ---- ops --------------------------------------------------------------------------------
+
+    def _run(self, rule, op_id, module, lhs, rhs, how, compute) -> jax.Array:
+        path = "/".join(flax_util.module_path(module))
+        operands = []
+        for side, x in (("lhs", lhs), ("rhs", rhs)):
+            for_lhs = side == "lhs"
+            ref = flax_util.find_param(x, module)
+            if ref is not None:
+                h = how(
+                    for_lhs=for_lhs,
+                    qtype=rule.weight_qtype,
+                    calibration_method=rule.weight_calibration_method,
+                )
+                x = self._weight(module, ref, x, h, _join(path, ref.name))
+            elif rule.act_qtype is not None:
+                name = _join(path, f"{op_id}_{side}")
+                _check_static(rule, name)
+                x = self._activation(x, rule, self._stat(module, f"{op_id}_{side}"), name)
+            operands.append(x)
+        return compute(*operands)
+
+    def model_output(self, module: Any, out: Any) -> Any:
+        """Hook of quantize_model: the output's composite, when quant_stats has its statistic."""
+        rule = _static_rule(self.rules)
+        if rule is None or module is None:
+            return out
+        leaves, tree = jax.tree.flatten(out)
+        done = []
+        for name, y in zip(_output_names(out), leaves, strict=True):
+            stat = self._stat(module, name, required=False)
+            if stat is not None and jnp.issubdtype(y.dtype, jnp.floating):
+                y = self._activation(y, rule, stat, name, kind="output")
+            done.append(y)
+        return jax.tree.unflatten(tree, done)
+
+    # ---- weights and activations ----------------------------------------------------------
+
+    def _weight(self, module, ref, x, how, name) -> jax.Array:
+        bad = [v for v in ref.views if v not in _WEIGHT_VIEWS]
+        if bad:
+            raise LiteRtUnsupported(
+                f"{name} reaches its op through {bad}; store the weight in the layout its op "
+                "uses, or exclude the module from the rules."
+            )
+        how = _per_tensor(how) if self._per_tensor_weights else how
+        axis = weight_axis(how, x.shape, name)
+        litert_dtype(how.qtype)
+        value = self._concrete_weight(module, ref, x, name)
+        with jax.ensure_compile_time_eval():
+            qa = qarray.quantize(jnp.asarray(value, np.float32), how)
+            if qa.zero_point is not None:
+                raise LiteRtUnsupported(
+                    f"{name}: LiteRT weights are symmetric; use an absmax weight calibration."
+                )
+            # The composite's input is qmill's dequantized weight: the converter's
+            # round(w / scale) then gives back qmill's integer values exactly.
+            dequantized = np.asarray(qarray.dequantize(qa), np.float32)
+            scale = np.asarray(qa.scale, np.float32).reshape(-1)
+            qvalue = np.asarray(qa.qvalue).astype(np.int8)
+        self.records[name] = FakeQuantRecord(
+            name=name,
+            kind="weight",
+            qtype=how.qtype,
+            scale=scale,
+            zero_point=None,
+            quantization_dimension=axis,
+            qvalue=qvalue,
+        )
+        return fake_quant_composite(
+            jnp.asarray(dequantized, x.dtype),
+            qtype=how.qtype,
+            scale=scale,
+            quantization_dimension=axis,
+        )
+
+    def _concrete_weight(self, module, ref, x, name) -> np.ndarray:
+        stored = _lookup(self._params, (*flax_util.module_path(module), ref.name))
+        if stored is not None:
+            return np.asarray(stored).reshape(x.shape)
+        if isinstance(x, jax.core.Tracer):
+            raise ValueError(
+                f"{name} is traced and not in the params given to OdmlConversionProvider; pass "
+                "the model's float params to the provider."
+            )
+        return np.asarray(x)
+
+    def _stat(self, module, name, *, required=True) -> Mapping[str, Any] | None:
+        path = (*flax_util.module_path(module), name)
+        stat = _lookup(self._stats, path)
+        if stat is None and required:
+            raise ValueError(
+                f"no quant_stats for {'/'.join(path)}: static-range export needs statistics "
+                "from a calibration with the same rules."
+            )
+        if stat is not None and int(stat["count"]) == 0:
+            raise ValueError(f"quant_stats for {'/'.join(path)} hold no batches (count 0).")
+        return stat
+
+    def _activation(self, x, rule, stat, name, kind="activation") -> jax.Array:
+        litert_dtype(rule.act_qtype)
+        with jax.ensure_compile_time_eval():
+            axes = tuple(rule.act_batch_axes)
+            calibration = {
+                k: jnp.mean(jnp.asarray(v), axis=axes, keepdims=True)
+                for k, v in averaging.calibration(stat).items()
+            }
+            scale, zero_point = qarray.compute_scale_zero_point(calibration, rule.act_qtype)
+            scale = np.asarray(scale, np.float32).reshape(-1)
+            zp = None if zero_point is None else np.asarray(zero_point).reshape(-1)
+        if scale.size != 1:
+            raise LiteRtUnsupported(
+                f"{name}: the statistics give {scale.size} activation scales; LiteRT stores one "
+                "per activation tensor. Set act_batch_axes to every axis but the channel one."
+            )
+        zp_int = None if zp is None else int(zp[0])
+        self.records[name] = FakeQuantRecord(
+            name=name,
+            kind=kind,
+            qtype=qtypes.name(rule.act_qtype),
+            scale=scale,
+            zero_point=zp_int,
+            quantization_dimension=-1,
+        )
+        return fake_quant_composite(x, qtype=rule.act_qtype, scale=scale, zero_point=zp_int)
+
+
+@contextlib.contextmanager
+def _variables_allowed(module: Any) -> Iterator[None]:
+    """Lets the output hook create the statistic of a Linen module after its compact method.
+
+    quantize_model calls the hook once the model's method has returned, and Linen only creates
+    variables inside setup / compact methods; the module's scope is still bound here, so the
+    statistic lands in the module's quant_stats as if the method had created it.
+    """
+    state = getattr(module, "_state", None) if isinstance(module, nn.Module) else None
+    if state is None:
+        yield
+        return
+    before = state.in_compact_method
+    state.in_compact_method = True
+    try:
+        yield
+    finally:
+        state.in_compact_method = before
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}/{name}" if path else name
+
+
+def _lookup(tree: Any, path: Sequence[str]) -> Any:
+    for key in path:
+        if not isinstance(tree, Mapping) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
