@@ -27,8 +27,14 @@ COPY --from=build /opt/qmill /opt/qmill
 ENV PATH=/opt/qmill/bin:$PATH PYTHONUNBUFFERED=1
 RUN useradd --system --uid 10001 --no-create-home qmill
 USER 10001
-EXPOSE 50051
+# 50051: gRPC; 9464: Prometheus /metrics.
+EXPOSE 50051 9464
 # The gRPC health service answers SERVING once the server is up, NOT_SERVING while it drains.
+# (It probes plaintext; with TLS, use the orchestrator's gRPC probe or --health-cmd instead.)
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')); sys.exit(0 if s.Check(h.HealthCheckRequest(), timeout=4).status == h.HealthCheckResponse.SERVING else 1)"]
-ENTRYPOINT ["qmill", "serve", "--host", "0.0.0.0", "--port", "50051"]
+ENTRYPOINT ["qmill", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464"]
+# A non-loopback bind needs TLS or an explicit --insecure (e.g. behind a TLS-terminating mesh).
+# For TLS and tokens, replace this with e.g.:
+#   --tls-cert /certs/tls.crt --tls-key /certs/tls.key [--client-ca /certs/ca.crt] --tokens /etc/qmill/tokens.toml
+CMD ["--insecure"]

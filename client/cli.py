@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from qmill.client import checkpoints, errors, job, recipes, report
+from qmill.client import checkpoints, credentials, errors, job, recipes, report
 
 USER_ERRORS = (
     errors.QmillError,
@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--report-json", help="also write the per-tensor report as JSON to this file")
     q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
+    credentials.add_arguments(q)
 
     s = sub.add_parser("serve", help="run the qmill gRPC server")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
@@ -59,14 +60,42 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=2, help="threads running the engine")
     s.add_argument("--max-tensor-bytes", type=int, help="largest tensor accepted")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to finish calls on SIGTERM")
-    s.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
+    s.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     s.add_argument("--log-level", default="INFO")
+    sec = s.add_argument_group(
+        "security", "no flags: plaintext, no tokens, loopback only (see README, Security)"
+    )
+    sec.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
+    sec.add_argument("--tls-key", metavar="PEM", help="server private key")
+    sec.add_argument("--client-ca", metavar="PEM", help="require client certificates (mTLS)")
+    sec.add_argument("--tokens", metavar="FILE", help="token table, TOML or JSON ($QMILL_TOKENS)")
+    sec.add_argument(
+        "--insecure", action="store_true", help="allow plaintext on a non-loopback --host"
+    )
+    lim = s.add_argument_group("limits", "over a limit: RESOURCE_EXHAUSTED with a retry hint")
+    lim.add_argument("--max-concurrent-streams", type=int, help="streaming calls at once")
+    lim.add_argument("--max-inflight-bytes", type=int, help="tensor bytes held, all calls")
+    lim.add_argument("--max-tenant-inflight-bytes", type=int, help="the same, per tenant")
+    lim.add_argument("--max-upload-bytes", type=int, help="largest upload accepted")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
 
     i = sub.add_parser("inspect", help="list a checkpoint's tensors")
     i.add_argument("checkpoint")
 
     c = sub.add_parser("capabilities", help="what a server supports")
     c.add_argument("--server", required=True, help="HOST:PORT")
+    credentials.add_arguments(c)
+
+    e = sub.add_parser("export-odml", help="export a LiteRT (.tflite) model from a server")
+    e.add_argument("--server", required=True, help="HOST:PORT")
+    e.add_argument("--model", required=True, help="model name in the server's registry")
+    e.add_argument("--model-config", default="", help="the model's config as a JSON object")
+    e.add_argument("--params", required=True, help="upload id of the model's float params")
+    e.add_argument("--calibration-id", default="", help="for static-range rules (w8a8)")
+    e.add_argument("--rules", default="int8", choices=["int8", "int4", "w8a8"])
+    e.add_argument("--input-shape", default="1,8,8,1", help="one model input, batch first")
+    e.add_argument("-o", "--output", required=True, help="the .tflite file to write")
+    credentials.add_arguments(e)
     return parser
 
 
@@ -75,7 +104,9 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.server:
         from qmill.client import remote
 
-        backend = remote.Client(args.server, timeout=args.timeout)
+        backend = remote.Client(
+            args.server, timeout=args.timeout, credentials=credentials.from_args(args)
+        )
     else:
         from qmill.client import embedded
 
@@ -104,7 +135,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from qmill.server import app, config  # lazy: the server pulls in jax
+    from qmill.server import app, auth, config  # lazy: the server pulls in jax
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -114,10 +145,23 @@ def _serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "workers": args.workers,
         "grace_seconds": args.grace,
-        "reflection": not args.no_reflection,
+        "reflection": args.reflection,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "client_ca": args.client_ca,
+        "insecure": args.insecure,
+        "tokens": auth.TokenTable.load(args.tokens) if args.tokens else auth.TokenTable.from_env(),
+        "metrics_port": args.metrics_port,
     }
-    if args.max_tensor_bytes:
-        fields["max_tensor_bytes"] = args.max_tensor_bytes
+    for name in (
+        "max_tensor_bytes",
+        "max_concurrent_streams",
+        "max_inflight_bytes",
+        "max_tenant_inflight_bytes",
+        "max_upload_bytes",
+    ):
+        if getattr(args, name):
+            fields[name] = getattr(args, name)
     asyncio.run(app.serve(config.ServerConfig(**fields)))
     return 0
 
@@ -140,7 +184,7 @@ def _inspect(args: argparse.Namespace, out: Console) -> int:
 def _capabilities(args: argparse.Namespace, out: Console) -> int:
     from qmill.client import remote
 
-    with remote.Client(args.server) as client:
+    with remote.Client(args.server, credentials=credentials.from_args(args)) as client:
         caps = client.capabilities()
     out.print(
         f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {caps.device_kind}: "
@@ -149,6 +193,28 @@ def _capabilities(args: argparse.Namespace, out: Console) -> int:
     out.print("qtypes: " + ", ".join(caps.qtypes))
     out.print("calibration methods: " + ", ".join(caps.calibration_methods))
     out.print(f"max tensor bytes: {caps.max_tensor_bytes:,}")
+    return 0
+
+
+def _export_odml(args: argparse.Namespace, out: Console) -> int:
+    from qmill.client import export_odml
+    from qmill.proto.v1 import qmill_pb2 as pb
+
+    shape = [int(d) for d in args.input_shape.split(",") if d.strip()]
+    request = pb.ExportOdmlRequest(
+        model=pb.ModelSpec(name=args.model, config_json=args.model_config),
+        params_upload_id=args.params,
+        rules=export_odml.PRESETS[args.rules],
+        calibration_id=args.calibration_id,
+        input_shape=shape,
+        input_dtype=pb.DTYPE_F32,
+    )
+    creds = credentials.from_args(args)
+    with contextlib.closing(credentials.channel(args.server, creds, [])) as channel:
+        result = export_odml.export_odml(channel, request, args.output)
+    weights = ", ".join(f"{k} {v}" for k, v in sorted(result.info.quantized_weights.items()))
+    out.print(f"wrote {result.path} ({result.info.byte_length:,} bytes; weights: {weights})")
+    out.print("ops: " + " ".join(result.info.ops))
     return 0
 
 
@@ -162,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "inspect":
             return _inspect(args, out)
+        if args.command == "export-odml":
+            return _export_odml(args, out)
         return _capabilities(args, out)
     except USER_ERRORS as e:
         print(f"qmill: error: {e}", file=sys.stderr)

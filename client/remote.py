@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from qmill.client import credentials as credentials_lib
 from qmill.client import errors, streaming
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
@@ -70,10 +71,18 @@ class Client:
                 ...
     """
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        credentials: credentials_lib.Credentials | None = None,
+    ) -> None:
+        """`credentials`: TLS, token and request id; default plaintext with $QMILL_TOKEN."""
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=_OPTIONS)
+        creds = credentials if credentials is not None else credentials_lib.default()
+        self._channel = credentials_lib.channel(target, creds, _OPTIONS)
         self._stub = pb_grpc.QuantizerStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -132,10 +141,17 @@ class Client:
 class AsyncClient:
     """asyncio qmill client, the same calls as Client."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        credentials: credentials_lib.Credentials | None = None,
+    ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=_OPTIONS)
+        creds = credentials if credentials is not None else credentials_lib.default()
+        self._channel = credentials_lib.aio_channel(target, creds, _OPTIONS)
         self._stub = pb_grpc.QuantizerStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

@@ -17,6 +17,8 @@ from qmill.engine.providers.base import QuantizationProvider as QuantizationProv
 from qmill.engine.providers.lora import LoRAParam as LoRAParam
 from qmill.engine.providers.lora import LoraProvider as LoraProvider
 from qmill.engine.providers.lora import apply_lora_to_model as apply_lora_to_model
+from qmill.engine.providers.odml import OdmlConversionProvider as OdmlConversionProvider
+from qmill.engine.providers.odml import OdmlQatProvider as OdmlQatProvider
 from qmill.engine.providers.ptq import PtqProvider as PtqProvider
 from qmill.engine.providers.ptq import WithAux as WithAux
 from qmill.engine.providers.ptq import quantize_params as quantize_params
@@ -35,6 +37,8 @@ __all__ = [
     "LoRAParam",
     "LoraProvider",
     "LoraRule",
+    "OdmlConversionProvider",
+    "OdmlQatProvider",
     "PtqProvider",
     "QArray",
     "QtProvider",

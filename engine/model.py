@@ -64,7 +64,10 @@ def _wrap_method(method: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         provider = getattr(type(self), _PROVIDER_ATTR, None) or getattr(self, _PROVIDER_ATTR)
         with _running(provider, self):
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
+        # Hook for providers that quantize the model's output too (the ODML ones).
+        hook = getattr(provider, "model_output", None)
+        return out if hook is None else hook(self, out)
 
     return wrapper
 

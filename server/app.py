@@ -13,8 +13,9 @@ from grpc_reflection.v1alpha import reflection
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+from qmill.server import admin, auth, limits, odml_servicer, servicer, tls
 from qmill.server import config as config_lib
-from qmill.server import servicer
+from qmill.server import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,27 @@ class Server:
 
     def __init__(self, config: config_lib.ServerConfig) -> None:
         self.config = config
+        for warning in tls.check_transport(config):
+            log.warning("%s", warning)
+        self.metrics = metrics_lib.Metrics()
+        self.metrics_port: int | None = None
+        self.limiter = limits.ByteLimiter(
+            config.max_inflight_bytes,
+            config.max_tenant_inflight_bytes,
+            wait_seconds=config.admission_timeout_seconds,
+            on_change=self.metrics.inflight_bytes.set,
+        )
+        self.metrics.inflight_limit.set(config.max_inflight_bytes)
+        self.streams = limits.StreamLimitInterceptor(
+            config.max_concurrent_streams, on_change=self.metrics.streams.set
+        )
+        # Outermost first: every call gets a request id and is counted, even when auth refuses it;
+        # auth runs before the stream limit so unauthenticated calls cannot take stream slots.
+        interceptors = [
+            metrics_lib.ObservabilityInterceptor(self.metrics),
+            auth.AuthInterceptor(config.tokens),
+            self.streams,
+        ]
         self._executor = futures.ThreadPoolExecutor(
             max_workers=config.workers, thread_name_prefix="qmill-engine"
         )
@@ -33,16 +55,34 @@ class Server:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
-        self._grpc = grpc.aio.server(options=options)
+        # No compression: tensor bytes barely compress, and it would cost CPU on both sides.
+        self._grpc = grpc.aio.server(
+            options=options,
+            interceptors=interceptors,
+            compression=grpc.Compression.NoCompression,
+        )
         pb_grpc.add_QuantizerServicer_to_server(
-            servicer.QuantizerServicer(config, self._executor), self._grpc
+            servicer.QuantizerServicer(
+                config, self._executor, limiter=self.limiter, metrics=self.metrics
+            ),
+            self._grpc,
+        )
+        admin.add_to_server(admin.AdminServicer(config, self.limiter, self.streams), self._grpc)
+        # Backends (model registry, upload and calibration stores) are wired in once they exist;
+        # until then ExportOdml answers FAILED_PRECONDITION (UNIMPLEMENTED without qmill[odml]).
+        pb_grpc.add_OdmlExporterServicer_to_server(
+            odml_servicer.OdmlExporterServicer(self._executor, backends=None), self._grpc
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         if config.reflection:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
             reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{config.host}:{config.port}")
+        address, credentials = f"{config.host}:{config.port}", tls.server_credentials(config)
+        if credentials is None:
+            self.port = self._grpc.add_insecure_port(address)
+        else:
+            self.port = self._grpc.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
 
@@ -50,6 +90,9 @@ class Server:
         await self._grpc.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
         log.info("qmill serving on %s:%d", self.config.host, self.port)
 
     async def stop(self, grace: float | None = None) -> None:
@@ -57,6 +100,7 @@ class Server:
         await self.health.enter_graceful_shutdown()
         await self._grpc.stop(self.config.grace_seconds if grace is None else grace)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.metrics.stop_http()
         log.info("qmill stopped")
 
     async def wait(self) -> None:

@@ -10,10 +10,12 @@ from qmill.engine import calibration, qtypes
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib
+from qmill.server import odml_export
 
 
 def capabilities(config: config_lib.ServerConfig) -> pb.GetCapabilitiesResponse:
     device = jax.devices()[0]
+    odml_available, odml_reason = odml_export.availability()
     return pb.GetCapabilitiesResponse(
         qmill_version=metadata.version("qmill"),
         jax_version=jax.__version__,
@@ -25,4 +27,6 @@ def capabilities(config: config_lib.ServerConfig) -> pb.GetCapabilitiesResponse:
         max_message_bytes=config.max_message_bytes,
         max_tensor_bytes=config.max_tensor_bytes,
         max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+        odml_available=odml_available,
+        odml_unavailable_reason=odml_reason,
     )

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qmill.server import auth
 
 MiB = 1024 * 1024
 
@@ -21,5 +25,33 @@ class ServerConfig:
     workers: int = 2
     # Seconds in-flight calls get to finish after SIGTERM.
     grace_seconds: float = 10.0
-    # Expose gRPC server reflection (for grpcurl and similar tools).
-    reflection: bool = True
+    # Expose gRPC server reflection (for grpcurl and similar tools); off: it maps the API for
+    # anyone who can connect.
+    reflection: bool = False
+
+    # Security (server/tls.py has the policy on when plaintext is allowed).
+    # PEM server certificate chain and private key; both or neither.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # PEM CA that client certificates must chain to; set → mTLS (clients without one are refused).
+    client_ca: str | None = None
+    # Plaintext on a non-loopback interface, explicitly asked for (--insecure).
+    insecure: bool = False
+    # Bearer tokens → tenant and role; None: no authentication (every caller is a local admin).
+    tokens: auth.TokenTable | None = None
+
+    # Limits (server/limits.py). Over any of them a call gets RESOURCE_EXHAUSTED + a retry hint.
+    # Streaming RPCs open at once (health probes not counted).
+    max_concurrent_streams: int = 64
+    # Tensor bytes being received, waiting or quantized, all calls together: bounds server memory.
+    max_inflight_bytes: int = 16 * 1024 * MiB
+    # The same for one tenant, so one tenant cannot take all of it.
+    max_tenant_inflight_bytes: int = 8 * 1024 * MiB
+    # Seconds a call waits for in-flight room before RESOURCE_EXHAUSTED.
+    admission_timeout_seconds: float = 30.0
+    # Largest upload (a checkpoint sent for a job or calibration), in bytes.
+    max_upload_bytes: int = 256 * 1024 * MiB
+
+    # Observability. Port of the Prometheus /metrics endpoint (on `host`); None: not served,
+    # 0: a free port (tests).
+    metrics_port: int | None = None

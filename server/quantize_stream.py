@@ -2,7 +2,9 @@
 
 Receiving overlaps with quantizing: a reader task assembles the next tensor while the previous one
 is quantized, with at most one finished tensor waiting between them. Memory per call is therefore
-about three tensors (one arriving, one waiting, one being quantized) plus its result.
+about three tensors (one arriving, one waiting, one being quantized) plus its result. Each tensor's
+bytes are reserved with the server's ByteLimiter before its buffer is allocated and released once
+its answer is sent (or the call ends), so all calls together stay within the in-flight limit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 from qmill.engine import layout, leaf, recipes
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.server import codec
+from qmill.server import auth, codec, limits
+from qmill.server import metrics as metrics_lib
 
 
 @dataclasses.dataclass
@@ -47,6 +50,7 @@ async def _read_tensors(
     queue: asyncio.Queue,
     max_tensor_bytes: int,
     stats: CallStats,
+    account: limits.Account | None,
 ) -> None:
     """Puts (header, array) for each complete tensor on the queue, then _END (or an exception)."""
     try:
@@ -56,7 +60,7 @@ async def _read_tensors(
             if kind == "header":
                 if assembler is not None:
                     assembler.finish()  # raises DATA_LOSS: the previous tensor was cut short
-                assembler = wire.Assembler(request.header, max_bytes=max_tensor_bytes)
+                assembler = await _start_tensor(request.header, max_tensor_bytes, account)
             elif kind == "chunk":
                 if assembler is None:
                     raise ValueError("a chunk arrived before any tensor header")
@@ -74,8 +78,27 @@ async def _read_tensors(
         if assembler is not None:
             assembler.finish()  # the stream ended mid-tensor: DATA_LOSS
         await queue.put(_END)
+    except asyncio.CancelledError:
+        # The responder is gone (call over); waiting to hand this over would never end.
+        raise
     except BaseException as exc:  # handed to the responder, which owns the call's status
         await queue.put(exc)
+
+
+async def _start_tensor(
+    header: pb.TensorHeader, max_tensor_bytes: int, account: limits.Account | None
+) -> wire.Assembler:
+    """Reserves the announced bytes, then lets the Assembler check the header and allocate."""
+    if account is None or header.byte_length > max_tensor_bytes:
+        # Unlimited, or a header the Assembler refuses before allocating anything (a byte count
+        # that does not match, or a tensor over the limit): nothing to reserve.
+        return wire.Assembler(header, max_bytes=max_tensor_bytes)
+    await account.reserve(header.byte_length)
+    try:
+        return wire.Assembler(header, max_bytes=max_tensor_bytes)
+    except BaseException:
+        account.release(header.byte_length)
+        raise
 
 
 async def first_recipe(requests: AsyncIterator[pb.QuantizeParamsRequest]) -> recipes.Recipe:
@@ -94,11 +117,15 @@ async def quantize_stream(
     max_tensor_bytes: int,
     stats: CallStats,
     quantize: Callable[[np.ndarray, layout.LeafPlan], leaf.LeafResult] = leaf.quantize_leaf,
+    *,
+    limiter: limits.ByteLimiter | None = None,
+    metrics: metrics_lib.Metrics | None = None,
 ) -> AsyncIterator[pb.QuantizeParamsResponse]:
     """Responses for one QuantizeParams call, in the order the tensors arrived."""
     recipe = await first_recipe(requests)
+    account = limits.Account(limiter, auth.current_principal().tenant) if limiter else None
     queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-    reader = asyncio.create_task(_read_tensors(requests, queue, max_tensor_bytes, stats))
+    reader = asyncio.create_task(_read_tensors(requests, queue, max_tensor_bytes, stats, account))
     loop = asyncio.get_running_loop()
     try:
         while (item := await queue.get()) is not _END:
@@ -107,14 +134,37 @@ async def quantize_stream(
             header, array = item
             plan = layout.plan_leaf(header.path, tuple(header.shape), array.dtype, recipe)
             if not plan.quantize:
+                del array
                 yield codec.kept_response(plan, header.byte_length)
+                _answered(account, metrics, header, "kept")
                 continue
-            result = await loop.run_in_executor(executor, quantize, array, plan)
+            work = loop.run_in_executor(executor, quantize, array, plan)
+            if account is not None:
+                account.hold_until_done(work)  # the engine thread reads the bytes until it ends
+            started = time.monotonic()
+            result = await work
+            if metrics is not None:
+                metrics.quantize_seconds.observe(time.monotonic() - started)
             del array
             stats.tensors_quantized += 1
             for response in codec.result_responses(plan, result, header.byte_length):
                 stats.bytes_sent += len(response.chunk.data)
                 yield response
+            _answered(account, metrics, header, "quantized")
         yield pb.QuantizeParamsResponse(summary=stats.summary())
     finally:
         reader.cancel()
+        if account is not None:
+            account.close()  # whatever the call still holds (cancelled, failed) goes back now
+
+
+def _answered(
+    account: limits.Account | None,
+    metrics: metrics_lib.Metrics | None,
+    header: pb.TensorHeader,
+    result: str,
+) -> None:
+    if account is not None:
+        account.release(header.byte_length)
+    if metrics is not None:
+        metrics.tensors.labels(result=result).inc()

@@ -7,16 +7,27 @@ from concurrent import futures
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import capabilities, errors, quantize_stream
+from qmill.server import calls, capabilities, errors, limits, quantize_stream
 from qmill.server import config as config_lib
+from qmill.server import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
 
 
 class QuantizerServicer(pb_grpc.QuantizerServicer):
-    def __init__(self, config: config_lib.ServerConfig, executor: futures.Executor) -> None:
+    def __init__(
+        self,
+        config: config_lib.ServerConfig,
+        executor: futures.Executor,
+        *,
+        limiter: limits.ByteLimiter | None = None,
+        metrics: metrics_lib.Metrics | None = None,
+    ) -> None:
         self._config = config
         self._executor = executor
+        # Bounds the tensor bytes all calls hold at once (None: unbounded, for unit tests).
+        self._limiter = limiter
+        self._metrics = metrics
 
     @errors.unary
     async def GetCapabilities(self, request, context) -> pb.GetCapabilitiesResponse:
@@ -25,22 +36,21 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
     @errors.streaming
     async def QuantizeParams(self, request_iterator, context):
         stats = quantize_stream.CallStats()
-        outcome = "error"
         try:
             async for response in quantize_stream.quantize_stream(
-                request_iterator, self._executor, self._config.max_tensor_bytes, stats
+                request_iterator,
+                self._executor,
+                self._config.max_tensor_bytes,
+                stats,
+                limiter=self._limiter,
+                metrics=self._metrics,
             ):
                 yield response
-            outcome = "ok"
         finally:
-            log.info(
-                "QuantizeParams peer=%s outcome=%s tensors_in=%d quantized=%d bytes_in=%d "
-                "bytes_out=%d seconds=%.3f",
-                context.peer(),
-                outcome,
-                stats.tensors_received,
-                stats.tensors_quantized,
-                stats.bytes_received,
-                stats.bytes_sent,
-                stats.summary().seconds,
+            # Joins the call's one log line (written by the observability interceptor).
+            calls.annotate(
+                tensors_in=stats.tensors_received,
+                quantized=stats.tensors_quantized,
+                tensor_bytes_in=stats.bytes_received,
+                tensor_bytes_out=stats.bytes_sent,
             )

@@ -33,3 +33,18 @@ def server():
     running = RunningServer()
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def make_server():
+    """Starts RunningServer(**config_fields) for tests that need their own options (tokens, TLS,
+    limits); every server it started is stopped when the module's tests are done."""
+    started: list[RunningServer] = []
+
+    def make(**config_fields) -> RunningServer:
+        started.append(RunningServer(**config_fields))
+        return started[-1]
+
+    yield make
+    for running in started:
+        running.stop()

@@ -29,6 +29,8 @@ THIRD_PARTY = {
     "etils",
     "tensorstore",
     "prometheus_client",
+    "litert_converter",
+    "ai_edge_litert",
 }
 ALLOWED = {
     "engine": {"jax", "flax", "numpy", "ml_dtypes", "qmill.engine"},
@@ -43,13 +45,20 @@ ALLOWED = {
         "jax",
         "numpy",
         "prometheus_client",
+        # Well-known protobuf types (Empty, Struct) for the small admin service in server/admin.py.
+        "google.protobuf",
     },
     "client": {"qmill.proto", "qmill.client", "grpc", "numpy", "ml_dtypes", "safetensors", "rich"},
     "proto": {"google", "grpc", "qmill.proto", "numpy", "ml_dtypes"},
 }
 # Imported inside functions only, on use (checked below): the embedded engine, Orbax, the server
 # for `qmill serve`.
-LAZY = {"client": {"qmill.engine", "orbax", "jax", "qmill.server"}}
+LAZY = {
+    "client": {"qmill.engine", "orbax", "jax", "qmill.server"},
+    # The LiteRT converter and schema for ExportOdml: large, from the optional qmill[odml] extra,
+    # so imported on use and a server without them still serves everything else.
+    "server": {"litert_converter", "ai_edge_litert"},
+}
 
 
 def _imports(path: pathlib.Path):

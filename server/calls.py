@@ -1,0 +1,165 @@
+"""Per-call plumbing shared by the server's interceptors: wrapping any method handler, and the
+record of the call in progress.
+
+Every interceptor here works on the handler of whatever RPC arrives (generic, never per method):
+`wrap_handler` returns a handler of the same kind whose behaviour runs the original inside an async
+context manager the interceptor supplies. The call's `CallContext` (request id, trailing metadata,
+the status it ended with) is reachable from anywhere the call runs through `current()`, a context
+variable: grpc.aio runs each RPC in its own task, and tasks started by the handler copy it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+# An interceptor's per-call hook: entered before the handler runs, exited after it ends (normally,
+# by an exception, or by cancellation). It may abort the call by awaiting context.abort(), and may
+# yield a context object to hand to the handler instead of the one it got (None keeps it).
+Around = Callable[[str, Any], contextlib.AbstractAsyncContextManager[Any]]
+
+_current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar(
+    "qmill_call", default=None
+)
+
+
+class CallContext:
+    """Wraps the servicer context of one call: records how it ended and keeps trailing metadata
+    additive (set_trailing_metadata replaces in grpc, which would drop the request id)."""
+
+    def __init__(self, inner: Any, method: str, request_id: str) -> None:
+        self._inner = inner
+        self.method = method
+        self.request_id = request_id
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        # Extra key=value fields for the call's log line (tensors, bytes, job ids ...).
+        self.fields: dict[str, object] = {}
+        self._trailers: dict[str, str] = {"x-request-id": request_id}
+        inner.set_trailing_metadata(tuple(self._trailers.items()))
+
+    def add_trailer(self, key: str, value: str) -> None:
+        self._trailers[key] = value
+        self._inner.set_trailing_metadata(tuple(self._trailers.items()))
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        for key, value in metadata:
+            self._trailers[key] = value
+        self._inner.set_trailing_metadata(tuple(self._trailers.items()))
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        self.code, self.details = code, details
+        for key, value in trailing_metadata:
+            self._trailers[key] = value
+        # An empty tuple makes grpc send the trailers set above.
+        self._inner.set_trailing_metadata(tuple(self._trailers.items()))
+        await self._inner.abort(code, details)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+        self._inner.set_code(code)
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+        self._inner.set_details(details)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def current() -> CallContext | None:
+    """The call this code runs for, or None outside an RPC (background jobs, tests)."""
+    return _current.get()
+
+
+def bind(call: CallContext) -> None:
+    # Never reset: the variable lives in the call's own task context, which ends with the call.
+    _current.set(call)
+
+
+def annotate(**fields: object) -> None:
+    """Adds fields to the current call's log line; a no-op outside a call."""
+    call = current()
+    if call is not None:
+        call.fields.update(fields)
+
+
+def add_trailer(key: str, value: str) -> None:
+    """Adds trailing metadata to the current call (e.g. a retry hint); a no-op outside a call."""
+    call = current()
+    if call is not None:
+        call.add_trailer(key, value)
+
+
+def wrap_handler(
+    handler: grpc.RpcMethodHandler,
+    method: str,
+    around: Around,
+    *,
+    on_request: Callable[[Any], None] | None = None,
+    on_response: Callable[[Any], None] | None = None,
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` whose behaviour runs inside `around(method, ctx)`.
+
+    on_request/on_response see every message (for byte counters) when given.
+    """
+    if handler.request_streaming and handler.response_streaming:
+        fn, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        fn, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        fn, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        fn, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+
+    def requests_of(request: Any) -> Any:
+        if not handler.request_streaming:
+            if on_request is not None:
+                on_request(request)
+            return request
+        if on_request is None:
+            return request
+        return _observed(request, on_request)
+
+    if inspect.isasyncgenfunction(fn):
+
+        async def behavior(request, context):
+            async with around(method, context) as replaced:
+                responses = fn(requests_of(request), replaced or context)
+                try:
+                    async for response in responses:
+                        if on_response is not None:
+                            on_response(response)
+                        yield response
+                finally:
+                    await responses.aclose()
+
+    elif inspect.iscoroutinefunction(fn):
+
+        async def behavior(request, context):
+            async with around(method, context) as replaced:
+                response = await fn(requests_of(request), replaced or context)
+                if on_response is not None and response is not None:
+                    on_response(response)
+                return response
+
+    else:
+        # Synchronous handlers would run on grpc's thread pool outside our hooks (and outside auth);
+        # every qmill handler is async, so refuse rather than serve one unchecked.
+        raise TypeError(f"{method}: qmill interceptors need async handlers")
+    return make(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+async def _observed(requests: AsyncIterator[Any], on_request: Callable[[Any], None]):
+    async for request in requests:
+        on_request(request)
+        yield request

@@ -1,0 +1,184 @@
+"""Limits through a real server: streams, in-flight bytes (server and tenant), deadlines and
+cancellation, each refusal a RESOURCE_EXHAUSTED with a retry hint, memory always given back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from qmill.client import credentials, errors, remote
+from qmill.proto import recipe as recipe_proto
+from qmill.proto import wire
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+from qmill.server import auth, limits
+
+KiB = 1024
+INT8 = {"rules": [{"qtype": "int8"}]}
+RECIPE = pb.QuantizeParamsRequest(recipe=recipe_proto.from_mapping(INT8))
+
+
+def _eventually(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _partial_tensor(nbytes: int, sent: int, path="w/kernel"):
+    """The header of an nbytes float32 tensor and a first chunk of `sent` bytes only."""
+    array = np.arange(nbytes // 4, dtype=np.float32)
+    data = wire.to_bytes(array)
+    return [
+        pb.QuantizeParamsRequest(header=wire.header_for(path, array, data)),
+        pb.QuantizeParamsRequest(chunk=pb.TensorChunk(offset=0, data=data[:sent].tobytes())),
+    ]
+
+
+class Stalled:
+    """A QuantizeParams call that sends `requests`, then keeps the stream open until closed."""
+
+    def __init__(self, address, requests, *, token=None, timeout=60.0):
+        self.release = threading.Event()
+        self.channel = grpc.insecure_channel(address)
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+
+        def gen():
+            yield from requests
+            self.release.wait(60)
+
+        stub = pb_grpc.QuantizerStub(self.channel)
+        self.call = stub.QuantizeParams(gen(), metadata=metadata, timeout=timeout)
+
+    def close(self):
+        self.release.set()
+        self.call.cancel()
+        self.channel.close()
+
+
+def _quantize(address, nbytes, token=None, timeout=60):
+    creds = credentials.Credentials(token=token)
+    with remote.Client(address, timeout=timeout, credentials=creds) as client:
+        (outcome,) = client.quantize(INT8, [("t/kernel", np.ones((nbytes // 64, 16), np.float32))])
+    return outcome
+
+
+def _retry_ms(error: grpc.RpcError) -> int:
+    return int(dict(error.trailing_metadata())[limits.RETRY_TRAILER])
+
+
+def _gauge(running):
+    return running.server.metrics.value("qmill_inflight_bytes")
+
+
+def test_streams_over_the_limit_are_refused_with_a_retry_hint(make_server):
+    running = make_server(max_concurrent_streams=1)
+    first = Stalled(running.address, [RECIPE])
+    try:
+        _eventually(lambda: running.server.streams.active == 1)
+        with grpc.insecure_channel(running.address) as channel:
+            stub = pb_grpc.QuantizerStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.QuantizeParams(iter([RECIPE]), timeout=30))
+            # Unary calls and health probes are not streams: still served.
+            assert stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30).qtypes
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=30
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 of 1 streams open; retry in 1 s" in e.value.details()
+        assert _retry_ms(e.value) == 1000
+    finally:
+        first.close()
+    _eventually(lambda: running.server.streams.active == 0)
+    assert _quantize(running.address, 4 * KiB).quantized
+
+
+def test_a_tensor_over_the_inflight_limit_fails_at_once(make_server):
+    running = make_server(max_inflight_bytes=64 * KiB, max_tenant_inflight_bytes=64 * KiB)
+    with pytest.raises(errors.QmillError) as e:
+        _quantize(running.address, 128 * KiB)
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert "131072 bytes requested at once, over this server's in-flight limit" in e.value.details
+    assert _quantize(running.address, 32 * KiB).quantized and _gauge(running) == 0
+
+
+@pytest.fixture(scope="module")
+def busy_server(make_server):
+    tokens = {"tok-a": {"tenant": "a"}, "tok-b": {"tenant": "b"}}
+    return make_server(
+        tokens=auth.TokenTable.from_mapping(tokens),
+        max_inflight_bytes=256 * KiB,
+        max_tenant_inflight_bytes=128 * KiB,
+        admission_timeout_seconds=0.3,
+    )
+
+
+def test_a_tenant_at_its_cap_waits_then_gets_a_retry_hint_while_others_proceed(busy_server):
+    holder = Stalled(busy_server.address, [RECIPE, *_partial_tensor(96 * KiB, 1)], token="tok-a")
+    try:
+        _eventually(lambda: busy_server.server.limiter.by_tenant.get("a") == 96 * KiB)
+        # Tenant b has its own share: served.
+        assert _quantize(busy_server.address, 96 * KiB, token="tok-b").quantized
+        # Tenant a's second tensor does not fit a's 128 KiB: it waits, then is refused.
+        with grpc.insecure_channel(busy_server.address) as channel:
+            stub = pb_grpc.QuantizerStub(channel)
+            array = np.ones((64, 256), np.float32)  # 64 KiB
+            requests = [RECIPE, *remote.streaming.tensor_requests("w/kernel", array)]
+            with pytest.raises(grpc.RpcError) as e:
+                list(
+                    stub.QuantizeParams(
+                        iter(requests), metadata=[("authorization", "Bearer tok-a")], timeout=30
+                    )
+                )
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "server busy" in e.value.details() and "tenant 'a'" in e.value.details()
+        assert "retry in" in e.value.details() and _retry_ms(e.value) > 0
+        assert dict(e.value.trailing_metadata())["x-request-id"]
+    finally:
+        holder.close()
+    _eventually(lambda: _gauge(busy_server) == 0 and not busy_server.server.limiter.by_tenant)
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_cancel_or_deadline_mid_tensor_frees_its_bytes_promptly(make_server, how):
+    running = make_server()
+    size = 1024 * KiB
+    stalled = Stalled(
+        running.address,
+        [RECIPE, *_partial_tensor(size, size // 2)],
+        timeout=1.0 if how == "deadline" else 60.0,
+    )
+    try:
+        if how == "cancel":
+            _eventually(lambda: _gauge(running) == size)
+            assert running.server.limiter.by_tenant == {"default": size}
+            stalled.call.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stalled.call)
+        want = grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED
+        assert e.value.code() == want
+        _eventually(lambda: _gauge(running) == 0)
+        assert running.server.limiter.by_tenant == {}
+        assert running.server.limiter.peak == size  # the bytes had been reserved
+        # Counted under the RPC with how it ended, and the server still quantizes.
+        rpc = "qmill.v1.Quantizer/QuantizeParams"
+        # The server may see the cut before its task is cancelled (the request stream ends
+        # mid-tensor: DATA_LOSS), and a client whose deadline passes cancels the stream, often
+        # before the server's copy of the deadline expires.
+        seen = {"CANCELLED", "DATA_LOSS"} | ({"DEADLINE_EXCEEDED"} if how == "deadline" else set())
+        _eventually(
+            lambda: any(
+                running.server.metrics.value("qmill_calls_total", {"rpc": rpc, "code": code})
+                for code in seen
+            )
+        )
+        assert _quantize(running.address, 64 * KiB).quantized
+    finally:
+        stalled.close()
