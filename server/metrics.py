@@ -146,11 +146,13 @@ def _status_at_exit(call: calls.CallContext, exc: BaseException | None) -> grpc.
         return call.code or grpc.StatusCode.OK
     if isinstance(exc, grpc.aio.AbortError):
         return call.code or grpc.StatusCode.UNKNOWN
+    # Past the deadline, whatever surfaced (CancelledError, or grpc's error from reading a
+    # request stream that is already gone) is the deadline's doing.
+    remaining = call.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, BaseException) and not isinstance(exc, Exception):
-        # Cancellation (client gone or deadline passed) or the generator closed under us.
-        remaining = call.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return grpc.StatusCode.DEADLINE_EXCEEDED
+        # Cancellation (client gone) or the generator closed under us.
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN  # what grpc sends for an unhandled exception
 
