@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
+
 CONVENTIONS = ("auto", "flax", "torch")
 
 
@@ -57,6 +59,8 @@ class TensorRule:
             raise ValueError(
                 f"rule {self.path_regex!r}: tile_size must be positive, got {self.tile_size}"
             )
+        if self.scale_dtype is not None:
+            _check_scale_dtype(self.path_regex, self.scale_dtype)
         if (self.contracting_axes is None) != (self.channel_axes is None):
             raise ValueError(
                 f"rule {self.path_regex!r}: a layout override needs both contracting_axes and "
@@ -65,6 +69,18 @@ class TensorRule:
 
     def matches(self, path: str) -> bool:
         return self._compiled.fullmatch(path) is not None  # type: ignore[attr-defined]
+
+
+def _check_scale_dtype(rule: str, name: str) -> None:
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"rule {rule!r}: scale_dtype must be a floating dtype such as 'float32' or "
+            f"'bfloat16', got {name!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

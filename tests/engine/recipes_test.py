@@ -32,3 +32,14 @@ def test_empty_recipe_and_unknown_fields():
 def test_nonpositive_tile():
     with pytest.raises(ValueError, match="tile_size must be positive"):
         recipes.recipe_from_mapping({"rules": [{"qtype": "int8", "tile_size": -4}]})
+
+
+@pytest.mark.parametrize("name", ["int8", "uint4", "bool", "complex64", "no_such_dtype"])
+def test_a_scale_dtype_that_is_not_floating_is_refused_with_the_fix(name: str) -> None:
+    with pytest.raises(ValueError, match=f"scale_dtype must be a floating dtype.*{name}"):
+        recipes.TensorRule(qtype="int8", scale_dtype=name)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+def test_floating_scale_dtypes_are_accepted(name: str) -> None:
+    assert recipes.TensorRule(qtype="int8", scale_dtype=name).scale_dtype == name
