@@ -123,7 +123,7 @@ def calibrate(x: jax.Array, method: str | Method, tiles: Sequence[int]) -> dict[
         return {"min": lo, "max": hi}
     if m.kind == "rms":
         return {"absmax": _scaled(_rms(x, tiles), m.args[0], x.dtype)}
-    absmax = tiling.reduce_tiles(jnp.abs(x), tiles, jnp.max)
+    absmax = tiling.max_abs_tiles(x, tiles, numerics.widen).astype(x.dtype)
     if m.args:
         absmax = _scaled(absmax, m.args[0], x.dtype)
     return {"absmax": absmax}

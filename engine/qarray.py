@@ -188,16 +188,15 @@ def compute_scale_zero_point(
     return numerics.compute_scale_zero_point(calibration, qtype, scale_dtype)
 
 
-def quantize_with_scale_zero_point(
+def _codes(
     array: jax.Array,
-    qtype: Any,
+    qt: qtypes.QType,
     scale: jax.Array,
     zero_point: jax.Array | None,
-    noise_fn: NoiseFn | None = None,
-) -> QArray:
-    """Quantizes with a given scale (and zero point): q = convert(x / scale (+ zp) (+ noise))."""
-    array = _check_input(array)
-    qt = qtypes.get(qtype)
+    noise_fn: NoiseFn | None,
+    as_bytes: bool,
+) -> jax.Array:
+    """convert(x / scale (+ zp) (+ noise)); `as_bytes` as in numerics.to_qtype."""
 
     def shift(x: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
         # In the input dtype with the scale (and zero point) cast to it; see numerics on exactness.
@@ -216,16 +215,60 @@ def quantize_with_scale_zero_point(
         noise = noise_fn(y.shape)
         dtype = jnp.result_type(array.dtype, noise.dtype)
         y = numerics.fit(numerics.settle(y) + numerics.widen(noise), dtype)
-    return QArray(numerics.to_qtype(y, qt), scale, zero_point, qt.name)
+    return numerics.to_qtype(y, qt, as_bytes=as_bytes)
+
+
+def quantize_with_scale_zero_point(
+    array: jax.Array,
+    qtype: Any,
+    scale: jax.Array,
+    zero_point: jax.Array | None,
+    noise_fn: NoiseFn | None = None,
+) -> QArray:
+    """Quantizes with a given scale (and zero point): q = convert(x / scale (+ zp) (+ noise))."""
+    array = _check_input(array)
+    qt = qtypes.get(qtype)
+    codes = _codes(array, qt, scale, zero_point, noise_fn, as_bytes=False)
+    return QArray(codes, scale, zero_point, qt.name)
+
+
+def _quantize_parts(
+    array: jax.Array, how: HowToQuantize, scale_dtype: str | None, as_bytes: bool
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    calib = calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
+    scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype)
+    qt = qtypes.get(how.qtype)
+    codes = _codes(array, qt, scale, zero_point, how.noise_fn, as_bytes)
+    # The codes use the scale in the input's dtype; only the stored scale takes scale_dtype.
+    scale_dtype = scale_dtype or how.scale_dtype
+    return codes, scale if scale_dtype is None else scale.astype(scale_dtype), zero_point
 
 
 def _quantize(array: jax.Array, how: HowToQuantize, scale_dtype: str | None) -> QArray:
-    calib = calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
-    scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype)
-    qa = quantize_with_scale_zero_point(array, how.qtype, scale, zero_point, how.noise_fn)
-    # The codes use the scale in the input's dtype; only the stored scale takes scale_dtype.
-    scale_dtype = scale_dtype or how.scale_dtype
-    return qa if scale_dtype is None else qa.astype(scale_dtype)
+    codes, scale, zero_point = _quantize_parts(array, how, scale_dtype, as_bytes=False)
+    return QArray(codes, scale, zero_point, how.qtype)
+
+
+def quantize_bytes(
+    array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`quantize`'s (qvalue, scale, zero_point), with 4-bit integer qvalues as uint8 bytes.
+
+    For callers that take the codes to the host (leaf.py): `storage_view` turns the bytes into
+    the qtype's storage dtype there for free, where XLA:CPU would pack 4-bit values slowly
+    (numerics.to_qtype). Same bits as `quantize` otherwise. No NaN/Inf check: callers check.
+
+    Raises:
+      TypeError, ValueError: as `quantize`.
+    """
+    array = _check_input(array)
+    return _quantize_parts(array, how, _dtype_name(scale_dtype), as_bytes=True)
+
+
+def storage_view(codes: np.ndarray, qtype: Any) -> np.ndarray:
+    """Host codes from `quantize_bytes` as an array of the qtype's storage dtype (no copy)."""
+    storage = qtypes.get(qtype).storage
+    return codes if codes.dtype == storage else codes.view(storage)
 
 
 @functools.partial(jax.jit, static_argnames=("how", "scale_dtype"))
@@ -265,16 +308,23 @@ def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -
 
 def dequantize(qa: QArray) -> jax.Array:
     """x̂ = (levels(q) − zero_point) · scale, in the scale's dtype."""
-    qt = qtypes.get(qa.qtype)
+    return dequantize_bytes(qa.qvalue, qa.qtype, qa.scale, qa.zero_point)
+
+
+def dequantize_bytes(
+    codes: jax.Array, qtype: Any, scale: jax.Array, zero_point: jax.Array | None
+) -> jax.Array:
+    """`dequantize` of parts, the qvalue as a QArray holds it or as `quantize_bytes` returns it."""
+    qt = qtypes.get(qtype)
+    dtype = scale.dtype
 
     def scale_back(q: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
-        v = numerics.from_qtype(q, qt, dtype)
+        v = numerics.from_qtype(numerics.from_bytes(q, qt), qt, dtype)
         if zp is not None:
             v = numerics.fit(v - numerics.from_qtype(zp, qt, dtype), dtype)
         return numerics.fit(v * s, dtype)
 
-    dtype = qa.scale.dtype
-    out = tiling.apply_tiled(scale_back, qa.qvalue, numerics.widen(qa.scale), qa.zero_point)
+    out = tiling.apply_tiled(scale_back, codes, numerics.widen(scale), zero_point)
     return out.astype(dtype)
 
 

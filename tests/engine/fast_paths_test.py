@@ -1,0 +1,137 @@
+"""The engine's fast formulations give exactly what the plain ones give (issue #2).
+
+Each fast path (binary-search nf4 codes, 4-bit codes as bytes, regrouped max reductions) is
+checked against the straightforward formulation it replaces, bit for bit, on inputs chosen to hit
+the edge cases: every bf16 value for nf4, signed zeros, NaN/Inf, odd and chunked axis lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qmill.engine import numerics, qarray, qtypes, tiling
+
+
+def _nf4_argmin(y: np.ndarray) -> np.ndarray:
+    """Nearest of the 16 levels with float32 distances, ties to the lower index (NUMERICS.md)."""
+    levels = np.asarray(qtypes.NF4_LEVELS, np.float32)
+    return np.argmin(np.abs(y[:, None] - levels[None, :]), axis=1).astype(np.uint8)
+
+
+def test_nf4_search_equals_argmin_on_every_bf16_value_and_near_thresholds() -> None:
+    every_bf16 = np.arange(2**16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    every_bf16 = every_bf16[np.isfinite(every_bf16) & (np.abs(every_bf16) <= 1.5)]
+    near = []
+    for t in numerics._nf4_thresholds():
+        v = t
+        for _ in range(4):
+            v = np.nextafter(v, np.float32(-2))
+        for _ in range(9):
+            near.append(v)
+            v = np.nextafter(v, np.float32(2))
+    y = np.concatenate([every_bf16, np.asarray(near, np.float32)])
+    expected = _nf4_argmin(y)
+    search = np.asarray(jax.jit(numerics._nf4_codes)(jnp.asarray(y)))
+    count = np.asarray(jax.jit(numerics._nf4_count)(jnp.asarray(y)))
+    np.testing.assert_array_equal(search, expected)
+    np.testing.assert_array_equal(count, expected)
+
+
+@pytest.mark.parametrize("qtype", ["int4", "int3", "uint4", "nf4", "int8", "float8_e4m3fn"])
+def test_codes_as_bytes_view_as_the_storage_dtype(qtype: str) -> None:
+    y = jnp.asarray(np.linspace(-9.5, 9.5, 77, dtype=np.float32))
+    qt = qtypes.get(qtype)
+    if qt.kind == qtypes.LOOKUP:
+        y = y / 9.5
+    native = np.asarray(numerics.to_qtype(y, qt))
+    as_bytes = np.asarray(numerics.to_qtype(y, qt, as_bytes=True))
+    assert as_bytes.dtype == numerics.byte_dtype(qt)
+    viewed = qarray.storage_view(as_bytes, qt.name)
+    assert viewed.dtype == native.dtype
+    # The same bytes numpy holds for the storage dtype, not only the same values.
+    np.testing.assert_array_equal(viewed.view(np.uint8), native.view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(numerics.from_bytes(jnp.asarray(as_bytes), qt)),
+        native.astype(np.int32) if qt.kind != qtypes.FLOAT else native,
+    )
+
+
+_LAYOUTS = [
+    ((1,), {}),
+    ((0,), {}),
+    ((), {}),
+    ((1,), {0: 16}),
+    ((0,), {1: 16}),
+    ((), {0: 8, 1: 16}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("shape", [(64, 48), (96, 7), (6, 160)])
+def test_max_abs_tiles_equals_max_of_abs(dtype, shape) -> None:
+    rng = np.random.default_rng(sum(shape))
+    x = jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    # Signed zeros: a whole row, a whole column and scattered.
+    x = x.at[2].set(-0.0).at[:, 1].set(-0.0).at[5, 3].set(0.0)
+    for channelwise, tiled in _LAYOUTS:
+        tiled = {a: t for a, t in tiled.items() if shape[a] % t == 0}
+        tiles = tiling.resolve_tiles(shape, channelwise, tiled)
+        expected = tiling.reduce_tiles(jnp.abs(x), tiles, jnp.max)
+        got = tiling.max_abs_tiles(x, tiles, numerics.widen).astype(dtype)
+        assert got.shape == expected.shape
+        bits = np.uint16 if jnp.dtype(dtype).itemsize == 2 else np.uint32
+        np.testing.assert_array_equal(np.asarray(got).view(bits), np.asarray(expected).view(bits))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_reach_their_tiles_scale(dtype, bad) -> None:
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 48)), dtype)
+    x = x.at[37, 21].set(bad)
+    for channelwise, tiled in _LAYOUTS:
+        how = qarray.HowToQuantize(qtype="int8", channelwise_axes=channelwise, tiled_axes=tiled)
+        scale = np.asarray(jax.jit(functools.partial(qarray.quantize, how=how))(x).scale)
+        tiles = tiling.resolve_tiles(x.shape, channelwise, tiled)
+        bad_tile = (37 // tiles[0], 21 // tiles[1])
+        finite = np.isfinite(scale.astype(np.float32))
+        assert not finite[bad_tile], (channelwise, tiled)
+        assert finite.sum() == finite.size - 1, (channelwise, tiled)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            qarray.quantize(x, how)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "channelwise", "tiled", "method"),
+    [
+        ("int4", (1,), {0: 16}, "absmax"),
+        ("int4", (0,), {1: 16}, "minmax"),
+        ("uint4", (1,), {}, "absmax"),
+        ("nf4", (1,), {0: 32}, "absmax,0.9"),
+        ("int8", (0,), {}, "rms,3"),
+        ("float8_e4m3fn", (1,), {}, "absmax"),
+    ],
+)
+def test_quantize_bytes_equals_quantize(qtype, channelwise, tiled, method) -> None:
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 96)), jnp.bfloat16)
+    how = qarray.HowToQuantize(
+        qtype=qtype, channelwise_axes=channelwise, tiled_axes=tiled, calibration_method=method
+    )
+    q = qarray.quantize(x, how, scale_dtype="float32")
+    codes, scale, zero_point = jax.jit(
+        functools.partial(qarray.quantize_bytes, how=how, scale_dtype="float32")
+    )(x)
+    qvalue = qarray.storage_view(np.asarray(codes), qtype)
+    assert qvalue.dtype == np.asarray(q.qvalue).dtype
+    np.testing.assert_array_equal(qvalue.view(np.uint8), np.asarray(q.qvalue).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(q.scale))
+    assert (zero_point is None) == (q.zero_point is None)
+    if zero_point is not None:
+        np.testing.assert_array_equal(np.asarray(zero_point), np.asarray(q.zero_point))
+    deq = qarray.dequantize_bytes(codes, qtype, scale, zero_point)
+    np.testing.assert_array_equal(np.asarray(deq), np.asarray(qarray.dequantize(q)))

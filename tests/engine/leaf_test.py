@@ -1,0 +1,79 @@
+"""quantize_leaf: same parts as qarray.quantize, one compilation per (shape, dtype, how)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import monitoring
+
+from qmill.engine import layout, leaf, qarray
+
+# Recorded by jax once per XLA compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class _Compilations:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        del duration, kwargs
+        self.count += event == _COMPILE_EVENT
+
+    def __enter__(self) -> _Compilations:
+        monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        monitoring.unregister_event_duration_listener(self)
+
+
+def _plan(path: str, qtype: str = "int4", **kw) -> layout.LeafPlan:
+    return layout.LeafPlan(
+        path=path, qtype=qtype, channelwise_axes=(1,), tiled_axes=((0, 16),), **kw
+    )
+
+
+def test_same_shape_dtype_and_how_compile_once_whatever_the_path() -> None:
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((64, 24)).astype(np.float32) for _ in range(4)]
+    with _Compilations() as first:
+        leaf.quantize_leaf(arrays[0], _plan("layers_0/mlp/kernel", reason="first"))
+    assert first.count >= 1  # the listener sees compilations at all
+    with _Compilations() as same:
+        for i, array in enumerate(arrays[1:], start=1):
+            leaf.quantize_leaf(array, _plan(f"layers_{i}/mlp/kernel", reason=f"rule {i}"))
+    assert same.count == 0
+    with _Compilations() as other:
+        leaf.quantize_leaf(arrays[0][:32], _plan("small/kernel"))  # another shape
+        leaf.quantize_leaf(arrays[0].astype(jnp.bfloat16), _plan("bf16/kernel"))  # dtype
+        leaf.quantize_leaf(arrays[0], _plan("int8/kernel", qtype="int8"))  # how
+    assert other.count >= 3
+
+
+@pytest.mark.parametrize("qtype", ["int4", "nf4", "uint4", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_leaf_parts_equal_quantize(qtype, dtype) -> None:
+    x = np.random.default_rng(2).standard_normal((64, 24)).astype(dtype)
+    plan = _plan("w", qtype=qtype, scale_dtype="float32")
+    result = leaf.quantize_leaf(x, plan)
+    how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=(1,), tiled_axes={0: 16})
+    q = qarray.quantize(jnp.asarray(x), how, scale_dtype="float32")
+    expected = np.asarray(q.qvalue)
+    assert result.qvalue.dtype == expected.dtype and result.qvalue.shape == expected.shape
+    assert result.qvalue.tobytes() == expected.tobytes()
+    assert result.scale.dtype == np.float32 and result.scale.tobytes() == q.scale.tobytes()
+    assert result.zero_point is None
+    x32, deq = x.astype(np.float32), np.asarray(qarray.dequantize(q), np.float32)
+    sqnr = 10 * math.log10(np.sum(x32**2) / np.sum((deq - x32) ** 2))
+    assert result.quality.sqnr_db == pytest.approx(sqnr, rel=1e-4)
+
+
+def test_leaf_refuses_nan() -> None:
+    x = np.ones((32, 16), np.float32)
+    x[3, 4] = np.nan
+    with pytest.raises(ValueError, match="w: tensor contains NaN or Inf"):
+        leaf.quantize_leaf(x, _plan("w", qtype="int8"))
