@@ -11,6 +11,7 @@ from qmill.engine import numerics as numerics
 from qmill.engine import qarray as qarray
 from qmill.engine import qtypes as qtypes
 from qmill.engine import tiling as tiling
+from qmill.engine import zoo as zoo
 from qmill.engine.averaging import SimpleMovingAverage as SimpleMovingAverage
 from qmill.engine.model import quantize_model as quantize_model
 from qmill.engine.providers.base import QuantizationProvider as QuantizationProvider
@@ -60,4 +61,5 @@ __all__ = [
     "quantize_model",
     "quantize_params",
     "tiling",
+    "zoo",
 ]

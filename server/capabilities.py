@@ -10,7 +10,7 @@ from qmill.engine import calibration, qtypes
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib
-from qmill.server import odml_export
+from qmill.server import models, odml_export
 
 
 def capabilities(config: config_lib.ServerConfig) -> pb.GetCapabilitiesResponse:
@@ -29,4 +29,6 @@ def capabilities(config: config_lib.ServerConfig) -> pb.GetCapabilitiesResponse:
         max_chunk_bytes=wire.MAX_CHUNK_BYTES,
         odml_available=odml_available,
         odml_unavailable_reason=odml_reason,
+        models=models.model_infos(),
+        max_upload_bytes=config.max_upload_bytes,
     )

@@ -165,10 +165,13 @@ def test_cli_writes_the_model(address, tmp_path, capsys):
     assert "calibration_id" in capsys.readouterr().err
 
 
-def test_default_server_reports_odml_and_refuses_without_a_registry(server, tmp_path):
+def test_default_server_reports_odml_and_names_an_unknown_upload(server, tmp_path):
     with grpc.insecure_channel(server.address) as channel:
         caps = pb_grpc.QuantizerStub(channel).GetCapabilities(pb.GetCapabilitiesRequest())
         assert caps.odml_available and not caps.odml_unavailable_reason
         with pytest.raises(errors.QmillError) as info:
             client_export.export_odml(channel, _request(), tmp_path / "x.tflite")
-    assert info.value.code == "FAILED_PRECONDITION"
+    # The real registry knows "cnn"; the upload id was never uploaded.
+    assert info.value.code == "NOT_FOUND"
+    assert "up-1" in info.value.details
+    assert not (tmp_path / "x.tflite").exists()

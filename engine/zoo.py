@@ -1,0 +1,240 @@
+"""Named Flax Linen model builders the server can run for calibration and export.
+
+A model is named by (registry name, config JSON). Each entry has a frozen config dataclass whose
+fields are the JSON keys, a ``build`` giving the unbound module and an ``example_input`` giving
+the shape of one input batch. The server's registry adds entry-point plugins to ``BUILTIN``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelEntry:
+    """One buildable model."""
+
+    # Registry name ("cnn").
+    name: str
+    # One line for GetCapabilities.
+    description: str
+    # Frozen kw_only dataclass whose fields are the model's config (JSON keys).
+    config_type: type
+    # config -> unbound Linen module.
+    build: Callable[[Any], nn.Module]
+    # (config, batch) -> shape and dtype of one input batch.
+    example_input: Callable[[Any, int], jax.ShapeDtypeStruct]
+
+
+# ------------------------------------------------------------------------------------------ mlp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MlpConfig:
+    # Features of the (flat) input vector.
+    in_features: int = 64
+    # Width of each hidden Dense layer, in order.
+    hidden: tuple[int, ...] = (64, 32)
+    # Outputs (classes).
+    out_features: int = 10
+
+
+class Mlp(nn.Module):
+    config: MlpConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0], -1)
+        for width in self.config.hidden:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.config.out_features)(x)
+
+
+# ------------------------------------------------------------------------------------------ cnn
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CnnConfig:
+    # Input height and width (scikit-learn digits: 8 x 8).
+    image_size: int = 8
+    # Input channels.
+    in_channels: int = 1
+    # Output channels of the two 3x3 convolutions.
+    channels: tuple[int, ...] = (16, 32)
+    # Width of the hidden Dense layer.
+    hidden: int = 64
+    # Classes.
+    num_classes: int = 10
+
+
+class Cnn(nn.Module):
+    """With the defaults, the digits CNN of tests/engine/providers/digits_test.py (same names)."""
+
+    config: CnnConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for c in self.config.channels:
+            x = nn.relu(nn.Conv(c, (3, 3))(x))
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(nn.Dense(self.config.hidden)(x))
+        return nn.Dense(self.config.num_classes)(x)
+
+
+# -------------------------------------------------------------------------- transformer encoder
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerEncoderConfig:
+    # Tokens per sequence.
+    seq_len: int = 16
+    # Vocabulary size of the (integer) token input.
+    vocab_size: int = 64
+    # Model width.
+    d_model: int = 32
+    # Attention heads; must divide d_model.
+    num_heads: int = 4
+    # Hidden width of each block's MLP.
+    mlp_dim: int = 64
+    # Encoder blocks.
+    num_layers: int = 2
+    # Outputs of the classifier head (mean-pooled tokens).
+    num_classes: int = 10
+
+
+class _Block(nn.Module):
+    config: TransformerEncoderConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        head_dim = c.d_model // c.num_heads
+        y = nn.LayerNorm()(x)
+        # Explicit Dense + einsum (not nn.MultiHeadDotProductAttention) so every matmul is an op
+        # the quantization providers intercept, with a plain 2-D kernel.
+        q, k, v = (
+            nn.Dense(c.d_model, name=n)(y).reshape(*y.shape[:-1], c.num_heads, head_dim)
+            for n in ("query", "key", "value")
+        )
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(x.dtype)
+        attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+        x = x + nn.Dense(c.d_model, name="out")(attn.reshape(*x.shape[:-1], c.d_model))
+        y = nn.LayerNorm()(x)
+        y = nn.Dense(c.d_model)(nn.gelu(nn.Dense(c.mlp_dim)(y)))
+        return x + y
+
+
+class TransformerEncoder(nn.Module):
+    config: TransformerEncoderConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        x = nn.Embed(c.vocab_size, c.d_model)(tokens.astype(jnp.int32))
+        x = x + self.param("pos", nn.initializers.normal(0.02), (c.seq_len, c.d_model))
+        for i in range(c.num_layers):
+            x = _Block(c, name=f"block_{i}")(x)
+        return nn.Dense(c.num_classes)(nn.LayerNorm()(x).mean(axis=1))
+
+
+def _check_heads(c: TransformerEncoderConfig) -> TransformerEncoder:
+    if c.d_model % c.num_heads:
+        raise ValueError(f"num_heads ({c.num_heads}) must divide d_model ({c.d_model})")
+    return TransformerEncoder(c)
+
+
+BUILTIN: Mapping[str, ModelEntry] = types.MappingProxyType(
+    {
+        "mlp": ModelEntry(
+            name="mlp",
+            description="Dense layers with ReLU on a flattened f32 input (batch, in_features).",
+            config_type=MlpConfig,
+            build=Mlp,
+            example_input=lambda c, b: jax.ShapeDtypeStruct((b, c.in_features), jnp.float32),
+        ),
+        "cnn": ModelEntry(
+            name="cnn",
+            description="Two 3x3 convs + two Dense on f32 NHWC images (defaults: sklearn digits).",
+            config_type=CnnConfig,
+            build=Cnn,
+            example_input=lambda c, b: jax.ShapeDtypeStruct(
+                (b, c.image_size, c.image_size, c.in_channels), jnp.float32
+            ),
+        ),
+        "transformer_encoder": ModelEntry(
+            name="transformer_encoder",
+            description="A tiny pre-LN transformer encoder classifier on int32 tokens.",
+            config_type=TransformerEncoderConfig,
+            build=_check_heads,
+            example_input=lambda c, b: jax.ShapeDtypeStruct((b, c.seq_len), jnp.int32),
+        ),
+    }
+)
+
+
+def field_type_name(tp: Any) -> str:
+    """'int', 'float', 'bool', 'str', 'list[int]' ... as GetCapabilities lists them."""
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return f"list[{field_type_name(args[0]) if args else 'any'}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """The JSON value as the field's type; ValueError naming the field and the type."""
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list):
+        (item,) = [a for a in typing.get_args(tp) if a is not Ellipsis] or [Any]
+        if not isinstance(value, list):
+            raise ValueError(f"config field {name!r} must be a list, got {value!r}")
+        return tuple(_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value))
+    # bool is an int in Python: refuse it where a number is meant, and numbers where bool is.
+    ok = {
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        bool: lambda v: isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }.get(tp)
+    if ok is None:
+        return value
+    if not ok(value):
+        raise ValueError(f"config field {name!r} must be {field_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def config_from_json(entry: ModelEntry, text: str) -> Any:
+    """Builds ``entry``'s config from a JSON object (empty text: all defaults).
+
+    Raises:
+      ValueError: not a JSON object, an unknown field or a value of the wrong type (the message
+        lists the valid fields).
+    """
+    hints = typing.get_type_hints(entry.config_type)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(entry.config_type)}
+    valid = ", ".join(f"{n}: {field_type_name(t)}" for n, t in fields.items())
+    try:
+        raw = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"model {entry.name!r}: config is not valid JSON ({exc}); fields: {valid}"
+        ) from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"model {entry.name!r}: config must be a JSON object of {{{valid}}}")
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ValueError(f"model {entry.name!r}: unknown config field(s) {unknown}; valid: {valid}")
+    try:
+        kwargs = {k: _coerce(k, fields[k], v) for k, v in raw.items()}
+        return entry.config_type(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"model {entry.name!r}: {exc}; valid: {valid}") from exc

@@ -1,0 +1,228 @@
+"""One calibration on the engine executor: the model under the QT provider, batch after batch.
+
+Statistics are additive (engine/averaging.py: int32 counts and float32 sums). A continued
+calibration starts from the stored stats and keeps adding to them, batch by batch, so the sums
+are the same additions in the same order as one call over all the batches: the merge is exact,
+bit for bit. Everything here is blocking JAX work, called only from the server's executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qmill.engine as qe
+from qmill.engine import flax_util, layout, leaf, qarray, zoo
+from qmill.engine import rules as rules_lib
+from qmill.engine.providers import odml
+from qmill.proto import wire
+from qmill.server import calibrations, odml_servicer
+
+_LITERT_QTYPES = (None, "int8")
+
+
+def rules_from_proto(messages: Any) -> list[rules_lib.QuantizationRule]:
+    """ModelRule messages -> engine rules; Calibrate needs static-range activations."""
+    if not messages:
+        raise ValueError(
+            "Calibrate needs rules, e.g. weight_qtype int8, act_qtype int8, act_static_scale"
+        )
+    rules = odml_servicer.rules_from_proto(messages)
+    if not any(r.act_qtype and r.resolved_act_static_scale for r in rules):
+        raise ValueError(
+            "no rule has static-range activations (act_qtype with act_static_scale): nothing "
+            "to calibrate"
+        )
+    return rules
+
+
+def rules_key(messages: Any) -> str:
+    """A canonical text of the rules, so a continuation can check it uses the same ones."""
+    return json.dumps([m.SerializeToString().hex() for m in messages])
+
+
+def model_key(name: str, config: Any) -> str:
+    return json.dumps([name, dataclasses.asdict(config)], sort_keys=True, default=list)
+
+
+def _litert_rules(rules: Sequence[rules_lib.QuantizationRule]) -> bool:
+    """Rules LiteRT can store: calibrate with OdmlQatProvider so the output gets a statistic."""
+    return all(
+        r.tile_size is None
+        and r.weight_qtype in _LITERT_QTYPES
+        and r.act_qtype in _LITERT_QTYPES
+        and (r.act_qtype is None or r.resolved_act_static_scale)
+        for r in rules
+    )
+
+
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{path: (shape, dtype)} of arrays or abstract (ShapeDtypeStruct) leaves."""
+    flat = _flatten_params(flax_util.unbox(tree))
+    return {k: (tuple(v.shape), str(np.dtype(v.dtype))) for k, v in flat.items()}
+
+
+class Session:
+    """The model, its params and the running stats of one Calibrate call."""
+
+    def __init__(
+        self,
+        entry: zoo.ModelEntry,
+        config: Any,
+        params: Any,
+        rules: Sequence[rules_lib.QuantizationRule],
+        previous: calibrations.Calibration | None,
+    ) -> None:
+        self.module = entry.build(config)
+        self.rules = list(rules)
+        self.input = entry.example_input(config, 1)
+        provider = (
+            qe.OdmlQatProvider(self.rules) if _litert_rules(self.rules) else qe.QtProvider(rules)
+        )
+        self.model = qe.quantize_model(self.module, provider)
+        abstract = jax.eval_shape(self.model.init, jax.random.key(0), self.input)
+        expected, got = _shapes(abstract["params"]), _shapes(params)
+        if expected != got:
+            raise wire.WireError(_mismatch(expected, got), code="FAILED_PRECONDITION")
+        self.params = jax.tree.map(jnp.asarray, params)
+        if previous is not None:
+            if _shapes(previous.stats) != _shapes(abstract["quant_stats"]):
+                raise wire.WireError(
+                    f"calibration {previous.id} holds stats of another model or rules",
+                    code="FAILED_PRECONDITION",
+                )
+            self.stats = jax.tree.map(jnp.asarray, previous.stats)
+        else:
+            # The init values of statistics are zeros (averaging.init): no need to run init.
+            self.stats = jax.tree.map(
+                lambda s: jnp.zeros(s.shape, s.dtype), flax_util.unbox(abstract["quant_stats"])
+            )
+        self.batches = previous.batches if previous else 0
+        self.examples = previous.examples if previous else 0
+        model = self.model
+
+        @jax.jit
+        def step(params: Any, stats: Any, x: jax.Array) -> Any:
+            _, upd = model.apply(
+                {"params": params, "quant_stats": stats}, x, mutable=["quant_stats"]
+            )
+            return flax_util.unbox(upd["quant_stats"])
+
+        self._step = step
+
+    def check_batch(self, array: np.ndarray) -> np.ndarray:
+        """The batch as the model takes it; ValueError saying what to send instead."""
+        want_shape, want = tuple(self.input.shape[1:]), np.dtype(self.input.dtype)
+        if array.ndim != len(want_shape) + 1 or tuple(array.shape[1:]) != want_shape:
+            raise ValueError(
+                f"batch of shape {list(array.shape)}; this model takes [batch, "
+                f"{', '.join(map(str, want_shape))}] {want.name}"
+            )
+        if array.dtype != want:
+            # Same kind (float64 -> float32, int64 -> int32) is a safe cast for inputs.
+            if array.dtype.kind != want.kind and not (
+                want.kind == "f" and array.dtype.kind in "fV"
+            ):
+                raise ValueError(f"batch of dtype {array.dtype}; this model takes {want.name}")
+            array = array.astype(want)
+        if array.shape[0] == 0:
+            raise ValueError("empty batch: send at least one example")
+        return array
+
+    def add_batch(self, array: np.ndarray) -> None:
+        x = self.check_batch(array)
+        self.stats = self._step(self.params, self.stats, jnp.asarray(x))
+        self.batches += 1
+        self.examples += int(x.shape[0])
+
+    def host_stats(self) -> dict[str, Any]:
+        return jax.tree.map(np.asarray, self.stats)
+
+    def ptq_params(self) -> dict[str, Any]:
+        """{path: QArray or array}: the static-range PTQ params made with the merged stats."""
+        ptq = qe.quantize_model(self.module, qe.PtqProvider(self.rules))
+        abstract = jax.eval_shape(ptq.init, jax.random.key(0), self.input)
+        op_stats = {k: v for k, v in self.stats.items() if not k.startswith(odml.MODEL_OUTPUT)}
+        tree = qe.quantize_params(self.params, abstract["params"], op_stats)
+        return _flatten_params(tree)
+
+    def float_params(self) -> dict[str, Any]:
+        return _flatten_params(self.params)
+
+
+def _flatten_params(tree: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten_params(value, path + "/"))
+        else:
+            out[path] = value
+    return out
+
+
+def _mismatch(expected: dict, got: dict) -> str:
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    shapes = [
+        f"{k}: {got[k]} vs model {expected[k]}"
+        for k in expected
+        if k in got and got[k] != expected[k]
+    ]
+    parts = [
+        f"missing {missing[:5]}" if missing else "",
+        f"unexpected {extra[:5]}" if extra else "",
+    ]
+    parts.append(f"mismatched {shapes[:5]}" if shapes else "")
+    return "params do not fit the model: " + "; ".join(p for p in parts if p)
+
+
+def param_results(
+    params: dict[str, Any], floats: dict[str, Any]
+) -> Iterator[tuple[layout.LeafPlan | None, str, leaf.LeafResult | np.ndarray]]:
+    """(plan, path, result) per PTQ param: a LeafResult for quantized ones, else the array.
+
+    ``floats`` are the float params, for the quality record of each quantized one.
+    """
+    for path, value in params.items():
+        value = flax_util.unbox(value)
+        how = getattr(value, "how", None)
+        inner = flax_util.unbox(getattr(value, "array", value))
+        if isinstance(inner, qarray.QArray):
+            plan = layout.LeafPlan(
+                path=path,
+                qtype=inner.qtype,
+                channelwise_axes=tuple(how.channelwise_axes) if how else (),
+                tiled_axes=tuple(how.tiled_axes) if how else (),
+                calibration_method=how.calibration_method if how else "absmax",
+            )
+            deq = np.asarray(qarray.dequantize(inner), np.float32)
+            x = np.asarray(floats[path], np.float32).reshape(deq.shape)
+            yield (
+                plan,
+                path,
+                leaf.LeafResult(
+                    qvalue=np.asarray(inner.qvalue),
+                    scale=np.asarray(inner.scale),
+                    zero_point=None if inner.zero_point is None else np.asarray(inner.zero_point),
+                    quality=_quality(x, deq),
+                ),
+            )
+        else:
+            yield None, path, np.asarray(inner)
+
+
+def _quality(x: np.ndarray, xhat: np.ndarray) -> leaf.Quality:
+    noise = float(np.sum((x - xhat) ** 2))
+    sqnr = math.inf if noise == 0 else 10 * math.log10(float(np.sum(x**2)) / noise)
+    mean = float(np.mean(np.abs(x)))
+    return leaf.Quality(
+        sqnr_db=sqnr, mean_relative_error=float(np.mean(np.abs(x - xhat))) / mean if mean else 0.0
+    )

@@ -1,0 +1,134 @@
+"""Calibrations kept on the server's disk, per tenant: merged quant_stats and how they were made.
+
+A calibration is ``<data_dir>/calibrations/<id>.npz`` (the stats leaves under their '/'-joined
+paths, dtypes kept exactly: int32 counts, float32 sums) plus ``<id>.json`` (tenant, model, rules,
+totals). A later Calibrate naming the id continues from these stats; ExportOdml reads them. The
+npz is replaced atomically, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pathlib
+import secrets
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from qmill.proto import wire
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+    id: str
+    tenant: str
+    # What the stats belong to; a continuation must name the same (stats of another model or other
+    # rules would not merge meaningfully).
+    model_key: str
+    rules_key: str
+    batches: int
+    examples: int
+    # Nested dict of numpy arrays (the quant_stats collection).
+    stats: dict[str, Any]
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    """Nested mapping -> {'/'-joined path: numpy array}, in insertion order."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, path + "/"))
+        else:
+            out[path] = np.asarray(getattr(value, "value", value))
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _not_found(calibration_id: str) -> wire.WireError:
+    return wire.WireError(f"calibration {calibration_id!r} not found", code="NOT_FOUND")
+
+
+class CalibrationStore:
+    """Thread-safe; blocking (call it from an executor)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = pathlib.Path(root)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def new_id() -> str:
+        return secrets.token_hex(12)
+
+    def _paths(self, calibration_id: str) -> tuple[pathlib.Path, pathlib.Path]:
+        if not calibration_id or any(c not in "0123456789abcdef" for c in calibration_id):
+            raise _not_found(calibration_id)
+        return self.root / f"{calibration_id}.json", self.root / f"{calibration_id}.npz"
+
+    def load(self, tenant: str, calibration_id: str) -> Calibration:
+        """Raises WireError(NOT_FOUND) for an unknown id or another tenant's."""
+        meta_path, npz_path = self._paths(calibration_id)
+        with self._lock:
+            try:
+                meta = json.loads(meta_path.read_text())
+                with np.load(npz_path, allow_pickle=False) as npz:
+                    flat = {name: npz[name] for name in meta["order"]}
+            except FileNotFoundError:
+                raise _not_found(calibration_id) from None
+        if meta["tenant"] != tenant:
+            raise _not_found(calibration_id)
+        return Calibration(
+            id=calibration_id,
+            tenant=tenant,
+            model_key=meta["model_key"],
+            rules_key=meta["rules_key"],
+            batches=meta["batches"],
+            examples=meta["examples"],
+            stats=unflatten(flat),
+        )
+
+    def save(self, cal: Calibration) -> None:
+        meta_path, npz_path = self._paths(cal.id)
+        flat = flatten(cal.stats)
+        buffer = io.BytesIO()
+        # Positional names would lose the paths; npz keys keep them ('/' is fine in a zip name).
+        np.savez(buffer, **flat)
+        meta = {
+            "tenant": cal.tenant,
+            "model_key": cal.model_key,
+            "rules_key": cal.rules_key,
+            "batches": cal.batches,
+            "examples": cal.examples,
+            "order": list(flat),
+        }
+        with self._lock:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for path, data in (
+                (npz_path, buffer.getvalue()),
+                (meta_path, json.dumps(meta).encode()),
+            ):
+                tmp = path.with_suffix(path.suffix + ".tmp")
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+
+    def load_stats(self, tenant: str, calibration_id: str) -> dict[str, Any]:
+        """For odml_servicer.Backends: only the stats (LookupError-compatible NOT_FOUND)."""
+        return self.load(tenant, calibration_id).stats

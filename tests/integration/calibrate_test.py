@@ -1,0 +1,98 @@
+"""Calibrate through a real server: the zoo CNN, params uploaded once, stats merged exactly."""
+
+import grpc
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from sklearn.datasets import load_digits
+
+from qmill.client import calibrate as client_calibrate
+from qmill.client import errors
+from qmill.client import uploads as client_uploads
+from qmill.engine import zoo
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+
+W8A8 = [pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
+CNN = pb.ModelSpec(name="cnn", config_json="{}")
+
+
+@pytest.fixture(scope="module")
+def setup(make_server, tmp_path_factory):
+    running = make_server(data_dir=str(tmp_path_factory.mktemp("data")))
+    channel = grpc.insecure_channel(running.address)
+    x = (load_digits().images / 16.0).astype(np.float32)[..., None][:96]
+    model = zoo.BUILTIN["cnn"].build(zoo.CnnConfig())
+    params = model.init(jax.random.key(0), x[:1])["params"]
+    flat = {
+        f"{layer}/{name}": np.asarray(v) for layer, d in params.items() for name, v in d.items()
+    }
+    status = client_uploads.upload_bytes(channel, safetensors.numpy.save(flat))
+    assert status.complete
+    yield channel, status.upload_id, x
+    channel.close()
+
+
+def _start(upload_id, **kw):
+    return pb.CalibrateStart(model=CNN, params_upload_id=upload_id, rules=W8A8, **kw)
+
+
+def test_two_calls_merge_exactly_into_the_one_call_stats(setup):
+    channel, uid, x = setup
+    batches = np.split(x, 4)
+    one = client_calibrate.calibrate(channel, _start(uid), batches)
+    first = client_calibrate.calibrate(channel, _start(uid), batches[:2])
+    cid = first.summary.calibration_id
+    second = client_calibrate.calibrate(channel, _start(uid, calibration_id=cid), batches[2:])
+    assert second.summary.calibration_id == cid
+    assert second.summary.batches_total == 4 and second.summary.examples_total == len(x)
+    assert set(one.stats) == set(second.stats) and "model_output/count" in one.stats
+    for path, value in one.stats.items():
+        assert value.dtype == second.stats[path].dtype
+        np.testing.assert_array_equal(value, second.stats[path], err_msg=path)
+    assert int(one.stats["Dense_0/dot_general0_lhs/count"]) == 4
+    assert not np.array_equal(first.stats["Dense_0/dot_general0_lhs/sum_of_absmax"], 0)
+
+
+def test_ptq_params_come_back_quantized(setup):
+    channel, uid, x = setup
+    result = client_calibrate.calibrate(channel, _start(uid, return_ptq_params=True), [x[:32]])
+    kernel = result.params["Dense_0/kernel"]
+    assert kernel["qvalue"].dtype == np.int8 and kernel["qvalue"].shape == (2048, 64)
+    assert kernel["scale"].shape[-1] == 64
+    assert result.results["Dense_0/kernel"].quality.sqnr_db > 30
+    assert "value" in result.params["Dense_0/bias"]
+
+
+@pytest.mark.parametrize(
+    ("start", "code"),
+    [
+        (dict(model=pb.ModelSpec(name="resnet")), "NOT_FOUND"),
+        (dict(model=pb.ModelSpec(name="cnn", config_json='{"width": 1}')), "INVALID_ARGUMENT"),
+        (dict(model=pb.ModelSpec(name="cnn", config_json='{"hidden": 32}')), "FAILED_PRECONDITION"),
+        (dict(model=CNN, calibration_id="abc123"), "NOT_FOUND"),
+        (dict(model=CNN, rules=[pb.ModelRule(weight_qtype="int8")]), "INVALID_ARGUMENT"),
+        (dict(model=CNN, params_upload_id="feedbeef"), "NOT_FOUND"),
+    ],
+)
+def test_errors_name_the_problem(setup, start, code):
+    channel, uid, x = setup
+    fields = {"params_upload_id": uid, "rules": W8A8, **start}
+    with pytest.raises(errors.QmillError) as info:
+        client_calibrate.calibrate(channel, pb.CalibrateStart(**fields), [x[:8]])
+    assert info.value.code == code, info.value.details
+
+
+def test_a_batch_of_the_wrong_shape_is_invalid_argument(setup):
+    channel, uid, x = setup
+    with pytest.raises(errors.QmillError, match=r"takes \[batch, 8, 8, 1\]") as info:
+        client_calibrate.calibrate(channel, _start(uid), [x[:4, :4]])
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_capabilities_list_the_models(setup):
+    channel, _, _ = setup
+    caps = pb_grpc.QuantizerStub(channel).GetCapabilities(pb.GetCapabilitiesRequest())
+    assert {"cnn", "mlp", "transformer_encoder"} <= {m.name for m in caps.models}
+    assert caps.max_upload_bytes > 0
