@@ -9,13 +9,14 @@ import argparse
 import contextlib
 import logging
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from qmill.client import checkpoints, credentials, errors, job, recipes, report
+from qmill.client import checkpoints, credentials, errors, job, jobs, recipes, report, retry
 
 USER_ERRORS = (
     errors.QmillError,
@@ -49,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
         help="output format (default: the input's)",
     )
     q.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    q.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard the partial output of an interrupted run instead of resuming it",
+    )
+    q.add_argument(
+        "--retries",
+        type=int,
+        default=retry.Backoff().retries,
+        help="times to retry, with exponential backoff, while the server is unavailable "
+        "(default %(default)s; each retry resumes where the last attempt stopped)",
+    )
     q.add_argument("--report-json", help="also write the per-tensor report as JSON to this file")
     q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
@@ -77,7 +90,17 @@ def _parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-inflight-bytes", type=int, help="tensor bytes held, all calls")
     lim.add_argument("--max-tenant-inflight-bytes", type=int, help="the same, per tenant")
     lim.add_argument("--max-upload-bytes", type=int, help="largest upload accepted")
+    lim.add_argument("--upload-quota-bytes", type=int, help="upload bytes one tenant may hold")
+    lim.add_argument("--upload-expiry-seconds", type=float, help="seconds an upload is kept")
+    s.add_argument("--data-dir", help="uploads and calibrations ($QMILL_DATA_DIR, ~/.cache/qmill)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    s.add_argument(
+        "--jobs-db", help="SQLite file of batch jobs (default: jobs.sqlite3 in the data dir)"
+    )
+
+    jobs.add_commands(
+        sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
+    )
 
     i = sub.add_parser("inspect", help="list a checkpoint's tensors")
     i.add_argument("checkpoint")
@@ -101,28 +124,42 @@ def _parser() -> argparse.ArgumentParser:
 
 def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     recipe = recipes.load(args.recipe)
-    if args.server:
-        from qmill.client import remote
-
-        backend = remote.Client(
-            args.server, timeout=args.timeout, credentials=credentials.from_args(args)
-        )
-    else:
-        from qmill.client import embedded
-
-        backend = embedded.EmbeddedClient()
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
-    with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
-        rows = job.quantize_checkpoint(
-            args.source,
-            args.output,
-            recipe,
-            backend=backend,
-            output_format=args.format,
-            overwrite=args.overwrite,
-            progress=bar,
-        )
+
+    def attempt(restart: bool) -> list[job.ReportRow]:
+        if args.server:
+            from qmill.client import remote
+
+            backend = remote.Client(
+                args.server, timeout=args.timeout, credentials=credentials.from_args(args)
+            )
+        else:
+            from qmill.client import embedded
+
+            backend = embedded.EmbeddedClient()
+        with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
+            return job.quantize_checkpoint(
+                args.source,
+                args.output,
+                recipe,
+                backend=retry.NoticeAnswers(backend, answered),
+                output_format=args.format,
+                overwrite=args.overwrite,
+                progress=bar,
+                restart=restart,
+            )
+
+    # Only the first attempt may discard a partial output; retries resume it. A server that
+    # never answered is more likely a wrong address than a restart: that fails at once.
+    attempts = iter([args.restart])
+    answered = threading.Event()
+    rows = retry.call(
+        lambda: attempt(next(attempts, False)),
+        retry.Backoff(retries=max(0, args.retries) if args.server else 0),
+        on_retry=lambda line: print(f"qmill: {line}", file=sys.stderr, flush=True),
+        retry_if=lambda _: answered.is_set(),
+    )
     seconds = time.monotonic() - started
     if not args.quiet:
         out.print(report.quality_table(rows))
@@ -152,6 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
         "insecure": args.insecure,
         "tokens": auth.TokenTable.load(args.tokens) if args.tokens else auth.TokenTable.from_env(),
         "metrics_port": args.metrics_port,
+        "jobs_db": args.jobs_db,
     }
     for name in (
         "max_tensor_bytes",
@@ -159,6 +197,9 @@ def _serve(args: argparse.Namespace) -> int:
         "max_inflight_bytes",
         "max_tenant_inflight_bytes",
         "max_upload_bytes",
+        "upload_quota_bytes",
+        "upload_expiry_seconds",
+        "data_dir",
     ):
         if getattr(args, name):
             fields[name] = getattr(args, name)
@@ -230,12 +271,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args, out)
         if args.command == "export-odml":
             return _export_odml(args, out)
+        if args.command in ("submit", "jobs"):
+            return jobs.run_command(
+                args, lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True)
+            )
         return _capabilities(args, out)
     except USER_ERRORS as e:
         print(f"qmill: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("qmill: interrupted; no output was written under the final name", file=sys.stderr)
+        print(
+            "qmill: interrupted; no output was written under the final name (quantize: "
+            "re-run the same command to resume)",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -2,19 +2,24 @@
 
 Integer and bool tensors are copied without a round trip; float tensors go to the backend (a
 server or the embedded engine) and come back quantized or kept. The output appears under its
-final name only when every tensor was written.
+final name only when every tensor was written; until then finished tensors are kept beside it
+(`<destination>.qmill-partial/`) so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
-from collections.abc import Iterator
+import pathlib
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
 
 from qmill.client import checkpoints, recipes, streaming
+from qmill.client.checkpoints import staging
 
 # The engine quantizes only these; every other dtype is copied without a round trip.
 QUANTIZABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -55,47 +60,146 @@ def quantize_checkpoint(
     output_format: str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    restart: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> list[ReportRow]:
-    """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order."""
+    """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
+
+    Resumable: every tensor the backend finishes is kept in `<destination>.qmill-partial/`
+    (staging.PartialOutput), so calling again with the same arguments after an interruption
+    sends only the tensors not yet finished. The checkpoint is then written in checkpoint order
+    from the partial output and the source, so it is byte for byte the one an uninterrupted run
+    writes, and appears under its final name only when complete.
+
+    `check`, when given, is called before each tensor is read, while sending and while writing;
+    whatever it raises stops the job (a server's job runner cancels this way: raised before the
+    checkpoint is committed, nothing appears at `destination`).
+
+    Raises:
+        FileExistsError: `destination` exists and `overwrite` is False.
+        staging.FingerprintMismatch: a partial output made with another recipe, source or
+            format is in the way; `restart=True` discards it.
+    """
+    dest = pathlib.Path(destination)
+    if not overwrite and (dest.exists() or dest.is_symlink()):
+        raise FileExistsError(f"{dest} already exists; pass --overwrite to replace it")
     with checkpoints.open_source(source_path) as source:
         entries = source.entries()
         recipe = recipes.with_default_convention(recipe, source.format)
-        to_send = [e for e in entries if _sendable(e.dtype)]
-        if progress is not None:
-            progress.start(sum(e.nbytes for e in entries), len(entries))
-        rows: dict[str, ReportRow] = {}
-        with checkpoints.create_writer(
-            destination, output_format or source.format, like=source, overwrite=overwrite
-        ) as writer:
-            for entry in entries:
-                if not _sendable(entry.dtype):
-                    writer.write(entry.path, source.read(entry.path))
-                    rows[entry.path] = _kept_row(
-                        entry, f"{entry.dtype.name} tensors are never quantized"
-                    )
-                    if progress is not None:
-                        progress.advance(entry.nbytes)
-
-            def tensors() -> Iterator[tuple[str, np.ndarray]]:
-                for entry in to_send:
-                    yield entry.path, source.read(entry.path)
-
-            by_path = {e.path: e for e in to_send}
-            for outcome in backend.quantize(recipe, tensors()):
-                entry = by_path[outcome.path]
-                if outcome.quantized:
-                    writer.write_quantized(outcome.path, outcome.parts)
-                    rows[entry.path] = _quantized_row(entry, outcome)
-                else:
-                    assert outcome.array is not None
-                    writer.write(outcome.path, outcome.array)
-                    rows[entry.path] = _kept_row(entry, outcome.reason)
-                if progress is not None:
-                    progress.advance(entry.nbytes)
-            missing = [e.path for e in to_send if e.path not in rows]
-            if missing:
-                raise RuntimeError(f"no result for {len(missing)} tensor(s), e.g. {missing[0]}")
+        fmt = output_format or source.format
+        fingerprint = {
+            "recipe": recipe,
+            "format": fmt,
+            "source": _source_fingerprint(source_path, source.format, entries),
+        }
+        partial = staging.PartialOutput(dest, fingerprint, restart=restart)
+        try:
+            rows = _run(source, entries, recipe, backend, partial, progress, check)
+            _assemble(source, entries, partial, dest, fmt, overwrite, check)
+        finally:
+            partial.close()
+        partial.discard()
     return [rows[e.path] for e in entries]
+
+
+def _run(
+    source: checkpoints.TensorSource,
+    entries: list[checkpoints.TensorEntry],
+    recipe: dict[str, Any],
+    backend: Backend,
+    partial: staging.PartialOutput,
+    progress: Progress | None,
+    check: Callable[[], None] | None,
+) -> dict[str, ReportRow]:
+    """Sends the tensors not finished yet; returns every tensor's report row."""
+    rows: dict[str, ReportRow] = {}
+    if progress is not None:
+        progress.start(sum(e.nbytes for e in entries), len(entries))
+    index = {e.path: i for i, e in enumerate(entries)}
+    to_send = []
+    for entry in entries:
+        if not _sendable(entry.dtype):
+            rows[entry.path] = _kept_row(entry, f"{entry.dtype.name} tensors are never quantized")
+        elif entry.path in partial.completed:
+            rows[entry.path] = ReportRow(**_row_fields(partial.completed[entry.path]["info"]))
+        else:
+            to_send.append(entry)
+            continue
+        if progress is not None:
+            progress.advance(entry.nbytes)
+    # Test-only: seconds to wait before reading each tensor, so tests can interrupt a run (or a
+    # server, which sees the stream slow down) part way.
+    delay = float(os.environ.get("QMILL_TEST_TENSOR_DELAY", "0") or 0)
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for entry in to_send:
+            if delay:
+                time.sleep(delay)
+            if check is not None:
+                check()
+            yield entry.path, source.read(entry.path)
+
+    by_path = {e.path: e for e in to_send}
+    for outcome in backend.quantize(recipe, tensors()):
+        entry = by_path[outcome.path]
+        if outcome.quantized:
+            row = _quantized_row(entry, outcome)
+            parts = outcome.parts
+        else:
+            # A kept tensor is the source's own: the checkpoint is written from the source.
+            row = _kept_row(entry, outcome.reason)
+            parts = {}
+        partial.record(index[entry.path], entry.path, parts, dataclasses.asdict(row))
+        rows[entry.path] = row
+        if progress is not None:
+            progress.advance(entry.nbytes)
+    missing = [e.path for e in to_send if e.path not in rows]
+    if missing:
+        raise RuntimeError(f"no result for {len(missing)} tensor(s), e.g. {missing[0]}")
+    return rows
+
+
+def _assemble(
+    source: checkpoints.TensorSource,
+    entries: list[checkpoints.TensorEntry],
+    partial: staging.PartialOutput,
+    destination: pathlib.Path,
+    fmt: str,
+    overwrite: bool,
+    check: Callable[[], None] | None,
+) -> None:
+    """Writes the checkpoint in entry order, one tensor in memory at a time."""
+    with checkpoints.create_writer(destination, fmt, like=source, overwrite=overwrite) as writer:
+        for entry in entries:
+            if check is not None:
+                check()
+            done = partial.completed.get(entry.path)
+            if done is not None and done["parts"]:
+                writer.write_quantized(entry.path, partial.load(entry.path))
+            else:
+                writer.write(entry.path, source.read(entry.path))
+
+
+def _source_fingerprint(
+    source_path: str | os.PathLike, fmt: str, entries: list[checkpoints.TensorEntry]
+) -> dict[str, Any]:
+    """What identifies the source without reading its data: its tensors, and its files' sizes
+    and modification times."""
+    root = pathlib.Path(source_path).absolute()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for e in entries:
+        digest.update(f"{e.path}\0{e.dtype.name}\0{e.shape}\n".encode())
+    for f in files:
+        stat = f.stat()
+        digest.update(
+            f"{f.relative_to(root.parent)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode()
+        )
+    return {"path": str(root), "format": fmt, "sha256": digest.hexdigest()}
+
+
+def _row_fields(info: dict[str, Any]) -> dict[str, Any]:
+    return dict(info, shape=tuple(info["shape"]))
 
 
 def _sendable(dtype: np.dtype) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pathlib
 import signal
 from concurrent import futures
 
@@ -13,9 +14,22 @@ from grpc_reflection.v1alpha import reflection
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import admin, auth, limits, odml_servicer, servicer, tls
+from qmill.server import (
+    admin,
+    auth,
+    calibrations,
+    calibrator_servicer,
+    limits,
+    models,
+    odml_servicer,
+    servicer,
+    tls,
+    uploads,
+    uploads_servicer,
+)
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.jobs import servicer as jobs_servicer
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +82,36 @@ class Server:
             self._grpc,
         )
         admin.add_to_server(admin.AdminServicer(config, self.limiter, self.streams), self._grpc)
-        # Backends (model registry, upload and calibration stores) are wired in once they exist;
-        # until then ExportOdml answers FAILED_PRECONDITION (UNIMPLEMENTED without qmill[odml]).
-        pb_grpc.add_OdmlExporterServicer_to_server(
-            odml_servicer.OdmlExporterServicer(self._executor, backends=None), self._grpc
+        # Uploads and calibrations live under data_dir; the model registry names the models.
+        data_dir = pathlib.Path(config.data_dir)
+        self.uploads = uploads.UploadStore(
+            data_dir / "uploads",
+            max_upload_bytes=config.max_upload_bytes,
+            quota_bytes=config.upload_quota_bytes,
+            expiry_seconds=config.upload_expiry_seconds,
         )
+        self.calibrations = calibrations.CalibrationStore(data_dir / "calibrations")
+        pb_grpc.add_UploadsServicer_to_server(
+            uploads_servicer.UploadsServicer(self.uploads), self._grpc
+        )
+        pb_grpc.add_CalibratorServicer_to_server(
+            calibrator_servicer.CalibratorServicer(
+                self._executor,
+                self.uploads,
+                self.calibrations,
+                max_tensor_bytes=config.max_tensor_bytes,
+            ),
+            self._grpc,
+        )
+        backends = odml_servicer.Backends(
+            resolve_model=models.build,
+            load_params=self.uploads.open_params,
+            load_stats=self.calibrations.load_stats,
+        )
+        pb_grpc.add_OdmlExporterServicer_to_server(
+            odml_servicer.OdmlExporterServicer(self._executor, backends=backends), self._grpc
+        )
+        self.jobs = jobs_servicer.add_to_server(self._grpc, config, self.metrics)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         if config.reflection:
@@ -88,6 +127,7 @@ class Server:
 
     async def start(self) -> None:
         await self._grpc.start()
+        self.jobs.start()  # resumes the jobs a previous server left QUEUED or RUNNING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
@@ -99,6 +139,8 @@ class Server:
         """Reports NOT_SERVING, lets in-flight calls finish within the grace period, then stops."""
         await self.health.enter_graceful_shutdown()
         await self._grpc.stop(self.config.grace_seconds if grace is None else grace)
+        # After the calls: the running job stops at its next tensor, left RUNNING for resuming.
+        await asyncio.to_thread(self.jobs.stop)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.metrics.stop_http()
         log.info("qmill stopped")

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from qmill.server import auth
 
 MiB = 1024 * 1024
+DATA_DIR_ENV = "QMILL_DATA_DIR"
+
+
+def default_data_dir() -> str:
+    return os.environ.get(DATA_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "qmill")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +57,15 @@ class ServerConfig:
     admission_timeout_seconds: float = 30.0
     # Largest upload (a checkpoint sent for a job or calibration), in bytes.
     max_upload_bytes: int = 256 * 1024 * MiB
+    # Bytes of live uploads one tenant may hold on disk (a shared blob counts for each upload).
+    upload_quota_bytes: int = 512 * 1024 * MiB
+    # Seconds an upload is kept after its last byte arrived (then swept with its blob if unused).
+    upload_expiry_seconds: float = 7 * 24 * 3600.0
+
+    # Storage. Directory of uploads and calibrations; $QMILL_DATA_DIR or ~/.cache/qmill.
+    data_dir: str = dataclasses.field(default_factory=lambda: default_data_dir())
+    # SQLite file of batch jobs (kept across restarts); None: jobs.sqlite3 in data_dir.
+    jobs_db: str | None = None
 
     # Observability. Port of the Prometheus /metrics endpoint (on `host`); None: not served,
     # 0: a free port (tests).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 
 import pytest
@@ -15,6 +16,8 @@ class RunningServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
+        # A data directory of its own (jobs db, uploads): never the user's ~/.cache/qmill.
+        config_fields.setdefault("data_dir", tempfile.mkdtemp(prefix="qmill-test-"))
         cfg = config.ServerConfig(host="127.0.0.1", port=0, grace_seconds=1.0, **config_fields)
         self.server = asyncio.run_coroutine_threadsafe(app.create_server(cfg), self._loop).result(
             60

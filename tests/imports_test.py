@@ -47,6 +47,10 @@ ALLOWED = {
         "prometheus_client",
         # Well-known protobuf types (Empty, Struct) for the small admin service in server/admin.py.
         "google.protobuf",
+        # Batch jobs (server/jobs/runner.py) run the CLI's own quantize_checkpoint with the
+        # embedded backend: one implementation of reading, resuming and writing checkpoints, so a
+        # job's output is byte for byte the CLI's.
+        "qmill.client",
     },
     "client": {"qmill.proto", "qmill.client", "grpc", "numpy", "ml_dtypes", "safetensors", "rich"},
     "proto": {"google", "grpc", "qmill.proto", "numpy", "ml_dtypes"},

@@ -35,13 +35,13 @@ class NpzWriter(writer_base.WriterBase):
         if logical:
             self._logical[key] = logical
         # write_array streams the member in bounded chunks; the archive never holds two.
-        with self._zip.open(key + ".npy", "w", force_zip64=True) as f:
+        with self._zip.open(_member(key + ".npy"), "w", force_zip64=True) as f:
             np.lib.format.write_array(f, stored, allow_pickle=False)
 
     def _commit(self) -> None:
         if self._logical:
             record = np.array(json.dumps(self._logical, sort_keys=True))
-            with self._zip.open(DTYPES_MEMBER + ".npy", "w") as f:
+            with self._zip.open(_member(DTYPES_MEMBER + ".npy"), "w") as f:
                 np.lib.format.write_array(f, record, allow_pickle=False)
         self._zip.close()
         self._out.commit()
@@ -49,3 +49,12 @@ class NpzWriter(writer_base.WriterBase):
     def _abort(self) -> None:
         self._zip.close()
         self._out.abort()
+
+
+def _member(name: str) -> zipfile.ZipInfo:
+    """A member stamped with a fixed time (zip's epoch), not the clock's: the same tensors make
+    the same bytes, so a resumed run's archive equals an uninterrupted one's."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.external_attr = 0o644 << 16  # rw-r--r-- when unzipped, as a plain file
+    return info

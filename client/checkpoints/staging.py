@@ -1,4 +1,6 @@
-"""Atomic placement of an output: staged beside the destination, renamed into place on commit.
+"""Atomic placement of an output, and the resumable record of an unfinished one.
+
+StagedOutput: an output staged beside the destination, renamed into place on commit.
 
 The staging path sits in the destination's parent directory (`.NAME.qmill-tmp-XXXXXXXX`), so the
 final rename never crosses a filesystem and the destination never shows a half-written checkpoint.
@@ -6,10 +8,17 @@ final rename never crosses a filesystem and the destination never shows a half-w
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
 import uuid
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from qmill.client.checkpoints import dtypes
 
 
 class StagedOutput:
@@ -58,3 +67,130 @@ def remove(path: pathlib.Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+# The resumable side of an output: what a run has finished, kept until the output is committed.
+PARTIAL_SUFFIX = ".qmill-partial"
+_MANIFEST = "manifest.json"  # fingerprints, written once (atomically) when the area is created
+_LOG = "tensors.jsonl"  # one JSON line per finished tensor, appended after its parts are written
+
+
+class FingerprintMismatch(ValueError):
+    """The partial output was started with another recipe, source or format."""
+
+
+class PartialOutput:
+    """`<destination>.qmill-partial/`: the finished tensors of an interrupted run.
+
+    The directory's name is a function of the destination alone, so re-running the same command
+    finds it. Each finished tensor's parts are written to `parts/<index>-<name>.bin`, and only then
+    is one line appended to `tensors.jsonl` (path, parts with dtype, shape and crc32c of the
+    bytes written, plus whatever the caller records). A run killed mid-tensor leaves at most a
+    torn last line, which is ignored, and part files that the next run overwrites: a tensor is
+    either complete in the manifest or absent. Parts are not fsynced: resuming guards against the
+    process dying (kill, crash, lost server), not the machine; after a power loss the crc32c check
+    on reading catches what the page cache lost.
+    """
+
+    def __init__(
+        self, destination: str | os.PathLike, fingerprint: dict[str, Any], *, restart: bool
+    ) -> None:
+        destination = pathlib.Path(destination).absolute()
+        self.directory = destination.with_name(destination.name + PARTIAL_SUFFIX)
+        self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))
+        if restart:
+            self.discard()
+        self.completed: dict[str, dict[str, Any]] = {}
+        if (self.directory / _MANIFEST).exists():
+            self._check_fingerprint()
+            self.completed = self._read_log()
+        else:
+            remove(self.directory)  # a directory without a manifest holds nothing finished
+            (self.directory / "parts").mkdir(parents=True)
+            tmp = self.directory / (_MANIFEST + ".tmp")
+            tmp.write_text(json.dumps({"fingerprint": self.fingerprint}, sort_keys=True))
+            os.replace(tmp, self.directory / _MANIFEST)
+        self._log = open(self.directory / _LOG, "a", encoding="utf-8")  # noqa: SIM115 - close()
+
+    def _check_fingerprint(self) -> None:
+        try:
+            found = json.loads((self.directory / _MANIFEST).read_text())["fingerprint"]
+        except (OSError, ValueError, KeyError):
+            found = None
+        if found == self.fingerprint:
+            return
+        differ = sorted(
+            k for k in self.fingerprint if not found or found.get(k) != self.fingerprint[k]
+        )
+        raise FingerprintMismatch(
+            f"{self.directory} holds a partial output made with a different "
+            f"{', '.join(differ) or 'manifest'}; re-run with the original arguments to resume, "
+            "or pass --restart to discard the partial output"
+        )
+
+    def _read_log(self) -> dict[str, dict[str, Any]]:
+        completed: dict[str, dict[str, Any]] = {}
+        path = self.directory / _LOG
+        if not path.exists():
+            return completed
+        good = 0
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line) if line.endswith(b"\n") else None
+                except ValueError:
+                    record = None
+                if record is None:
+                    break  # torn by a kill mid-append: that tensor is not finished
+                completed[record["path"]] = record
+                good += len(line)
+        # Drop a torn tail so the next append starts on a line of its own.
+        if path.stat().st_size != good:
+            with open(path, "r+b") as f:
+                f.truncate(good)
+        return completed
+
+    def record(
+        self, index: int, path: str, parts: dict[str, np.ndarray], info: dict[str, Any]
+    ) -> None:
+        """Writes `parts` of the tensor `path` (entry number `index`), then marks it finished."""
+        written = {}
+        for name, array in parts.items():
+            array = np.ascontiguousarray(array)
+            file = self.directory / "parts" / f"{index:06d}-{name}.bin"
+            data = memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""
+            with open(file, "wb") as f:
+                f.write(data)
+            written[name] = {
+                "file": file.name,
+                "dtype": array.dtype.name,
+                "shape": list(array.shape),
+                "crc32c": google_crc32c.value(bytes(data)) if array.size else 0,
+            }
+        record = {"path": path, "parts": written, "info": info}
+        self._log.write(json.dumps(record, sort_keys=True) + "\n")
+        self._log.flush()
+        self.completed[path] = json.loads(json.dumps(record, sort_keys=True))
+
+    def load(self, path: str) -> dict[str, np.ndarray]:
+        """The parts recorded for `path`, checked against their crc32c."""
+        parts = {}
+        for name, meta in self.completed[path]["parts"].items():
+            data = (self.directory / "parts" / meta["file"]).read_bytes()
+            if (google_crc32c.value(data) if data else 0) != meta["crc32c"]:
+                raise ValueError(
+                    f"{self.directory}: the saved {name} of {path} is corrupted (crc32c "
+                    "mismatch); pass --restart to discard the partial output"
+                )
+            dtype = dtypes.logical_dtype(meta["dtype"])
+            parts[name] = np.frombuffer(data, dtype=dtype).reshape(meta["shape"])
+        return parts
+
+    def close(self) -> None:
+        self._log.close()
+
+    def discard(self) -> None:
+        """Deletes the partial output (after a commit, or on --restart)."""
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+        remove(self.directory)

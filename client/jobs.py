@@ -1,0 +1,176 @@
+"""Batch jobs on a server: submit, get, watch, list, cancel (the `qmill submit` / `qmill jobs`
+commands).
+
+A job reads its source and writes its destination on the server's filesystem, so the client
+sends paths and a recipe, not tensors, and may disconnect: the job keeps running, survives a
+server restart, and can be watched again by id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from qmill.client import credentials as credentials_lib
+from qmill.client import errors
+from qmill.proto import recipe as recipe_proto
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+
+FINAL_STATES = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
+
+
+def state_name(state: int) -> str:
+    """ "succeeded" for JOB_STATE_SUCCEEDED, and so on."""
+    return pb.JobState.Name(state).removeprefix("JOB_STATE_").lower()
+
+
+class JobsClient:
+    """One channel to a server's Jobs service; every RPC failure is raised as QmillError."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        credentials: credentials_lib.Credentials | None = None,
+    ) -> None:
+        self.timeout = timeout
+        creds = credentials if credentials is not None else credentials_lib.default()
+        self._channel = credentials_lib.channel(target, creds, [])
+        self._stub = pb_grpc.JobsStub(self._channel)
+
+    def __enter__(self) -> JobsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def submit(
+        self,
+        source: str,
+        destination: str,
+        recipe: dict[str, Any],
+        *,
+        request_id: str = "",
+        output_format: str = "",
+        overwrite: bool = False,
+    ) -> pb.Job:
+        """Starts a job (paths are the server's), or returns the one with this request_id."""
+        request = pb.SubmitJobRequest(
+            source=source,
+            destination=destination,
+            recipe=recipe_proto.from_mapping(recipe),
+            request_id=request_id,
+            output_format=output_format,
+            overwrite=overwrite,
+        )
+        return self._call(self._stub.SubmitJob, request)
+
+    def get(self, job_id: str) -> pb.Job:
+        return self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id))
+
+    def cancel(self, job_id: str) -> pb.Job:
+        return self._call(self._stub.CancelJob, pb.GetJobRequest(job_id=job_id))
+
+    def list(self, *, states: list[int] | None = None, all_tenants: bool = False) -> list[pb.Job]:
+        request = pb.ListJobsRequest(states=states or [], all_tenants=all_tenants)
+        return list(self._call(self._stub.ListJobs, request).jobs)
+
+    def watch(self, job_id: str) -> Iterator[pb.JobEvent]:
+        """The job now, then an event per change until it ends (no timeout: jobs take long)."""
+        try:
+            yield from self._stub.WatchJob(pb.GetJobRequest(job_id=job_id))
+        except grpc.RpcError as e:
+            raise errors.QmillError.from_rpc_error(e) from None
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise errors.QmillError.from_rpc_error(e) from None
+
+
+def describe(job: pb.Job) -> str:
+    """One line for a job: id, state, progress, paths (and the error of a failed one)."""
+    line = (
+        f"{job.job_id}  {state_name(job.state):<9}  {job.tensors_done}/{job.tensors_total} "
+        f"tensors  {job.source} → {job.destination}"
+    )
+    return line + (f"  error: {job.error}" if job.error else "")
+
+
+# The CLI's part: `qmill submit` and `qmill jobs list|watch|cancel` (cli.py dispatches here).
+
+
+def add_commands(sub: Any, recipe_help: str) -> None:
+    """Adds the `submit` and `jobs` commands to the CLI's subparsers."""
+    s = sub.add_parser("submit", help="run a quantize job on a server (server-side paths)")
+    s.add_argument("source", help="checkpoint path on the server")
+    s.add_argument("destination", help="where the server writes the quantized checkpoint")
+    s.add_argument("--server", required=True, help="HOST:PORT")
+    s.add_argument("--recipe", default="int8", help=recipe_help)
+    s.add_argument("--format", choices=("orbax", "safetensors", "npz"), help="output format")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    s.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    credentials_lib.add_arguments(s)  # --request-id doubles as the job's idempotency key
+
+    j = sub.add_parser("jobs", help="list, watch or cancel jobs on a server")
+    jsub = j.add_subparsers(dest="jobs_command", required=True)
+    ls = jsub.add_parser("list", help="this tenant's jobs, oldest first")
+    ls.add_argument("--all-tenants", action="store_true", help="every tenant's (admin token)")
+    for name, text in (("watch", "follow a job until it ends"), ("cancel", "cancel a job")):
+        p = jsub.add_parser(name, help=text)
+        p.add_argument("job_id")
+    for p in jsub.choices.values():
+        p.add_argument("--server", required=True, help="HOST:PORT")
+        credentials_lib.add_arguments(p)
+
+
+def run_command(args: Any, print_line: Any) -> int:
+    """Runs `submit` or `jobs ...`; returns the exit code (1 when a watched job did not succeed)."""
+    from qmill.client import recipes
+
+    creds = credentials_lib.from_args(args)
+    with JobsClient(args.server, credentials=creds) as client:
+        if args.command == "submit":
+            job = client.submit(
+                args.source,
+                args.destination,
+                recipes.load(args.recipe),
+                request_id=args.request_id or "",
+                output_format=args.format or "",
+                overwrite=args.overwrite,
+            )
+            print_line(describe(job))
+            return _watch(client, job.job_id, print_line) if args.watch else 0
+        if args.jobs_command == "list":
+            for job in client.list(all_tenants=args.all_tenants):
+                print_line(describe(job))
+            return 0
+        if args.jobs_command == "cancel":
+            print_line(describe(client.cancel(args.job_id)))
+            return 0
+        return _watch(client, args.job_id, print_line)
+
+
+def _watch(client: JobsClient, job_id: str, print_line: Any) -> int:
+    job = None
+    for event in client.watch(job_id):
+        job = event.job
+        print_line(
+            f"{state_name(job.state)}: {event.message} "
+            f"({job.tensors_done}/{job.tensors_total} tensors, {job.bytes_done:,} bytes)"
+        )
+    if job is None or job.state != pb.JOB_STATE_SUCCEEDED:
+        error = f": {job.error}" if job is not None and job.error else ""
+        raise errors.QmillError(
+            "FAILED_PRECONDITION" if job is None else state_name(job.state).upper(),
+            f"job {job_id} did not succeed{error}",
+        )
+    return 0

@@ -1,0 +1,1 @@
+"""Batch jobs: a SQLite store, a background runner, the Jobs servicer."""

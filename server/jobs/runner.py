@@ -1,0 +1,182 @@
+"""Runs batch jobs in a background thread, one at a time, with the CLI's own code.
+
+A job is `qmill quantize` run by the server: `client/job.py`'s quantize_checkpoint with the
+embedded engine as backend, reading the source and writing the destination from the server's
+filesystem. Sharing that code (a server → client import, see tests/imports_test.py) is what makes
+a job's output byte for byte the CLI's, and makes jobs resumable the same way: finished tensors
+are kept in `<destination>.qmill-partial/`, so a job that was RUNNING when the server died is
+queued again on start and continues where it stopped.
+
+One job runs at a time: a job already uses every core through JAX, and queued jobs keep their
+order. Cancelling stops the job before its next tensor and deletes its partial output; the
+destination is never written, because the check runs before the checkpoint is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import queue
+import threading
+from collections.abc import Callable
+
+from qmill.client import embedded, errors, job
+from qmill.client.checkpoints import staging
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server.jobs import store as store_lib
+
+log = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    """Raised inside a running job to stop it; `cancelled` tells a cancel from a shutdown."""
+
+    def __init__(self, cancelled: bool) -> None:
+        super().__init__("cancelled" if cancelled else "server stopping")
+        self.cancelled = cancelled
+
+
+class _Progress:
+    """job.Progress that writes the counters to the store (and so to watchers)."""
+
+    def __init__(self, runner: JobRunner, job_id: str) -> None:
+        self._runner, self._job_id = runner, job_id
+        self._tensors = self._bytes = 0
+        self._total = 0
+
+    def start(self, total_bytes: int, total_tensors: int) -> None:
+        self._total = total_tensors
+        self._runner._update(
+            self._job_id,
+            tensors_total=total_tensors,
+            bytes_total=total_bytes,
+            tensors_done=0,
+            bytes_done=0,
+        )
+
+    def advance(self, nbytes: int) -> None:
+        self._tensors += 1
+        self._bytes += nbytes
+        self._runner._update(
+            self._job_id,
+            tensors_done=self._tensors,
+            bytes_done=self._bytes,
+            message=f"tensor {self._tensors}/{self._total} done",
+        )
+
+
+class JobRunner:
+    """The background thread that runs queued jobs in order."""
+
+    def __init__(
+        self, store: store_lib.JobStore, *, on_change: Callable[[], None] | None = None
+    ) -> None:
+        self.store = store
+        # Called after every change of a job (the server updates the qmill_jobs gauge).
+        self._on_change = on_change
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._current: str | None = None
+        self._cancel = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="qmill-jobs", daemon=True)
+
+    def start(self) -> None:
+        """Queues the jobs a previous server left QUEUED or RUNNING, then starts the thread."""
+        for record in self.store.list(tenant=None, states=list(store_lib.ACTIVE)):
+            if record.state == pb.JOB_STATE_RUNNING:
+                self._update(
+                    record.job_id, state=pb.JOB_STATE_QUEUED, message="resumed after restart"
+                )
+            self._queue.put(record.job_id)
+        self._notify()
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops after the current tensor; the running job stays RUNNING, resumed next start."""
+        self._stopping.set()
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def submit(self, job_id: str) -> None:
+        self._queue.put(job_id)
+
+    def cancel(self, job_id: str) -> store_lib.JobRecord:
+        """Cancels a queued job now, a running one before its next tensor."""
+        with self._lock:
+            record = self.store.get(job_id)
+            assert record is not None
+            if record.state in store_lib.FINAL:
+                return record
+            if self._current == job_id:
+                self._cancel.set()
+                return self._update(job_id, message="cancelling")
+            return self._finish(job_id, pb.JOB_STATE_CANCELLED, "cancelled")
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            job_id = self._queue.get()
+            if job_id is None:
+                return
+            with self._lock:
+                record = self.store.get(job_id)
+                if record is None or record.state != pb.JOB_STATE_QUEUED:
+                    continue  # cancelled while queued
+                self._current = job_id
+                self._cancel.clear()
+                self._update(job_id, state=pb.JOB_STATE_RUNNING, message="running")
+            try:
+                self._run(record)
+            finally:
+                with self._lock:
+                    self._current = None
+
+    def _check(self) -> None:
+        if self._cancel.is_set():
+            raise _Stop(cancelled=True)
+        if self._stopping.is_set():
+            raise _Stop(cancelled=False)
+
+    def _run(self, record: store_lib.JobRecord) -> None:
+        try:
+            job.quantize_checkpoint(
+                record.source,
+                record.destination,
+                record.recipe,
+                backend=embedded.EmbeddedClient(),
+                output_format=record.output_format or None,
+                overwrite=record.overwrite,
+                progress=_Progress(self, record.job_id),
+                check=self._check,
+            )
+        except _Stop as stop:
+            if stop.cancelled:
+                destination = pathlib.Path(record.destination).absolute()
+                staging.remove(destination.with_name(destination.name + staging.PARTIAL_SUFFIX))
+                self._finish(record.job_id, pb.JOB_STATE_CANCELLED, "cancelled")
+            return  # stopping: left RUNNING, resumed by the next server
+        except errors.QmillError as e:
+            self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error=e.details)
+        except (ValueError, TypeError, OSError, RuntimeError) as e:
+            self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error=str(e))
+        except Exception:
+            log.exception("job %s failed", record.job_id)
+            self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error="internal error")
+        else:
+            self._finish(record.job_id, pb.JOB_STATE_SUCCEEDED, f"wrote {record.destination}")
+
+    def _finish(
+        self, job_id: str, state: int, message: str, *, error: str = ""
+    ) -> store_lib.JobRecord:
+        log.info("job %s %s%s", job_id, store_lib.state_name(state), f": {error}" if error else "")
+        return self._update(job_id, state=state, message=message, error=error)
+
+    def _update(self, job_id: str, **fields: object) -> store_lib.JobRecord:
+        record = self.store.update(job_id, **fields)
+        if "state" in fields:
+            self._notify()
+        return record
+
+    def _notify(self) -> None:
+        if self._on_change is not None:
+            self._on_change()

@@ -1,0 +1,160 @@
+"""The Jobs service: a thin adapter from RPCs to the job store and runner.
+
+Jobs are visible to their tenant only: another tenant's job id gets NOT_FOUND, the same answer
+as an id that does not exist. Paths are the server's own filesystem (local or mounted); object
+store URLs (gs://, s3://) are refused with INVALID_ARGUMENT until a reader for them exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+
+import grpc
+
+from qmill.proto import recipe as recipe_proto
+from qmill.proto import wire
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+from qmill.server import auth, codec, errors
+from qmill.server import config as config_lib
+from qmill.server import metrics as metrics_lib
+from qmill.server.jobs import runner as runner_lib
+from qmill.server.jobs import store as store_lib
+
+# How often WatchJob looks at its job; changes in between are coalesced into one event.
+WATCH_POLL_SECONDS = 0.1
+FORMATS = ("", "orbax", "safetensors", "npz")
+
+
+class JobsServicer(pb_grpc.JobsServicer):
+    # The store's calls are single-row SQLite statements (well under a millisecond), so they run
+    # on the event loop rather than paying a thread hop each.
+
+    def __init__(self, runner: runner_lib.JobRunner) -> None:
+        self._runner = runner
+        self._store = runner.store
+
+    @errors.unary
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context) -> pb.Job:
+        source = _local_path(request.source, "source")
+        destination = _local_path(request.destination, "destination")
+        tenant = auth.current_principal().tenant
+        # A repeated request_id answers with its job before any check: the job may have written
+        # the destination since the first submit.
+        existing = self._store.find(tenant, request.request_id)
+        if existing is not None:
+            return _same_job(existing, request.request_id, source, destination).to_proto()
+        if not pathlib.Path(source).exists():
+            raise ValueError(f"source {source} does not exist on the server")
+        if request.output_format not in FORMATS:
+            raise ValueError(
+                f"output_format {request.output_format!r} is not one of orbax, safetensors, npz "
+                "(or empty for the source's format)"
+            )
+        if not request.recipe.rules:
+            raise ValueError("the recipe has no rules; send at least one (e.g. qtype int8)")
+        codec.recipe_from_proto(request.recipe)  # refuses a bad recipe now, not in the job
+        recipe = recipe_proto.to_mapping(request.recipe)
+        if recipe["convention"] == "auto":
+            # As `qmill quantize` does: no convention → the source format's (job.py fills it).
+            del recipe["convention"]
+        dest = pathlib.Path(destination)
+        if not request.overwrite and (dest.exists() or dest.is_symlink()):
+            raise wire.WireError(
+                f"destination {destination} already exists; set overwrite to replace it",
+                code="ALREADY_EXISTS",
+            )
+        record, created = self._store.create(
+            tenant=tenant,
+            request_id=request.request_id,
+            source=source,
+            destination=destination,
+            recipe=recipe,
+            output_format=request.output_format,
+            overwrite=request.overwrite,
+        )
+        if created:
+            self._runner.submit(record.job_id)
+        return _same_job(record, request.request_id, source, destination).to_proto()
+
+    @errors.unary
+    async def GetJob(self, request: pb.GetJobRequest, context) -> pb.Job:
+        return self._owned(request.job_id).to_proto()
+
+    @errors.streaming
+    async def WatchJob(self, request: pb.GetJobRequest, context):
+        last = None
+        while True:
+            record = self._owned(request.job_id)
+            seen = (record.state, record.tensors_done, record.tensors_total, record.message)
+            if seen != last:
+                last = seen
+                yield pb.JobEvent(job=record.to_proto(), message=record.message)
+            if record.state in store_lib.FINAL:
+                return
+            await asyncio.sleep(WATCH_POLL_SECONDS)
+
+    @errors.unary
+    async def ListJobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsResponse:
+        tenant: str | None = auth.current_principal().tenant
+        if request.all_tenants:
+            auth.require_admin("listing every tenant's jobs (all_tenants)")
+            tenant = None
+        records = self._store.list(tenant=tenant, states=list(request.states))
+        return pb.ListJobsResponse(jobs=[r.to_proto() for r in records])
+
+    @errors.unary
+    async def CancelJob(self, request: pb.GetJobRequest, context) -> pb.Job:
+        self._owned(request.job_id)
+        return self._runner.cancel(request.job_id).to_proto()
+
+    def _owned(self, job_id: str) -> store_lib.JobRecord:
+        if not job_id:
+            raise ValueError("job_id is empty; pass the id SubmitJob returned")
+        record = self._store.get(job_id)
+        if record is None:
+            raise auth.AccessError(f"job {job_id} not found", code="NOT_FOUND")
+        auth.require_owner(record.tenant, f"job {job_id}")
+        return record
+
+
+def _same_job(
+    record: store_lib.JobRecord, request_id: str, source: str, destination: str
+) -> store_lib.JobRecord:
+    """`record`, when it is the job these paths describe; a reused request_id otherwise."""
+    if (record.source, record.destination) != (source, destination):
+        raise wire.WireError(
+            f"request_id {request_id!r} already names job {record.job_id} "
+            f"({record.source} → {record.destination}); use a new request_id",
+            code="ALREADY_EXISTS",
+        )
+    return record
+
+
+def _local_path(value: str, what: str) -> str:
+    if not value:
+        raise ValueError(f"{what} is empty; give a path on the server")
+    if "://" in value:
+        raise ValueError(
+            f"{what} {value!r}: object-store URLs are not supported by this server yet; give a "
+            "local or mounted path"
+        )
+    return os.path.abspath(value)
+
+
+def jobs_db_path(config: config_lib.ServerConfig) -> str:
+    return config.jobs_db or os.path.join(config.data_dir, "jobs.sqlite3")
+
+
+def add_to_server(
+    server: grpc.aio.Server, config: config_lib.ServerConfig, metrics: metrics_lib.Metrics
+) -> runner_lib.JobRunner:
+    """Registers the Jobs service; returns its runner, for the server to start and stop."""
+    store = store_lib.JobStore(jobs_db_path(config))
+    runner = runner_lib.JobRunner(
+        store, on_change=lambda: metrics.set_jobs_by_state(store.counts())
+    )
+    pb_grpc.add_JobsServicer_to_server(JobsServicer(runner), server)
+    return runner
