@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -42,6 +43,17 @@ class CallContext:
         self.fields: dict[str, object] = {}
         self._trailers: dict[str, str] = {"x-request-id": request_id}
         inner.set_trailing_metadata(tuple(self._trailers.items()))
+        # Read now, not when the call has ended: after a client cancels, grpc frees the call's
+        # state and asking the context for its peer then can crash the process.
+        self._peer = inner.peer()
+        remaining = inner.time_remaining()
+        self._deadline = None if remaining is None else time.monotonic() + remaining
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
 
     def add_trailer(self, key: str, value: str) -> None:
         self._trailers[key] = value
