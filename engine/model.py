@@ -145,6 +145,11 @@ def _quantize_nnx(model, provider, methods, inputs, kwargs) -> nnx.Module:
     for path, node in nnx.iter_graph(new):
         if isinstance(node, nnx.Module):
             setattr(node, flax_util.PATH_ATTR, tuple(str(p) for p in path))
+            # QT statistics update on every call unless this is True; present on every module so
+            # `model.set_attributes(disable_quant_stats_update=..., raise_if_not_found=False)`
+            # (the seeds' way to freeze them for evaluation) reaches them all.
+            if not hasattr(node, "disable_quant_stats_update"):
+                node.disable_quant_stats_update = False
             interception.late_bind_attributes(node, originals)
     object.__setattr__(new, "__class__", _nnx_subclass(_float_class(type(new)), methods))
     setattr(new, _PROVIDER_ATTR, provider)

@@ -1,9 +1,10 @@
 """Quantization rules: which ops of which modules get quantized, and how.
 
 A rule is matched against the '/'-joined path of the Flax module running an op (``"encoder/
-layers_0/attn"``; the top module is ``""``) and the op's name (``"dot_general"``, ``"einsum"``,
-``"conv_general_dilated"``, ``"dot"``). The regex must match the whole path, and the first matching
-rule in the list wins, so specific rules go before catch-all ones.
+layers_0/attn"``; the top module is ``""``) and the op's name (``"dot_general"``, also for
+``jnp.dot`` and ``@``; ``"einsum"``, ``"conv_general_dilated"``, ``"ragged_dot"``). The regex must
+match the whole path, and the first matching rule in the list wins, so specific rules go before
+catch-all ones.
 
 These are model-level rules; the service-level presets in ``recipes.py`` are a different concept.
 """
@@ -95,13 +96,14 @@ class QtRule(QuantizationRule):
     bwd_qtype: QType | None = None
     # Calibration of gradients.
     bwd_calibration_method: str = "absmax"
-    # Tile size along the batch axes when the weight gradient is computed; None is per tensor.
+    # Tile size along the (first) axis the weight gradient contracts, i.e. the batch axis of a
+    # dense layer, when the gradient is quantized for it; None is one scale along that axis.
     bwd_weight_grad_tile_size: int | float | None = None
     # Quantize every operand per tensor instead of per channel.
     disable_channelwise_axes: bool = False
     # Stochastic rounding of gradients: None, "uniform" or "low_bit_uniform".
     bwd_stochastic_rounding: str | None = None
-    # Axes along which stochastic-rounding noise is shared (cheaper random numbers).
+    # Axes along which stochastic-rounding noise varies; it is broadcast over the other axes.
     channelwise_noise_axes: Sequence[int] = (0,)
     # Free-form settings for experimental QT features; unused keys are ignored.
     additional_qt_config: Mapping[str, Any] | None = None

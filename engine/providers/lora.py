@@ -6,9 +6,18 @@ W's contracting axes × rank) starts random and ``B`` (``<weight>_lora_b``: rank
 starts at zero, so the adapted model starts as the base model. ``base`` is the PTQ op when the rule
 has a weight_qtype (QLoRA: nf4 / int4 base), the float op otherwise.
 
+For a convolution ``y = conv(x, W)`` the adapter is ``conv(dropout(x), A) · B``: ``A`` has W's
+layout with the output-feature axis cut to ``rank`` (same window, strides, padding), ``B`` is
+rank × output features, applied along the output's feature axis. Grouped convolutions
+(feature_group_count / batch_group_count > 1) keep their base only.
+
 In NNX the adapters are ``LoRAParam`` variables (a subclass of ``nnx.Param``): train them with
 ``nnx.state(model, LoRAParam)`` / ``wrt=LoRAParam``. In Linen they are params named as above.
-Only dot_general, jnp.dot and two-operand einsum ops get adapters; convolutions keep their base.
+
+Dropout (``LoraRule.dropout``) acts on the adapter's input only, in training: Linen when the
+caller passes a "dropout" rng; NNX when apply_lora_to_model got ``rngs``, through an
+``nnx.Dropout`` stored as ``<weight>_lora_dropout`` (so ``model.eval()`` turns it off, and its
+rng state lives in the model like any NNX dropout). Without an rng the adapter is deterministic.
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ class LoraProvider(ptq.PtqProvider):
             return base
         free = [a for a in range(len(rhs.shape)) if a not in rc]
         a, b = self._adapters(module, rule, ref.name, rhs, list(rc), free)
-        x = self._dropout(module, rule, lhs)
+        x = self._dropout(module, rule, ref.name, lhs)
         t = jax.lax.dot_general(x, a, ((tuple(lc), tuple(range(len(rc)))), ((), ())))
         delta = jax.lax.dot_general(t, b, (((t.ndim - 1,), (0,)), ((), ())))
         return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
@@ -91,7 +100,7 @@ class LoraProvider(ptq.PtqProvider):
         free = [i for i, c in enumerate(rhs_s) if c not in lhs_s]
         a, b = self._adapters(module, rule, ref.name, rhs, contract, free)
         kept = "".join(c for c in lhs_s if c in out)
-        x = self._dropout(module, rule, lhs)
+        x = self._dropout(module, rule, ref.name, lhs)
         c_s, f_s = "".join(rhs_s[i] for i in contract), "".join(rhs_s[i] for i in free)
         t = jnp.einsum(f"{lhs_s},{c_s}{r}->{kept}{r}", x, a)
         delta = jnp.einsum(f"{kept}{r},{r}{f_s}->{out}", t, b)
@@ -116,20 +125,62 @@ class LoraProvider(ptq.PtqProvider):
             setattr(module, name, existing)
         return existing[...]
 
-    def _dropout(self, module, rule: rules.LoraRule, x: jax.Array) -> jax.Array:
-        # Linen only, and only when the caller supplies a "dropout" rng (i.e. in training).
-        if (
-            rule.dropout == 0.0
-            or not isinstance(module, nn.Module)
-            or not module.has_rng("dropout")
-        ):
+    def _dropout(self, module, rule: rules.LoraRule, name: str, x: jax.Array) -> jax.Array:
+        if rule.dropout == 0.0:
             return x
-        keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rule.dropout, x.shape)
-        return jnp.where(keep, x / (1.0 - rule.dropout), 0).astype(x.dtype)
+        if isinstance(module, nn.Module):
+            if not module.has_rng("dropout"):
+                return x
+            keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rule.dropout, x.shape)
+            return jnp.where(keep, x / (1.0 - rule.dropout), 0).astype(x.dtype)
+        attr = f"{name}_lora_dropout"
+        dropout = getattr(module, attr, None)
+        if dropout is None:
+            if self.rngs is None:
+                return x
+            dropout = nnx.Dropout(rule.dropout, rngs=self.rngs)
+            setattr(module, attr, dropout)
+        return dropout(x)
+
+    def conv_general_dilated(
+        self, lhs: Any, rhs: Any, window_strides: Any, padding: Any, *args: Any, **kwargs: Any
+    ) -> jax.Array:
+        rule, op_id, module = self.current_rule_and_op_id("conv_general_dilated")
+        call = ptq._ConvCall.bind(window_strides, padding, *args, **kwargs)
+        if rule is None:
+            return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs)
+        ref = flax_util.find_param(rhs, module)
+        if rule.weight_qtype is not None:
+            base = self.quantized_conv_general_dilated(rule, op_id, module, lhs, rhs, call)
+        else:
+            base = jax.lax.conv_general_dilated(
+                lhs, jax.lax.stop_gradient(rhs), window_strides, padding, *args, **kwargs
+            )
+        grouped = any(
+            call.values.get(k, 1) != 1 for k in ("feature_group_count", "batch_group_count")
+        )
+        if not isinstance(rule, rules.LoraRule) or ref is None or grouped:
+            return base
+        dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, call.dimension_numbers)
+        out_feature = dn.rhs_spec[0]
+        shape = tuple(rule.rank if i == out_feature else n for i, n in enumerate(rhs.shape))
+        dtype = rhs.dtype if jnp.issubdtype(rhs.dtype, jnp.floating) else jnp.float32
+        a = self._param(module, f"{ref.name}_lora_a", rule.lora_a_initializer, shape, dtype)
+        b_shape = (rule.rank, rhs.shape[out_feature])
+        b = self._param(module, f"{ref.name}_lora_b", rule.lora_b_initializer, b_shape, dtype)
+        x = self._dropout(module, rule, ref.name, lhs)
+        conv_kwargs = {k: v for k, v in call.values.items() if k != "dimension_numbers"}
+        t = jax.lax.conv_general_dilated(
+            x, a, window_strides, padding, dimension_numbers=dn, **conv_kwargs
+        )
+        channel = dn.out_spec[1]
+        delta = jnp.moveaxis(jnp.moveaxis(t, channel, -1) @ b, -1, channel)
+        return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
 
     def get_intercept_map(self):
-        # Convolutions: the frozen base only (PTQ when weight_qtype is set).
-        return super().get_intercept_map()
+        return super().get_intercept_map() | {
+            "jax.lax.conv_general_dilated": self.conv_general_dilated
+        }
 
 
 def apply_lora_to_model(

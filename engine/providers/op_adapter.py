@@ -5,6 +5,8 @@ Keyword-only wrappers, so the providers call every op and its how-to-quantize th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from qmill.engine import ops, qarray
@@ -55,3 +57,83 @@ def einsum(einsum_str, lhs, rhs, **kwargs) -> jax.Array:
 
 def conv_general_dilated(lhs, rhs, *args, **kwargs) -> jax.Array:
     return ops.conv_general.conv_general_dilated(lhs, rhs, *args, **kwargs)
+
+
+# ---- ragged_dot (lhs [m, k], rhs [groups, k, n], out [m, n]; rows grouped by group_sizes) ------
+
+
+def ragged_dot_how(*, for_lhs, qtype, tile_size, calibration_method) -> qarray.HowToQuantize:
+    """lhs: a scale per row (m); rhs: a scale per (group, output column); k optionally tiled."""
+    contracting = 1
+    tiled = {contracting: tile_size} if tile_size else {}
+    return qarray.HowToQuantize(
+        qtype=qtype,
+        channelwise_axes=(0,) if for_lhs else (0, 2),
+        tiled_axes=tiled,
+        calibration_method=calibration_method,
+    )
+
+
+def ragged_dot(lhs, rhs, group_sizes, **kwargs) -> jax.Array:
+    """jax.lax.ragged_dot on QArrays, computed on the dequantized values.
+
+    A rhs scale varies by group, i.e. by the row of the output, so it can't be applied after an
+    integer matmul as one broadcast; the weight is stored quantized and dequantized here.
+    """
+    lhs, rhs = (qarray.dequantize(x) if isinstance(x, qarray.QArray) else x for x in (lhs, rhs))
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kwargs)
+
+
+# ---- gradient layouts (for the quantized backward pass of QT) -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GradLayout:
+    """Axes of an op's output gradient g, by the operand they come from.
+
+    ``batch`` axes come from both operands; ``lhs_free`` / ``rhs_free`` from one only. The gradient
+    of the lhs contracts g over ``rhs_free`` (so g gets a scale per index of batch + lhs_free),
+    and the gradient of the rhs contracts it over ``lhs_free``.
+    """
+
+    batch: tuple[int, ...]
+    lhs_free: tuple[int, ...]
+    rhs_free: tuple[int, ...]
+
+
+def dot_general_grad_layout(dimension_numbers, ndims) -> GradLayout:
+    (lc, rc), (lb, rb) = dimension_numbers
+    n_lhs_free = ndims[0] - len(lc) - len(lb)
+    n_rhs_free = ndims[1] - len(rc) - len(rb)
+    nb = len(lb)
+    return GradLayout(
+        batch=tuple(range(nb)),
+        lhs_free=tuple(range(nb, nb + n_lhs_free)),
+        rhs_free=tuple(range(nb + n_lhs_free, nb + n_lhs_free + n_rhs_free)),
+    )
+
+
+def einsum_grad_layout(einsum_str: str) -> GradLayout | None:
+    """The layout of a two-operand einsum's output; None for forms we don't parse ("...")."""
+    spec = einsum_str.replace(" ", "")
+    if "->" not in spec or "." in spec:
+        return None
+    ins, out = spec.split("->")
+    if ins.count(",") != 1:
+        return None
+    lhs, rhs = ins.split(",")
+    where = lambda keep: tuple(i for i, c in enumerate(out) if keep(c))  # noqa: E731
+    return GradLayout(
+        batch=where(lambda c: c in lhs and c in rhs),
+        lhs_free=where(lambda c: c in lhs and c not in rhs),
+        rhs_free=where(lambda c: c in rhs and c not in lhs),
+    )
+
+
+def conv_grad_layout(dn: jax.lax.ConvDimensionNumbers) -> GradLayout:
+    """Output (N, C, spatial...): N and the spatial axes come from lhs, C from rhs."""
+    n, c, *spatial = dn.out_spec
+    return GradLayout(batch=(), lhs_free=(n, *spatial), rhs_free=(c,))
+
+
+RAGGED_DOT_GRAD_LAYOUT = GradLayout(batch=(), lhs_free=(0,), rhs_free=(1,))

@@ -124,9 +124,12 @@ class PtqProvider(base.QuantizationProvider):
         self, lhs: Any, rhs: Any, window_strides: Any, padding: Any, *args: Any, **kwargs: Any
     ) -> jax.Array:
         rule, op_id, module = self.current_rule_and_op_id("conv_general_dilated")
-        call = _ConvCall.bind(window_strides, padding, *args, **kwargs)
         if rule is None or rule.weight_qtype is None:
             return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs)
+        call = _ConvCall.bind(window_strides, padding, *args, **kwargs)
+        return self.quantized_conv_general_dilated(rule, op_id, module, lhs, rhs, call)
+
+    def quantized_conv_general_dilated(self, rule, op_id, module, lhs, rhs, call) -> jax.Array:
         if rule.act_qtype is not None and rule.act_qtype != rule.weight_qtype:
             raise ValueError(
                 "quantized conv_general_dilated needs act_qtype == weight_qtype (or act_qtype "
@@ -136,6 +139,35 @@ class PtqProvider(base.QuantizationProvider):
         how = functools.partial(op_adapter.conv_how, dimension_numbers=dn)
         lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
         return op_adapter.conv_general_dilated(lhs, rhs, **call.quantized_kwargs(dn))
+
+    def ragged_dot(
+        self,
+        lhs: Any,
+        rhs: Any,
+        group_sizes: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        group_offset: Any = None,
+        **kwargs: Any,
+    ) -> jax.Array:
+        """jax.lax.ragged_dot (lhs [m, k], rhs [groups, k, n]): the usual MoE expert weights."""
+        if group_offset is not None:
+            kwargs["group_offset"] = group_offset
+        rule, op_id, module = self.current_rule_and_op_id("ragged_dot")
+        if rule is None or rule.weight_qtype is None:
+            return jax.lax.ragged_dot(
+                lhs, rhs, group_sizes, precision, preferred_element_type, **kwargs
+            )
+        how = functools.partial(op_adapter.ragged_dot_how, tile_size=rule.tile_size)
+        lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
+        return op_adapter.ragged_dot(
+            lhs,
+            rhs,
+            group_sizes,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            **kwargs,
+        )
 
     def dot(self, a: Any, b: Any, precision: Any = None, preferred_element_type: Any = None, **kw):
         """jnp.dot, routed through dot_general (rules match it as "dot_general")."""
@@ -159,6 +191,7 @@ class PtqProvider(base.QuantizationProvider):
             "jax.numpy.dot": self.dot,
             **base.matmul_targets(self.dot),
             "jax.numpy.einsum": self.einsum,
+            "jax.lax.ragged_dot": self.ragged_dot,
         }
 
     # ---- operands ----------------------------------------------------------------------------

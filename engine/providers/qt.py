@@ -2,8 +2,9 @@
 
 Forward: each operand of a matched op is quantized and dequantized ("fake quant"), so the float op
 sees exactly the values a PTQ model will compute with; the gradient passes straight through the
-rounding. Backward (``bwd_qtype``): the output gradient is fake-quantized too, once for the
-operand-gradient and once, optionally tiled along the batch axis, for the weight-gradient.
+rounding. Backward (``bwd_qtype``): the output gradient is fake-quantized too, once for each
+operand's gradient (the weight's optionally tiled along the batch axis, either optionally with
+stochastic rounding); see the section "quantized backward pass" below.
 
 Static-range activations keep additive statistics (averaging.py) in the ``quant_stats`` collection
 (Linen) or ``QuantStat`` variables (NNX), named ``<op_id>_{lhs,rhs}``; quantize_params and the
@@ -69,7 +70,8 @@ class QtProvider(base.QuantizationProvider):
             ndims=(lhs.ndim, rhs.ndim),
             tile_size=rule.tile_size,
         )
-        return self._run(rule, op_id, module, lhs, rhs, how, compute)
+        layout = op_adapter.dot_general_grad_layout(dimension_numbers, (lhs.ndim, rhs.ndim))
+        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
 
     def einsum(self, einsum_str, *operands, **kwargs) -> jax.Array:
         rule, op_id, module = self.current_rule_and_op_id("einsum")
@@ -83,9 +85,14 @@ class QtProvider(base.QuantizationProvider):
             tile_size=rule.tile_size,
         )
         kwargs.pop("_dot_general", None)
-        return self._run(
-            rule, op_id, module, lhs, rhs, how, lambda a, b: jnp.einsum(einsum_str, a, b, **kwargs)
-        )
+        layout = op_adapter.einsum_grad_layout(einsum_str)
+        if layout is None and _qt_setting(rule, "bwd_qtype") is not None:
+            raise ValueError(
+                f"bwd_qtype needs an explicit einsum ('ab,bc->ac'); got {einsum_str!r}. Spell out "
+                "the output (no '...'), or leave this op's gradients in floating point."
+            )
+        compute = lambda a, b: jnp.einsum(einsum_str, a, b, **kwargs)  # noqa: E731
+        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
 
     def conv_general_dilated(self, lhs, rhs, window_strides, padding, *args, **kwargs):
         def compute(a, b):
@@ -98,8 +105,37 @@ class QtProvider(base.QuantizationProvider):
         dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dn_arg)
         how = functools.partial(op_adapter.conv_how, dimension_numbers=dn)
         return self._run(
-            rule, op_id, module, lhs, rhs, lambda tile_size=None, **kw: how(**kw), compute
+            rule,
+            op_id,
+            module,
+            lhs,
+            rhs,
+            lambda tile_size=None, **kw: how(**kw),
+            _Op(compute, op_adapter.conv_grad_layout(dn)),
         )
+
+    def ragged_dot(
+        self,
+        lhs,
+        rhs,
+        group_sizes,
+        precision=None,
+        preferred_element_type=None,
+        group_offset=None,
+        **kwargs,
+    ) -> jax.Array:
+        """QT jax.lax.ragged_dot (lhs [m, k] activation, rhs [groups, k, n] weight)."""
+
+        def compute(a, b):
+            extra = kwargs if group_offset is None else kwargs | {"group_offset": group_offset}
+            return jax.lax.ragged_dot(a, b, group_sizes, precision, preferred_element_type, **extra)
+
+        rule, op_id, module = self.current_rule_and_op_id("ragged_dot")
+        if rule is None or rule.weight_qtype is None:
+            return compute(lhs, rhs)
+        how = functools.partial(op_adapter.ragged_dot_how, tile_size=rule.tile_size)
+        layout = op_adapter.RAGGED_DOT_GRAD_LAYOUT
+        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
 
     def dot(self, a, b, precision=None, preferred_element_type=None, **kwargs) -> jax.Array:
         if a.ndim == 0 or b.ndim == 0:
@@ -114,15 +150,18 @@ class QtProvider(base.QuantizationProvider):
             "jax.numpy.dot": self.dot,
             **base.matmul_targets(self.dot),
             "jax.numpy.einsum": self.einsum,
+            "jax.lax.ragged_dot": self.ragged_dot,
         }
 
     # ---- the fake-quantized op ----------------------------------------------------------------
 
     def _run(self, rule, op_id, module, lhs, rhs, how, compute) -> jax.Array:
         operands = []
+        weight_side = None
         for side, x in (("lhs", lhs), ("rhs", rhs)):
             kw = {"for_lhs": side == "lhs"}
             if flax_util.find_param(x, module) is not None:
+                weight_side = side
                 h = how(
                     **kw, qtype=rule.weight_qtype, calibration_method=rule.weight_calibration_method
                 )
@@ -139,7 +178,8 @@ class QtProvider(base.QuantizationProvider):
             operands.append(x)
         if _qt_setting(rule, "bwd_qtype") is None:
             return compute(*operands)
-        return _with_quantized_grad(compute, _BwdConfig.of(rule), *operands)
+        cfg = _BwdConfig.of(rule, compute.grad_layout, weight_side)
+        return _with_quantized_grad(compute, cfg, _rounding_key(module, cfg), *operands)
 
     def _maybe_per_tensor(self, rule, how: qarray.HowToQuantize) -> qarray.HowToQuantize:
         if _qt_setting(rule, "disable_channelwise_axes"):
@@ -173,6 +213,20 @@ class QtProvider(base.QuantizationProvider):
         return qarray.dequantize(q).astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """The float op on two operands, with the layout of its output gradient.
+
+    Subclasses overriding ``_run`` just call it; the layout rides along for the backward pass.
+    """
+
+    fn: Callable[[jax.Array, jax.Array], jax.Array]
+    grad_layout: op_adapter.GradLayout | None
+
+    def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        return self.fn(a, b)
+
+
 def _can_update(module: Any) -> bool:
     from qmill.engine import model  # cycle: model imports the providers' base
 
@@ -202,6 +256,14 @@ def _set_stat(module: Any, name: str, stat: dict) -> None:
 
 
 # ---- quantized backward pass ------------------------------------------------------------------
+#
+# With bwd_qtype, the output gradient g is fake-quantized before each operand's gradient is
+# computed from it, the way the forward pass quantizes operands for the op: for the lhs gradient
+# (g contracted with rhs over rhs's free axes) g gets one scale per index of its batch and lhs
+# axes; for the rhs gradient one per index of its batch and rhs axes. disable_channelwise_axes
+# makes both one scale per tensor. For the *weight's* gradient, bwd_weight_grad_tile_size also
+# tiles the first axis that gradient contracts (the batch axis of a dense layer), so that a few
+# outlier examples don't flatten the scale of all the others.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,65 +273,109 @@ class _BwdConfig:
     weight_grad_tile_size: int | float | None
     stochastic_rounding: str | None
     noise_axes: tuple[int, ...]
+    per_tensor: bool
+    layout: op_adapter.GradLayout
+    weight_side: str | None  # "lhs", "rhs" or None (two activations)
 
     @classmethod
-    def of(cls, rule: rules.QuantizationRule) -> _BwdConfig:
+    def of(cls, rule, layout: op_adapter.GradLayout, weight_side: str | None) -> _BwdConfig:
         return cls(
             _qt_setting(rule, "bwd_qtype"),
             _qt_setting(rule, "bwd_calibration_method"),
             _qt_setting(rule, "bwd_weight_grad_tile_size"),
             _qt_setting(rule, "bwd_stochastic_rounding"),
             tuple(_qt_setting(rule, "channelwise_noise_axes")),
+            _qt_setting(rule, "disable_channelwise_axes"),
+            layout,
+            weight_side,
         )
 
 
-def _noise_fn(cfg: _BwdConfig, g: jax.Array) -> Callable[[tuple[int, ...]], jax.Array] | None:
-    if cfg.stochastic_rounding is None:
-        return None
-    # A fresh key per step without threading RNG state through the model: derive it from the
-    # gradient's bits (different every step, reproducible for equal inputs).
-    seed = jax.lax.bitcast_convert_type(jnp.sum(g.astype(jnp.float32)), jnp.uint32)
-    key = jax.random.fold_in(jax.random.key(0), seed)
+def stochastic_noise_fn(
+    method: str, key: jax.Array, noise_axes: Sequence[int] = (0,)
+) -> qarray.NoiseFn:
+    """Noise for stochastic rounding: uniform in [-0.5, 0.5), added to x / scale before rounding.
+
+    Rounding to nearest after adding it rounds up with probability equal to the fractional part,
+    so the quantized value is unbiased over keys. The noise varies along ``noise_axes`` only and
+    is broadcast over the other axes (fewer random numbers; still unbiased per element).
+    "low_bit_uniform" draws 8-bit noise (256 levels) instead of full-precision floats.
+    """
+    if method not in ("uniform", "low_bit_uniform"):
+        raise ValueError(f"stochastic rounding {method!r}; expected 'uniform' or 'low_bit_uniform'")
 
     def noise(shape: tuple[int, ...]) -> jax.Array:
-        shared = tuple(
-            1 if a % len(shape) in {n % len(shape) for n in cfg.noise_axes} else s
-            for a, s in enumerate(shape)
-        )
-        if cfg.stochastic_rounding == "low_bit_uniform":
-            u = jax.random.randint(key, shared, 0, 256).astype(jnp.float32) / 256.0
+        varying = {a % len(shape) for a in noise_axes} if shape else set()
+        drawn = tuple(s if a in varying else 1 for a, s in enumerate(shape))
+        if method == "low_bit_uniform":
+            u = jax.random.randint(key, drawn, 0, 256).astype(jnp.float32) / 256.0
         else:
-            u = jax.random.uniform(key, shared, jnp.float32)
+            u = jax.random.uniform(key, drawn, jnp.float32)
         return jnp.broadcast_to(u - 0.5, shape)
 
     return noise
 
 
-def _fake_quant_grad(g: jax.Array, cfg: _BwdConfig, tile_batch: bool) -> jax.Array:
-    tiled = {0: cfg.weight_grad_tile_size} if tile_batch and cfg.weight_grad_tile_size else {}
-    how = qarray.HowToQuantize(
-        qtype=cfg.qtype, tiled_axes=tiled, calibration_method=cfg.calibration_method
+def _rounding_key(module: Any, cfg: _BwdConfig) -> jax.Array | None:
+    """Raw key data for stochastic rounding, drawn in the forward pass; None = derive it later.
+
+    Linen models get it from a "stochastic_rounding" rng stream when the caller passes one
+    (``apply(..., rngs={"stochastic_rounding": key})``). Otherwise the backward pass derives a
+    key from the gradient's bits: different every step, reproducible for equal inputs.
+    """
+    if cfg.stochastic_rounding is None:
+        return None
+    if isinstance(module, nn.Module) and module.has_rng("stochastic_rounding"):
+        return jax.random.key_data(module.make_rng("stochastic_rounding"))
+    return None
+
+
+def quantize_grad(
+    g: jax.Array, cfg: _BwdConfig, side: str, key: jax.Array | None = None
+) -> jax.Array:
+    """Fake-quantizes the output gradient g for the gradient of operand ``side``."""
+    layout = cfg.layout
+    own = layout.lhs_free if side == "lhs" else layout.rhs_free
+    contracted = layout.rhs_free if side == "lhs" else layout.lhs_free
+    channelwise = () if cfg.per_tensor else (*layout.batch, *own)
+    tiled = {}
+    if side == cfg.weight_side and cfg.weight_grad_tile_size and contracted:
+        tiled = {contracted[0]: cfg.weight_grad_tile_size}
+    noise = (
+        None if key is None else stochastic_noise_fn(cfg.stochastic_rounding, key, cfg.noise_axes)
     )
-    calibration = qarray.calibrate(g, how)
-    scale, zero_point = qarray.compute_scale_zero_point(calibration, how.qtype)
-    q = qarray.quantize_with_scale_zero_point(g, how.qtype, scale, zero_point, _noise_fn(cfg, g))
-    return qarray.dequantize(q).astype(g.dtype)
+    how = qarray.HowToQuantize(
+        qtype=cfg.qtype,
+        channelwise_axes=channelwise,
+        tiled_axes=tiled,
+        calibration_method=cfg.calibration_method,
+        noise_fn=noise,
+    )
+    return qarray.dequantize(qarray.quantize(g, how)).astype(g.dtype)
 
 
-def _with_quantized_grad(compute, cfg: _BwdConfig, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+def _with_quantized_grad(compute, cfg: _BwdConfig, key_data, lhs: jax.Array, rhs: jax.Array):
     @jax.custom_vjp
-    def op(a, b):
+    def op(a, b, key_data):
         return compute(a, b)
 
-    def fwd(a, b):
-        return compute(a, b), (a, b)
+    def fwd(a, b, key_data):
+        return compute(a, b), (a, b, key_data)
 
     def bwd(res, g):
-        a, b = res
+        a, b, key_data = res
+        keys = (None, None)
+        if cfg.stochastic_rounding is not None:
+            if key_data is None:
+                seed = jax.lax.bitcast_convert_type(jnp.sum(g.astype(jnp.float32)), jnp.uint32)
+                key = jax.random.fold_in(jax.random.key(0), seed)
+            else:
+                key = jax.random.wrap_key_data(key_data)
+            keys = (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
         _, vjp = jax.vjp(compute, a, b)
-        da, _ = vjp(_fake_quant_grad(g, cfg, tile_batch=False))
-        _, db = vjp(_fake_quant_grad(g, cfg, tile_batch=True))
-        return da, db
+        da, _ = vjp(quantize_grad(g, cfg, "lhs", keys[0]))
+        _, db = vjp(quantize_grad(g, cfg, "rhs", keys[1]))
+        return da, db, None
 
     op.defvjp(fwd, bwd)
-    return op(lhs, rhs)
+    return op(lhs, rhs, key_data)

@@ -59,3 +59,132 @@ def test_lora_linen_layout_and_starts_as_base():
     # lora_b starts at zero: the adapted model is the base model.
     base = M().apply({"params": {"Dense_0": {"kernel": params["kernel"]}}}, x)
     np.testing.assert_allclose(lora_model.apply(variables, x), base, rtol=1e-6)
+
+
+class LinenConv(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(4, (3, 3), use_bias=False)(x)
+
+
+def _conv_lora_delta(x, a, b, scale):
+    t = jax.lax.conv_general_dilated(
+        x, a, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return scale * (t @ b)
+
+
+def test_lora_conv_linen_changes_output_only_through_the_adapter_and_trains():
+    x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
+    y = jax.random.normal(jax.random.key(1), (4, 6, 6, 4))
+    model = qe.quantize_model(LinenConv(), qe.LoraProvider(rank=2, alpha=4.0))
+    params = model.init(jax.random.key(2), x)["params"]
+    p = params["Conv_0"]
+    assert p["kernel_lora_a"].shape == (3, 3, 3, 2) and p["kernel_lora_b"].shape == (2, 4)
+    base = LinenConv().apply({"params": {"Conv_0": {"kernel": p["kernel"]}}}, x)
+    np.testing.assert_allclose(model.apply({"params": params}, x), base, rtol=1e-6)
+    # A non-zero lora_b: output = base conv + (alpha / rank) * conv(x, A) · B.
+    b = jax.random.normal(jax.random.key(3), (2, 4))
+    params = {"Conv_0": {**p, "kernel_lora_b": b}}
+    expected = base + _conv_lora_delta(x, p["kernel_lora_a"], b, 2.0)
+    np.testing.assert_allclose(model.apply({"params": params}, x), expected, atol=1e-4)
+
+    def loss(params):
+        return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+    grad_fn = jax.jit(jax.value_and_grad(loss))
+    first, g = grad_fn(params)
+    # The base kernel gets no gradient at all: only the adapter trains.
+    np.testing.assert_array_equal(g["Conv_0"]["kernel"], 0)
+    assert float(jnp.abs(g["Conv_0"]["kernel_lora_a"]).max()) > 0
+    for _ in range(30):
+        value, g = grad_fn(params)
+        params = jax.tree.map(lambda q, d: q - 0.02 * d, params, g)
+    assert float(value) < 0.9 * float(first)
+    np.testing.assert_array_equal(params["Conv_0"]["kernel"], p["kernel"])
+
+
+class NnxConvNet(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(3, 4, (3, 3), use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.conv(x)
+
+
+def test_qlora_conv_nnx_keeps_base_and_lowers_loss():
+    x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
+    rules = [qe.LoraRule(rank=2, alpha=2.0, weight_qtype="int4")]
+    model = qe.apply_lora_to_model(NnxConvNet(nnx.Rngs(0)), qe.LoraProvider(rules), x)
+    # A target the adapter can reach: the base plus some other rank-2 conv adapter.
+    a_true = 0.3 * jax.random.normal(jax.random.key(1), (3, 3, 3, 2))
+    y = model(x) + _conv_lora_delta(x, a_true, jax.random.normal(jax.random.key(2), (2, 4)), 1.0)
+    assert model.conv.kernel_lora_a.shape == (3, 3, 3, 2)
+    assert isinstance(model.conv.kernel_lora_b, qe.LoRAParam)
+    kernel = model.conv.kernel[...]
+    assert kernel.array.qvalue.dtype == jnp.int4
+    base_before = nnx.to_pure_dict(nnx.state(model, nnx.Not(qe.LoRAParam)))
+    graphdef, lora, rest = nnx.split(model, qe.LoRAParam, ...)
+
+    def loss_fn(lora):
+        return jnp.mean((nnx.merge(graphdef, lora, rest)(x) - y) ** 2)
+
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+    first, _ = grad_fn(lora)
+    for _ in range(100):
+        value, g = grad_fn(lora)
+        lora = jax.tree.map(lambda p, d: p - 0.1 * d, lora, g)
+    assert float(value) < 0.5 * float(first)
+    trained = nnx.merge(graphdef, lora, rest)
+    after = nnx.to_pure_dict(nnx.state(trained, nnx.Not(qe.LoRAParam)))
+    jax.tree.map(np.testing.assert_array_equal, after, base_before)
+    # The trained output is the int4 base conv plus the adapter's, exactly as specified.
+    base = jax.lax.conv_general_dilated(
+        x, qe.dequantize(kernel.array), (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    la = trained.conv.kernel_lora_a[...]
+    expected = base + _conv_lora_delta(x, la, trained.conv.kernel_lora_b[...], 1.0)
+    np.testing.assert_allclose(trained(x), expected, atol=1e-4)
+
+
+def test_lora_dropout_nnx_trains_stochastically_and_evaluates_deterministically():
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    rules = [qe.LoraRule(rank=4, alpha=4.0, dropout=0.5)]
+
+    def make(rngs):
+        return qe.apply_lora_to_model(Net(nnx.Rngs(0)), qe.LoraProvider(rules), x, rngs=rngs)
+
+    model = make(nnx.Rngs(1))
+    # lora_b starts at zero: dropout on the adapter's input can't change the output yet.
+    np.testing.assert_allclose(model(x), model(x), rtol=0)
+    model.l1.kernel_lora_b[...] = jnp.ones((4, 64))
+    a, b = model(x), model(x)
+    assert not np.allclose(a, b)  # a fresh mask per call
+    jitted = nnx.jit(lambda m, x: m(x))
+    assert not np.allclose(jitted(model, x), jitted(model, x))  # rng state advances under jit
+    model.eval()
+    np.testing.assert_array_equal(model(x), model(x))
+    # Eval output = no dropout; a model built without rngs has no dropout at all.
+    plain = make(None)
+    assert not hasattr(plain.l1, "kernel_lora_dropout")
+    plain.l1.kernel_lora_a[...] = model.l1.kernel_lora_a[...]
+    plain.l1.kernel_lora_b[...] = jnp.ones((4, 64))
+    np.testing.assert_allclose(model(x), plain(x), rtol=1e-6)
+    np.testing.assert_array_equal(plain(x), plain(x))
+
+
+def test_lora_dropout_linen_needs_a_dropout_rng():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, use_bias=False)(x)
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    model = qe.quantize_model(M(), qe.LoraProvider(rank=2, alpha=2.0, dropout=0.5))
+    params = model.init(jax.random.key(1), x)["params"]
+    params["Dense_0"]["kernel_lora_b"] = jnp.ones((2, 8))
+    eval_out = model.apply({"params": params}, x)
+    np.testing.assert_array_equal(eval_out, model.apply({"params": params}, x))
+    r1 = model.apply({"params": params}, x, rngs={"dropout": jax.random.key(2)})
+    r2 = model.apply({"params": params}, x, rngs={"dropout": jax.random.key(3)})
+    assert not np.allclose(r1, eval_out) and not np.allclose(r1, r2)

@@ -97,13 +97,10 @@ def test_ptq_linen_refuses_float_params_without_mutable():
 
 
 def test_ptq_nnx_eval_shape_and_layer_by_layer_quantize_params():
-    # Weight-only: qarray.quantize of a concrete activation inside nnx.jit trips an eager-only
-    # NaN check in the engine core (reported); weights are traced there and unaffected.
-    rules = [qwix.QuantizationRule(weight_qtype="int8")]
-
+    # w8a8: activations are quantized too, with the concrete MODEL_INPUT met inside nnx.jit.
     def create_quantized_model():
         fp_model = NnxMLP(16, 64, 16, rngs=nnx.Rngs(0))
-        return qwix.quantize_model(fp_model, qwix.PtqProvider(rules), MODEL_INPUT)
+        return qwix.quantize_model(fp_model, qwix.PtqProvider(RULES), MODEL_INPUT)
 
     jit_model = nnx.jit(create_quantized_model)()
     fp_params = nnx.to_pure_dict(nnx.state(NnxMLP(16, 64, 16, rngs=nnx.Rngs(0)), nnx.Param))
@@ -117,6 +114,13 @@ def test_ptq_nnx_eval_shape_and_layer_by_layer_quantize_params():
         nnx.update(abs_ptq_model, ptq_params)
     # Same codes up to XLA's fused division under jit: outputs agree to float rounding.
     np.testing.assert_allclose(abs_ptq_model(MODEL_INPUT), jit_model(MODEL_INPUT), atol=2e-2)
+    # Both quantize activations: they differ from the weight-only model's output.
+    weight_only = qwix.quantize_model(
+        NnxMLP(16, 64, 16, rngs=nnx.Rngs(0)),
+        qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")]),
+        MODEL_INPUT,
+    )
+    assert not np.allclose(jit_model(MODEL_INPUT), weight_only(MODEL_INPUT), atol=1e-6)
 
 
 def test_quantize_params_extra_params():
@@ -190,3 +194,10 @@ def test_srq_nnx():
         ptq_params["linear1"]["dot_general0_lhs_scale"]["array"],
     )
     np.testing.assert_allclose(ptq_model(MODEL_INPUT), qt_out, atol=1e-5)
+    # The sample's other spelling: the converted PTQ model itself as the template.
+    from_converted = qwix.quantize_params(
+        nnx.to_pure_dict(nnx.state(qt_model, nnx.Param)),
+        ptq_model,
+        nnx.to_pure_dict(nnx.state(qt_model, qwix.QuantStat)),
+    )
+    jax.tree.map(np.testing.assert_array_equal, from_converted, ptq_params)
