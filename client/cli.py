@@ -16,7 +16,17 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from qmill.client import checkpoints, credentials, errors, job, jobs, recipes, report, retry
+from qmill.client import (
+    checkpoints,
+    credentials,
+    errors,
+    fanout,
+    job,
+    jobs,
+    recipes,
+    report,
+    retry,
+)
 
 USER_ERRORS = (
     errors.QmillError,
@@ -42,7 +52,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file (default: int8)",
     )
     q.add_argument(
-        "--server", help="HOST:PORT of a qmill server; without it the engine runs in-process"
+        "--server",
+        help="HOST:PORT of a qmill server; without it the engine runs in-process. Several "
+        "(a:1,b:2,...) or dns:///NAME:PORT (every address NAME resolves to) spread the "
+        "tensors over all of them",
     )
     q.add_argument(
         "--format",
@@ -128,7 +141,18 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     quiet = args.quiet or not err.is_terminal
 
     def attempt(restart: bool) -> list[job.ReportRow]:
-        if args.server:
+        if args.server and fanout.is_fanout(args.server):
+            backend = fanout.FanoutClient(
+                args.server,
+                timeout=args.timeout,
+                credentials=credentials.from_args(args),
+                on_replica_lost=lambda address, e: print(
+                    f"qmill: replica {address} failed ({e.code}); its tensors go to the others",
+                    file=sys.stderr,
+                    flush=True,
+                ),
+            )
+        elif args.server:
             from qmill.client import remote
 
             backend = remote.Client(

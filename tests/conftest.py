@@ -24,8 +24,12 @@ class RunningServer:
         )
         self.address = f"127.0.0.1:{self.server.port}"
 
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self._loop).result(30)
+    def stop(self, grace: float = 0.5) -> None:
+        """Stops the server (calls still running get `grace` seconds); a second stop is a no-op,
+        so a test may stop a server early that make_server stops again at the end."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()

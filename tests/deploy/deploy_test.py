@@ -4,6 +4,7 @@ container arguments that `qmill serve` accepts. No cluster or Docker engine is n
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 import re
 from typing import Any
@@ -153,3 +154,44 @@ def test_prometheus_scrapes_the_metrics_port_by_name() -> None:
     (job,) = scrape["scrape_configs"]
     names = [r.get("regex") for r in job["relabel_configs"]]
     assert "metrics" in names and "qmill" in names
+
+
+def _entrypoint_args() -> list[str]:
+    """The `qmill serve` arguments the image's ENTRYPOINT fixes (args/command come after)."""
+    (line,) = [
+        line
+        for line in (DEPLOY.parent / "Dockerfile").read_text().splitlines()
+        if line.startswith("ENTRYPOINT ")
+    ]
+    entrypoint = json.loads(line.removeprefix("ENTRYPOINT "))
+    assert entrypoint[:2] == ["qmill", "serve"]
+    return entrypoint[2:]
+
+
+def test_the_image_serves_grpc_and_metrics_on_the_ports_the_manifests_declare() -> None:
+    docs = _render(DEPLOY / "base")
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = _containers(deployment)
+    args = cli._parser().parse_args(
+        ["serve", *_entrypoint_args(), *_serve_args(container["args"], config["data"])]
+    )
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (args.host, args.port, args.metrics_port) == ("0.0.0.0", ports["grpc"], ports["metrics"])
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["qmill"]
+    assert compose["image"] == container["image"]
+    args = cli._parser().parse_args(["serve", *_entrypoint_args(), *compose["command"]])
+    published = {int(p.rsplit(":", 1)[-1]) for p in compose["ports"]}
+    assert published == {args.port, args.metrics_port}
+
+
+def test_the_optional_autoscaler_targets_the_deployment_on_a_metric_the_server_exports() -> None:
+    (hpa,) = _documents(DEPLOY / "extras" / "hpa.yaml")
+    kubernetes_validate.validate(hpa, K8S_VERSION, strict=True)
+    (deployment,) = [d for d in _render(DEPLOY / "base") if d["kind"] == "Deployment"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    assert hpa["spec"]["minReplicas"] <= deployment["spec"]["replicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    server_metrics = (DEPLOY.parent / "server" / "metrics.py").read_text()
+    assert f'"{metric["pods"]["metric"]["name"]}"' in server_metrics
