@@ -7,6 +7,7 @@ import copy
 import json
 import pathlib
 import re
+import socket
 from typing import Any
 
 import kubernetes_validate
@@ -91,6 +92,19 @@ def test_every_rendered_resource_validates_against_the_kubernetes_schema(folder:
         "NetworkPolicy",
     } <= kinds
     for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_validation_needs_no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CI machines may have no network: the schemas (and every $ref in them) must come from the
+    # package itself. Any connection attempt fails this test.
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"network access during validation: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    for doc in _render(DEPLOY / "overlays/gpu"):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 

@@ -244,6 +244,20 @@ def test_server_lists_and_dns_names_become_replicas():
         fanout.parse_targets(" , ")
 
 
+def test_dns_names_resolve_with_getaddrinfo_to_every_address():
+    # The real resolver (no stub): localhost gives 127.0.0.1 and/or ::1, each once, by IP.
+    replicas = fanout.parse_targets("dns:///localhost:50051")
+    assert replicas and {r.name for r in replicas} == {"localhost"}
+    assert {r.address for r in replicas} <= {"127.0.0.1:50051", "[::1]:50051"}
+    assert len(set(replicas)) == len(replicas)
+
+    def unresolvable(host, port):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    with pytest.raises(ValueError, match="cannot resolve nowhere"):
+        fanout.parse_targets("dns:nowhere:1", resolve=unresolvable)
+
+
 def _pem(cert):
     return cert.public_bytes(serialization.Encoding.PEM)
 
