@@ -1,14 +1,24 @@
-"""Client side of Calibrate: stream batches, collect the merged stats (and PTQ params)."""
+"""Client side of Calibrate: stream batches, collect the merged stats (and PTQ params).
+
+Also the `qmill calibrate` command: model rules (a preset or TOML), batches from a .npy file,
+params from a checkpoint (uploaded, once) and the PTQ params written as a checkpoint.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+import os
+import pathlib
+import tomllib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 
-from qmill.client import errors
+from qmill.client import credentials, errors, uploads
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -42,8 +52,12 @@ def calibrate(
     *,
     metadata: Sequence[tuple[str, str]] | None = None,
     timeout: float | None = None,
+    on_progress: Callable[[pb.CalibrateProgress], None] | None = None,
 ) -> CalibrateResult:
-    """Runs one Calibrate call; every tensor of ``batches`` is one batch of the model input."""
+    """Runs one Calibrate call; every tensor of ``batches`` is one batch of the model input.
+
+    ``on_progress`` sees the running totals (over the whole calibration) after each batch.
+    """
     stub = pb_grpc.CalibratorStub(channel)
     stats: dict[str, np.ndarray] = {}
     params: dict[str, dict[str, np.ndarray]] = {}
@@ -55,7 +69,9 @@ def calibrate(
             _requests(start, batches), metadata=metadata, timeout=timeout
         ):
             kind = response.WhichOneof("item")
-            if kind == "stat":
+            if kind == "progress" and on_progress is not None:
+                on_progress(response.progress)
+            elif kind == "stat":
                 pending.append((stats, response.stat.path, wire.Assembler(response.stat)))
             elif kind == "param":
                 results[response.param.path] = response.param
@@ -78,3 +94,183 @@ def calibrate(
     if summary is None or pending:
         raise errors.QmillError("DATA_LOSS", "the Calibrate stream ended early")
     return CalibrateResult(stats=stats, params=params, results=results, summary=summary)
+
+
+# ------------------------------------------------------------------------------------ rules
+
+# Named rule sets: int8 (or int4) weights and int8 activations with static (calibrated) scales.
+PRESETS: dict[str, tuple[pb.ModelRule, ...]] = {
+    "w8a8-static": (pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True),),
+    "w4a8-static": (pb.ModelRule(weight_qtype="int4", act_qtype="int8", act_static_scale=True),),
+}
+# ModelRule's fields and the TOML types they take (a test checks this covers the proto).
+RULE_FIELDS: dict[str, type] = {
+    "module_path": str,
+    "op_names": list,
+    "weight_qtype": str,
+    "act_qtype": str,
+    "tile_size": int,
+    "weight_calibration_method": str,
+    "act_calibration_method": str,
+    "act_static_scale": bool,
+}
+
+
+def rules_from_mapping(data: Mapping[str, Any]) -> list[pb.ModelRule]:
+    """``{"rules": [{ModelRule fields}, ...]}`` (a parsed TOML file) -> ModelRule messages.
+
+    Raises:
+      ValueError: no rules, an unknown key or a value of the wrong type (the message names it).
+    """
+    valid = ", ".join(f"{k}: {t.__name__}" for k, t in RULE_FIELDS.items())
+    if set(data) - {"rules"}:
+        raise ValueError(f"unknown top-level key(s) {sorted(set(data) - {'rules'})}; use [[rules]]")
+    tables = data.get("rules")
+    if not isinstance(tables, list) or not tables:
+        raise ValueError("no rules: add one or more [[rules]] tables of " + valid)
+    out = []
+    for i, table in enumerate(tables):
+        if not isinstance(table, dict):
+            raise ValueError(f"rules[{i}] must be a table of {valid}")
+        unknown = sorted(set(table) - set(RULE_FIELDS))
+        if unknown:
+            raise ValueError(f"rules[{i}]: unknown field(s) {unknown}; valid: {valid}")
+        for key, value in table.items():
+            want = RULE_FIELDS[key]
+            # bool is an int in Python: keep true/false out of tile_size and vice versa.
+            ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+            if want is list:
+                ok = ok and all(isinstance(v, str) for v in value)
+            if not ok:
+                raise ValueError(f"rules[{i}].{key} must be {want.__name__}, got {value!r}")
+        out.append(pb.ModelRule(**table))
+    return out
+
+
+def load_rules(spec: str) -> list[pb.ModelRule]:
+    """A preset name (``w8a8-static``) or a TOML file of ``[[rules]]`` tables."""
+    if spec in PRESETS:
+        return [pb.ModelRule.FromString(r.SerializeToString()) for r in PRESETS[spec]]  # copies
+    path = pathlib.Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"rules {spec!r} are neither a preset ({', '.join(PRESETS)}) nor a TOML file"
+        )
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc})") from exc
+    try:
+        return rules_from_mapping(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------- inputs/outputs
+
+
+def load_batches(path: str | os.PathLike[str], batch_size: int) -> Iterator[np.ndarray]:
+    """Batches of ``batch_size`` examples (the last may be smaller) along axis 0 of a .npy file,
+    memory-mapped so only one batch is read at a time."""
+    if batch_size <= 0:
+        raise ValueError(f"batch size must be positive, got {batch_size}")
+    array = np.load(path, mmap_mode="r", allow_pickle=False)
+    if not isinstance(array, np.ndarray) or array.ndim == 0 or len(array) == 0:
+        raise ValueError(f"{path}: expected a .npy array of examples along axis 0")
+    for start in range(0, len(array), batch_size):
+        yield np.ascontiguousarray(array[start : start + batch_size])
+
+
+def write_ptq(result: CalibrateResult, destination: str, *, overwrite: bool = False) -> int:
+    """Writes the PTQ params as a checkpoint (.safetensors / .npz by suffix, else an Orbax
+    directory) in the Qwix PTQ layout (P/array/qvalue, P/array/scale); returns the tensor count."""
+    from qmill.client import checkpoints  # lazy: Orbax writing imports jax
+
+    if not result.params:
+        raise ValueError("the server sent no PTQ params (ask for them with return_ptq_params)")
+    suffix = pathlib.Path(destination).suffix
+    fmt = {".safetensors": "safetensors", ".npz": "npz"}.get(suffix, "orbax")
+    with checkpoints.create_writer(destination, fmt, overwrite=overwrite) as writer:
+        for path, parts in result.params.items():
+            if "value" in parts:
+                writer.write(path, parts["value"])
+            else:
+                writer.write_quantized(path, parts)
+        writer.commit()
+    return len(result.params)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def add_command(sub: Any) -> None:
+    """Adds `qmill calibrate` to the CLI's subparsers."""
+    c = sub.add_parser(
+        "calibrate", help="activation statistics (and static-range PTQ params) from a server"
+    )
+    c.add_argument("--server", required=True, help="HOST:PORT")
+    c.add_argument("--model", required=True, help="model name in the server's registry")
+    c.add_argument("--config", default="", help="the model's config as a JSON object")
+    c.add_argument(
+        "--params",
+        required=True,
+        help="the model's float params: a checkpoint (safetensors, npz, Orbax; uploaded once) "
+        "or the id of an earlier upload",
+    )
+    c.add_argument("--batches", required=True, help=".npy file of inputs, examples on axis 0")
+    c.add_argument("--batch-size", type=int, default=32, help="examples per batch (default 32)")
+    c.add_argument("--calibration-id", default="", help="continue this calibration")
+    c.add_argument(
+        "--rules",
+        default="w8a8-static",
+        help=f"preset ({', '.join(PRESETS)}) or a TOML file of [[rules]] (default w8a8-static)",
+    )
+    c.add_argument("--ptq-output", help="also write the static-range PTQ params here")
+    c.add_argument("--stats-output", help="write the merged statistics to this .npz")
+    c.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    c.add_argument("--timeout", type=float, help="seconds before a call is abandoned")
+    credentials.add_arguments(c)
+
+
+def _is_upload_id(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
+def run_command(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
+    """Runs `qmill calibrate`; returns the exit code."""
+    rules = load_rules(args.rules)
+    batches = load_batches(args.batches, args.batch_size)
+    creds = credentials.from_args(args)
+    with contextlib.closing(uploads.open_channel(args.server, creds)) as channel:
+        if not os.path.exists(args.params) and _is_upload_id(args.params):
+            upload_id = args.params
+        else:
+            status = uploads.upload_file(channel, args.params, timeout=args.timeout)
+            upload_id = status.upload_id
+            print_line(f"params {args.params}: upload {upload_id} ({status.total_bytes:,} bytes)")
+        start = pb.CalibrateStart(
+            model=pb.ModelSpec(name=args.model, config_json=args.config),
+            params_upload_id=upload_id,
+            rules=rules,
+            calibration_id=args.calibration_id,
+            return_ptq_params=bool(args.ptq_output),
+        )
+        result = calibrate(channel, start, batches, timeout=args.timeout)
+    s = result.summary
+    print_line(
+        f"calibration {s.calibration_id}: {s.batches_total} batches, {s.examples_total} "
+        f"examples in total; {len(result.stats)} statistics"
+    )
+    if args.stats_output:
+        tmp = pathlib.Path(args.stats_output + ".partial.npz")
+        np.savez(tmp, **result.stats)
+        if os.path.exists(args.stats_output) and not args.overwrite:
+            tmp.unlink()
+            raise FileExistsError(f"{args.stats_output} exists; pass --overwrite to replace it")
+        os.replace(tmp, args.stats_output)
+        print_line(f"statistics → {args.stats_output}")
+    if args.ptq_output:
+        n = write_ptq(result, args.ptq_output, overwrite=args.overwrite)
+        quantized = sum(1 for p in result.params.values() if "qvalue" in p)
+        print_line(f"PTQ params: {n} tensors ({quantized} quantized) → {args.ptq_output}")
+    return 0

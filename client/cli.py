@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qmill.client import (
+    calibrate,
     checkpoints,
     credentials,
     errors,
@@ -26,6 +27,7 @@ from qmill.client import (
     recipes,
     report,
     retry,
+    uploads,
 )
 
 USER_ERRORS = (
@@ -114,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_commands(
         sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
     )
+
+    uploads.add_command(sub)
+    calibrate.add_command(sub)
 
     i = sub.add_parser("inspect", help="list a checkpoint's tensors")
     i.add_argument("checkpoint")
@@ -258,6 +263,9 @@ def _capabilities(args: argparse.Namespace, out: Console) -> int:
     out.print("qtypes: " + ", ".join(caps.qtypes))
     out.print("calibration methods: " + ", ".join(caps.calibration_methods))
     out.print(f"max tensor bytes: {caps.max_tensor_bytes:,}")
+    for m in caps.models:  # for `qmill calibrate --model NAME --config '{...}'`
+        fields = ", ".join(f"{f.name}: {f.type} = {f.default_json}" for f in m.config_fields)
+        out.print(f"model {m.name} ({m.origin}): {m.description} {{{fields}}}", markup=False)
     return 0
 
 
@@ -295,6 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args, out)
         if args.command == "export-odml":
             return _export_odml(args, out)
+        if args.command in ("upload", "calibrate"):
+            module = uploads if args.command == "upload" else calibrate
+            return module.run_command(
+                args, lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True)
+            )
         if args.command in ("submit", "jobs"):
             return jobs.run_command(
                 args, lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True)

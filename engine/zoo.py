@@ -2,7 +2,8 @@
 
 A model is named by (registry name, config JSON). Each entry has a frozen config dataclass whose
 fields are the JSON keys, a ``build`` giving the unbound module and an ``example_input`` giving
-the shape of one input batch. The server's registry adds entry-point plugins to ``BUILTIN``.
+the shape of one input batch. The server's registry adds entry-point plugins to ``BUILTIN``;
+plugins declare their config fields with ``config_field(default, description)`` like these.
 """
 
 from __future__ import annotations
@@ -35,17 +36,23 @@ class ModelEntry:
     example_input: Callable[[Any, int], jax.ShapeDtypeStruct]
 
 
+def config_field(default: Any, description: str) -> Any:
+    """A config dataclass field with its default and the one line GetCapabilities shows."""
+    return dataclasses.field(default=default, metadata={"description": description})
+
+
+def field_description(field: dataclasses.Field) -> str:
+    return field.metadata.get("description", "")
+
+
 # ------------------------------------------------------------------------------------------ mlp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MlpConfig:
-    # Features of the (flat) input vector.
-    in_features: int = 64
-    # Width of each hidden Dense layer, in order.
-    hidden: tuple[int, ...] = (64, 32)
-    # Outputs (classes).
-    out_features: int = 10
+    in_features: int = config_field(64, "Features of the (flat) input vector.")
+    hidden: tuple[int, ...] = config_field((64, 32), "Width of each hidden Dense layer, in order.")
+    out_features: int = config_field(10, "Outputs (classes).")
 
 
 class Mlp(nn.Module):
@@ -64,16 +71,13 @@ class Mlp(nn.Module):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CnnConfig:
-    # Input height and width (scikit-learn digits: 8 x 8).
-    image_size: int = 8
-    # Input channels.
-    in_channels: int = 1
-    # Output channels of the two 3x3 convolutions.
-    channels: tuple[int, ...] = (16, 32)
-    # Width of the hidden Dense layer.
-    hidden: int = 64
-    # Classes.
-    num_classes: int = 10
+    image_size: int = config_field(8, "Input height and width (scikit-learn digits: 8 x 8).")
+    in_channels: int = config_field(1, "Input channels.")
+    channels: tuple[int, ...] = config_field(
+        (16, 32), "Output channels of the two 3x3 convolutions."
+    )
+    hidden: int = config_field(64, "Width of the hidden Dense layer.")
+    num_classes: int = config_field(10, "Classes.")
 
 
 class Cnn(nn.Module):
@@ -95,20 +99,13 @@ class Cnn(nn.Module):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerEncoderConfig:
-    # Tokens per sequence.
-    seq_len: int = 16
-    # Vocabulary size of the (integer) token input.
-    vocab_size: int = 64
-    # Model width.
-    d_model: int = 32
-    # Attention heads; must divide d_model.
-    num_heads: int = 4
-    # Hidden width of each block's MLP.
-    mlp_dim: int = 64
-    # Encoder blocks.
-    num_layers: int = 2
-    # Outputs of the classifier head (mean-pooled tokens).
-    num_classes: int = 10
+    seq_len: int = config_field(16, "Tokens per sequence.")
+    vocab_size: int = config_field(64, "Vocabulary size of the (integer) token input.")
+    d_model: int = config_field(32, "Model width.")
+    num_heads: int = config_field(4, "Attention heads; must divide d_model.")
+    mlp_dim: int = config_field(64, "Hidden width of each block's MLP.")
+    num_layers: int = config_field(2, "Encoder blocks.")
+    num_classes: int = config_field(10, "Outputs of the classifier head (mean-pooled tokens).")
 
 
 class _Block(nn.Module):

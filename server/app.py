@@ -77,7 +77,12 @@ class Server:
         )
         pb_grpc.add_QuantizerServicer_to_server(
             servicer.QuantizerServicer(
-                config, self._executor, limiter=self.limiter, metrics=self.metrics
+                config,
+                self._executor,
+                limiter=self.limiter,
+                metrics=self.metrics,
+                # A lambda: the upload store is made below.
+                upload_tensors=lambda tenant, uid: self.uploads.tensors(tenant, uid),
             ),
             self._grpc,
         )
@@ -115,7 +120,9 @@ class Server:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         if config.reflection:
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+            # Every qmill.v1 service (Quantizer, Uploads, Calibrator, OdmlExporter, Jobs).
+            ours = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
+            names = (*ours, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
             reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self._grpc)
         address, credentials = f"{config.host}:{config.port}", tls.server_credentials(config)
         if credentials is None:

@@ -102,6 +102,9 @@ class CalibrationStore:
             stats=unflatten(flat),
         )
 
+    # The name other modules use: get(tenant, id) -> Calibration.
+    get = load
+
     def save(self, cal: Calibration) -> None:
         meta_path, npz_path = self._paths(cal.id)
         flat = flatten(cal.stats)

@@ -114,6 +114,7 @@ def model_infos(models: Mapping[str, Registered] | None = None) -> list[pb.Model
                 name=f.name,
                 type=zoo.field_type_name(hints[f.name]),
                 default_json=_default_json(f),
+                description=zoo.field_description(f),
             )
             for f in dataclasses.fields(reg.entry.config_type)
         ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent import futures
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from qmill.engine import layout, leaf, recipes
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.server import auth, codec, limits
+from qmill.server import auth, codec, limits, uploads
 from qmill.server import metrics as metrics_lib
 
 
@@ -43,6 +43,8 @@ class CallStats:
 
 
 _END = object()
+# (tenant, upload_id) -> the upload's tensors, unread (uploads.UploadStore.tensors).
+UploadTensors = Callable[[str, str], Sequence[uploads.StoredTensor]]
 
 
 async def _read_tensors(
@@ -51,12 +53,25 @@ async def _read_tensors(
     max_tensor_bytes: int,
     stats: CallStats,
     account: limits.Account | None,
+    upload: Callable[[str], AsyncIterator[tuple[pb.TensorHeader, np.ndarray]]] | None = None,
 ) -> None:
     """Puts (header, array) for each complete tensor on the queue, then _END (or an exception)."""
     try:
         assembler: wire.Assembler | None = None
+        from_upload = False
         async for request in requests:
             kind = request.WhichOneof("item")
+            if from_upload:
+                raise ValueError("nothing may follow upload_id: its tensors come from the upload")
+            if kind == "upload_id":
+                if upload is None:
+                    raise wire.WireError("this server keeps no uploads", code="UNIMPLEMENTED")
+                if assembler is not None or stats.tensors_received:
+                    raise ValueError("send upload_id right after the recipe, instead of tensors")
+                from_upload = True
+                async for item in upload(request.upload_id):
+                    await queue.put(item)
+                continue
             if kind == "header":
                 if assembler is not None:
                     assembler.finish()  # raises DATA_LOSS: the previous tensor was cut short
@@ -101,6 +116,39 @@ async def _start_tensor(
         raise
 
 
+async def _upload_tensors(
+    tensors: UploadTensors,
+    tenant: str,
+    upload_id: str,
+    max_tensor_bytes: int,
+    stats: CallStats,
+    account: limits.Account | None,
+) -> AsyncIterator[tuple[pb.TensorHeader, np.ndarray]]:
+    """(header, array) per tensor of a stored upload, read one at a time off the event loop,
+    each reserved with the limiter first like a streamed tensor."""
+    for t in await asyncio.to_thread(tensors, tenant, upload_id):
+        header = pb.TensorHeader(
+            path=t.path, dtype=wire.to_wire_dtype(t.dtype), shape=t.shape, byte_length=t.nbytes
+        )
+        if t.nbytes > max_tensor_bytes:
+            raise wire.WireError(
+                f"tensor {t.path} of upload {upload_id} has {t.nbytes} bytes, over this "
+                f"server's limit of {max_tensor_bytes} (--max-tensor-bytes)",
+                code="RESOURCE_EXHAUSTED",
+            )
+        if account is not None:
+            await account.reserve(t.nbytes)
+        try:
+            array = await asyncio.to_thread(t.read)
+        except BaseException:
+            if account is not None:
+                account.release(t.nbytes)
+            raise
+        stats.tensors_received += 1
+        stats.bytes_received += t.nbytes
+        yield header, array
+
+
 async def first_recipe(requests: AsyncIterator[pb.QuantizeParamsRequest]) -> recipes.Recipe:
     try:
         first = await anext(requests)
@@ -120,12 +168,23 @@ async def quantize_stream(
     *,
     limiter: limits.ByteLimiter | None = None,
     metrics: metrics_lib.Metrics | None = None,
+    upload_tensors: UploadTensors | None = None,
 ) -> AsyncIterator[pb.QuantizeParamsResponse]:
-    """Responses for one QuantizeParams call, in the order the tensors arrived."""
+    """Responses for one QuantizeParams call, in the order the tensors arrived (or, with an
+    upload_id, in the upload's order)."""
     recipe = await first_recipe(requests)
-    account = limits.Account(limiter, auth.current_principal().tenant) if limiter else None
+    tenant = auth.current_principal().tenant
+    account = limits.Account(limiter, tenant) if limiter else None
     queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-    reader = asyncio.create_task(_read_tensors(requests, queue, max_tensor_bytes, stats, account))
+    upload = None
+    if upload_tensors is not None:
+
+        def upload(uid: str) -> AsyncIterator[tuple[pb.TensorHeader, np.ndarray]]:
+            return _upload_tensors(upload_tensors, tenant, uid, max_tensor_bytes, stats, account)
+
+    reader = asyncio.create_task(
+        _read_tensors(requests, queue, max_tensor_bytes, stats, account, upload)
+    )
     loop = asyncio.get_running_loop()
     try:
         while (item := await queue.get()) is not _END:

@@ -22,8 +22,11 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
         *,
         limiter: limits.ByteLimiter | None = None,
         metrics: metrics_lib.Metrics | None = None,
+        upload_tensors: quantize_stream.UploadTensors | None = None,
     ) -> None:
         self._config = config
+        # QuantizeParams naming an upload reads its tensors through this (None: UNIMPLEMENTED).
+        self._upload_tensors = upload_tensors
         self._executor = executor
         # Bounds the tensor bytes all calls hold at once (None: unbounded, for unit tests).
         self._limiter = limiter
@@ -44,6 +47,7 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
                 stats,
                 limiter=self._limiter,
                 metrics=self._metrics,
+                upload_tensors=self._upload_tensors,
             ):
                 yield response
         finally:

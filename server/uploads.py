@@ -316,36 +316,92 @@ class UploadStore:
         tree = read_safetensors_tree(self.content_path(tenant, upload_id))
         return _map(jnp.asarray, tree)
 
+    def tensors(self, tenant: str, upload_id: str) -> list[StoredTensor]:
+        """The upload's tensors in file order, unread (QuantizeParams reads one at a time)."""
+        return safetensors_index(self.content_path(tenant, upload_id))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoredTensor:
+    """One tensor of a stored safetensors file: where its bytes are, read on demand."""
+
+    path: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    file: pathlib.Path
+    # Byte range of the data in ``file``.
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def read(self) -> np.ndarray:
+        with open(self.file, "rb") as f:
+            f.seek(self.start)
+            raw = f.read(self.nbytes)
+        if len(raw) != self.nbytes:
+            raise ValueError(f"tensor {self.path!r}: the stored file is truncated")
+        return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape)
+
 
 def _map(fn: Any, tree: dict[str, Any]) -> dict[str, Any]:
     return {k: _map(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
 
 
+def safetensors_index(path: pathlib.Path) -> list[StoredTensor]:
+    """The tensors of a safetensors file, header only (ValueError for a malformed file)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise ValueError("the upload is not a safetensors file (its header is cut short)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise ValueError(f"the upload is not a safetensors file ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ValueError("the upload is not a safetensors file (its header is not an object)")
+    header.pop("__metadata__", None)
+    base = 8 + n
+    out = []
+    for key, info in header.items():
+        dtype = _ST_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        if dtype is None:
+            raise ValueError(f"tensor {key!r}: unsupported safetensors dtype {info}")
+        try:
+            start, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"tensor {key!r}: malformed safetensors entry {info}") from exc
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if min(shape, default=0) < 0 or end - start != count * np.dtype(dtype).itemsize:
+            raise ValueError(f"tensor {key!r}: {end - start} bytes do not fit shape {list(shape)}")
+        if not 0 <= start <= end <= size - base:
+            raise ValueError(f"tensor {key!r}: its bytes lie outside the file")
+        dt = np.dtype(dtype)
+        out.append(
+            StoredTensor(
+                path=key, dtype=dt, shape=shape, file=path, start=base + start, end=base + end
+            )
+        )
+    # File order: a reader going through the tensors reads the file front to back.
+    return sorted(out, key=lambda t: t.start)
+
+
 def read_safetensors_tree(path: pathlib.Path) -> dict[str, Any]:
     """A safetensors file -> nested dict of numpy arrays (ValueError for a malformed file)."""
-    raw = path.read_bytes()
-    if len(raw) < 8:
-        raise ValueError("the upload is not a safetensors file (shorter than its header)")
-    n = int.from_bytes(raw[:8], "little")
-    try:
-        header = json.loads(raw[8 : 8 + n])
-    except ValueError as exc:
-        raise ValueError(f"the upload is not a safetensors file ({exc})") from exc
-    header.pop("__metadata__", None)
     tree: dict[str, Any] = {}
-    base = 8 + n
-    for key, info in header.items():
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"tensor {key!r}: unsupported safetensors dtype {info.get('dtype')}")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        array = np.frombuffer(raw[base + start : base + end], dtype=dtype).reshape(shape)
+    for t in safetensors_index(path):
         node = tree
-        *parents, leaf = key.split("/")
+        *parents, leaf = t.path.split("/")
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ValueError(f"tensor {key!r} nests under another tensor's path")
-        node[leaf] = array
+                raise ValueError(f"tensor {t.path!r} nests under another tensor's path")
+        if isinstance(node.get(leaf), dict):
+            raise ValueError(f"tensor {t.path!r} is also the parent of other tensors")
+        node[leaf] = t.read()
     return tree

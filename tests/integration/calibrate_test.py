@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sklearn.datasets import load_digits
 
 from qmill.client import calibrate as client_calibrate
@@ -20,7 +21,7 @@ CNN = pb.ModelSpec(name="cnn", config_json="{}")
 
 @pytest.fixture(scope="module")
 def setup(make_server, tmp_path_factory):
-    running = make_server(data_dir=str(tmp_path_factory.mktemp("data")))
+    running = make_server(data_dir=str(tmp_path_factory.mktemp("data")), reflection=True)
     channel = grpc.insecure_channel(running.address)
     x = (load_digits().images / 16.0).astype(np.float32)[..., None][:96]
     model = zoo.BUILTIN["cnn"].build(zoo.CnnConfig())
@@ -96,3 +97,12 @@ def test_capabilities_list_the_models(setup):
     caps = pb_grpc.QuantizerStub(channel).GetCapabilities(pb.GetCapabilitiesRequest())
     assert {"cnn", "mlp", "transformer_encoder"} <= {m.name for m in caps.models}
     assert caps.max_upload_bytes > 0
+
+
+def test_reflection_lists_the_new_services(setup):
+    channel, _, _ = setup
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    (response,) = list(stub.ServerReflectionInfo(iter([request])))
+    names = {s.name for s in response.list_services_response.service}
+    assert {"qmill.v1.Uploads", "qmill.v1.Calibrator", "qmill.v1.Quantizer"} <= names

@@ -5,9 +5,12 @@ import hashlib
 import grpc
 import numpy as np
 import pytest
+import safetensors.numpy
 
-from qmill.client import errors
+from qmill.client import errors, remote
 from qmill.client import uploads as client_uploads
+from qmill.client.credentials import Credentials
+from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -77,3 +80,40 @@ def test_errors_over_the_wire(running):
     with pytest.raises(errors.QmillError) as info:
         client_uploads.upload_bytes(channel, DATA, metadata=B, upload_id=uid)
     assert info.value.code == "NOT_FOUND"
+
+
+def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running):
+    _, channel = running
+    rng = np.random.default_rng(1)
+    tensors = {
+        "params/Dense_0/kernel": rng.normal(size=(64, 48)).astype(np.float32),
+        "params/Dense_0/bias": rng.normal(size=(48,)).astype(np.float32),
+        "params/Dense_1/kernel": rng.normal(size=(48, 10)).astype(np.float32),
+    }
+    recipe = {"rules": [{"qtype": "int8"}]}
+    uid = client_uploads.upload_bytes(
+        channel, safetensors.numpy.save(tensors), metadata=A
+    ).upload_id
+    got = {o.path: o for o in client_uploads.quantize_upload(channel, recipe, uid, metadata=A)}
+    assert set(got) == set(tensors)
+    assert not got["params/Dense_0/bias"].quantized
+    # The same tensors streamed the usual way come back bit for bit the same.
+    with remote.Client(running[0].address, credentials=Credentials(token="tok-a")) as client:
+        streamed = {o.path: o for o in client.quantize(recipe, tensors.items())}
+    for path in ("params/Dense_0/kernel", "params/Dense_1/kernel"):
+        assert got[path].quantized and got[path].parts["qvalue"].dtype == np.int8
+        for part, value in streamed[path].parts.items():
+            np.testing.assert_array_equal(got[path].parts[part], value, err_msg=f"{path} {part}")
+    # Another tenant's upload id is unknown; tensors after the upload id are refused.
+    with pytest.raises(errors.QmillError) as info:
+        list(client_uploads.quantize_upload(channel, recipe, uid, metadata=B))
+    assert info.value.code == "NOT_FOUND"
+    stub = pb_grpc.QuantizerStub(channel)
+    extra = [
+        pb.QuantizeParamsRequest(recipe=recipe_proto.from_mapping(recipe)),
+        pb.QuantizeParamsRequest(upload_id=uid),
+        pb.QuantizeParamsRequest(header=pb.TensorHeader(path="x")),
+    ]
+    with pytest.raises(grpc.RpcError) as rpc:
+        list(stub.QuantizeParams(iter(extra), metadata=A))
+    assert rpc.value.code().name == "INVALID_ARGUMENT" and "upload_id" in rpc.value.details()

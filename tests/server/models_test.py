@@ -74,6 +74,11 @@ def test_builtins_and_plugins_are_listed_with_their_origin(plugins):
     fields = {f.name: f for f in infos["mlp"].config_fields}
     assert fields["hidden"].type == "list[int]" and fields["hidden"].default_json == "[64, 32]"
     assert fields["in_features"].type == "int"
+    assert fields["in_features"].description == "Features of the (flat) input vector."
+    # Every built-in field says what it is, for `qmill capabilities` and GetCapabilities.
+    assert all(
+        f.description for i in infos.values() if i.origin == "builtin" for f in i.config_fields
+    )
     # The built-in keeps its name: the plugin's "cnn" was ignored.
     entry, _ = models.resolve(pb.ModelSpec(name="cnn"))
     assert entry is zoo.BUILTIN["cnn"]

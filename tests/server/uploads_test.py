@@ -149,3 +149,60 @@ def test_open_params_unflattens_safetensors_keys(store):
     tree = store.open_params("a", uid)
     np.testing.assert_array_equal(tree["Dense_0"]["kernel"], tensors["Dense_0/kernel"])
     np.testing.assert_array_equal(tree["b"], tensors["b"])
+
+
+def _upload(store, data):
+    uid = store.start("a", total_bytes=len(data)).upload_id
+    _send(store, "a", uid, data)
+    return uid
+
+
+def test_tensors_are_listed_unread_and_read_one_at_a_time(store):
+    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": np.arange(3, dtype=np.int8)}
+    uid = _upload(store, safetensors.numpy.save(tensors))
+    listed = store.tensors("a", uid)
+    # In the order of their bytes in the file (safetensors puts wider dtypes first).
+    assert [(t.path, t.shape, t.nbytes) for t in listed] == [("w", (3, 4), 48), ("n", (3,), 3)]
+    for t in listed:
+        np.testing.assert_array_equal(t.read(), tensors[t.path])
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b"\x05\x00", "cut short"),
+        (b"\xff" * 8 + b"{}", "cut short"),
+        (len(b"[1]").to_bytes(8, "little") + b"[1]", "not an object"),
+        (len(b"{x").to_bytes(8, "little") + b"{x", "not a safetensors file"),
+        (
+            len(h := b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}').to_bytes(
+                8, "little"
+            )
+            + h
+            + b"\0" * 8,
+            "outside the file",
+        ),
+        (
+            len(h := b'{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}}').to_bytes(
+                8, "little"
+            )
+            + h
+            + b"\0" * 16,
+            "do not fit shape",
+        ),
+        (
+            len(h := b'{"w":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}').to_bytes(
+                8, "little"
+            )
+            + h
+            + b"\0" * 8,
+            "unsupported safetensors dtype",
+        ),
+    ],
+)
+def test_malformed_safetensors_is_a_value_error_naming_the_problem(store, data, needle):
+    uid = _upload(store, data)
+    with pytest.raises(ValueError, match=needle):
+        store.tensors("a", uid)
+    with pytest.raises(ValueError, match=needle):
+        store.open_params("a", uid)
