@@ -47,6 +47,7 @@ class ResultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESULT_KIND_UNSPECIFIED: _ClassVar[ResultKind]
     RESULT_KIND_QUANTIZED: _ClassVar[ResultKind]
     RESULT_KIND_KEPT: _ClassVar[ResultKind]
+    RESULT_KIND_FLOAT: _ClassVar[ResultKind]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -87,6 +88,7 @@ CONVENTION_TORCH: Convention
 RESULT_KIND_UNSPECIFIED: ResultKind
 RESULT_KIND_QUANTIZED: ResultKind
 RESULT_KIND_KEPT: ResultKind
+RESULT_KIND_FLOAT: ResultKind
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_RUNNING: JobState
@@ -546,3 +548,38 @@ class ListJobsResponse(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[Job]
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("inflight_bytes", "inflight_peak_bytes", "inflight_bytes_by_tenant", "active_streams", "max_concurrent_streams", "max_inflight_bytes", "max_tenant_inflight_bytes", "max_tensor_bytes", "max_upload_bytes", "waiting_calls")
+    class InflightBytesByTenantEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_BYTES_BY_TENANT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TENANT_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    inflight_bytes: int
+    inflight_peak_bytes: int
+    inflight_bytes_by_tenant: _containers.ScalarMap[str, int]
+    active_streams: int
+    max_concurrent_streams: int
+    max_inflight_bytes: int
+    max_tenant_inflight_bytes: int
+    max_tensor_bytes: int
+    max_upload_bytes: int
+    waiting_calls: int
+    def __init__(self, inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_bytes_by_tenant: _Optional[_Mapping[str, int]] = ..., active_streams: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., max_tenant_inflight_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., waiting_calls: _Optional[int] = ...) -> None: ...

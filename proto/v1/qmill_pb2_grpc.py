@@ -761,3 +761,82 @@ class Jobs:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Server-wide operations for operators. Every RPC needs an admin token (PERMISSION_DENIED for a
+    user token).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetServerInfo = channel.unary_unary(
+                '/qmill.v1.Admin/GetServerInfo',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ServerInfo.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Server-wide operations for operators. Every RPC needs an admin token (PERMISSION_DENIED for a
+    user token).
+    """
+
+    def GetServerInfo(self, request, context):
+        """Live load and configured limits of this server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.ServerInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'qmill.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('qmill.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Server-wide operations for operators. Every RPC needs an admin token (PERMISSION_DENIED for a
+    user token).
+    """
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qmill.v1.Admin/GetServerInfo',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.GetServerInfoRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
