@@ -86,7 +86,7 @@ def quantize_checkpoint(
     with checkpoints.open_source(source_path) as source:
         entries = source.entries()
         recipe = recipes.with_default_convention(recipe, source.format)
-        fmt = output_format or source.format
+        fmt = output_format or checkpoints.format_for_destination(dest, source.format)
         fingerprint = {
             "recipe": recipe,
             "format": fmt,

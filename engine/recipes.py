@@ -14,6 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from qmill.engine import qtypes
+
 CONVENTIONS = ("auto", "flax", "torch")
 
 
@@ -55,6 +57,12 @@ class TensorRule:
             return
         if not self.qtype:
             raise ValueError(f"rule {self.path_regex!r} needs a qtype (e.g. 'int8') or skip=true")
+        # Checked here, not when the first tensor meets the rule: a recipe is refused when it
+        # arrives (QuantizeParams' first message, SubmitJob), never after work has started.
+        try:
+            qtypes.get(self.qtype)
+        except ValueError as e:
+            raise ValueError(f"rule {self.path_regex!r}: {e}") from None
         if self.tile_size is not None and self.tile_size <= 0:
             raise ValueError(
                 f"rule {self.path_regex!r}: tile_size must be positive, got {self.tile_size}"

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 MiB = 1024 * 1024
 DATA_DIR_ENV = "QMILL_DATA_DIR"
+JOBS_ROOT_ENV = "QMILL_JOBS_ROOT"
 
 
 def default_data_dir() -> str:
@@ -43,8 +44,12 @@ class ServerConfig:
     client_ca: str | None = None
     # Plaintext on a non-loopback interface, explicitly asked for (--insecure).
     insecure: bool = False
-    # Bearer tokens → tenant and role; None: no authentication (every caller is a local admin).
-    tokens: auth.TokenTable | None = None
+    # Bearer tokens → tenant and role: a TokenTable, or a TokenFile that re-reads its file when it
+    # changes; None: no authentication (every caller is a local admin).
+    tokens: auth.TokenTable | auth.TokenFile | None = None
+    # Under mTLS, a call without a bearer token is tenant <client certificate's subject CN>, role
+    # user (--tenant-from-client-cert); tokens, when given, still win.
+    tenant_from_client_cert: bool = False
 
     # Limits (server/limits.py). Over any of them a call gets RESOURCE_EXHAUSTED + a retry hint.
     # Streaming RPCs open at once (health probes not counted).
@@ -53,8 +58,9 @@ class ServerConfig:
     max_inflight_bytes: int = 16 * 1024 * MiB
     # The same for one tenant, so one tenant cannot take all of it.
     max_tenant_inflight_bytes: int = 8 * 1024 * MiB
-    # Seconds a call waits for in-flight room before RESOURCE_EXHAUSTED.
-    admission_timeout_seconds: float = 30.0
+    # Seconds a call may wait in the (first come, first served) queue for in-flight room before
+    # RESOURCE_EXHAUSTED; short, so a busy replica sends clients elsewhere rather than hold them.
+    max_wait_seconds: float = 5.0
     # Largest upload (a checkpoint sent for a job or calibration), in bytes.
     max_upload_bytes: int = 256 * 1024 * MiB
     # Bytes of live uploads one tenant may hold on disk (a shared blob counts for each upload).
@@ -66,6 +72,12 @@ class ServerConfig:
     data_dir: str = dataclasses.field(default_factory=lambda: default_data_dir())
     # SQLite file of batch jobs (kept across restarts); None: jobs.sqlite3 in data_dir.
     jobs_db: str | None = None
+    # Directory of one directory per tenant; a job's paths must stay inside its tenant's
+    # (server/jobs/paths.py). None ($QMILL_JOBS_ROOT unset): jobs are refused when tokens are
+    # set, and may use any path in the single-user (no tokens) mode.
+    jobs_root: str | None = dataclasses.field(
+        default_factory=lambda: os.environ.get(JOBS_ROOT_ENV) or None
+    )
 
     # Observability. Port of the Prometheus /metrics endpoint (on `host`); None: not served,
     # 0: a free port (tests).

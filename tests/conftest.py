@@ -1,4 +1,10 @@
-"""Shared fixtures: a real qmill server on 127.0.0.1 (port 0) running in a background thread."""
+"""Shared fixtures: a real qmill server on 127.0.0.1 (port 0) running in a background thread.
+
+Every server gets a data directory of its own (jobs db, uploads, calibrations), never the user's
+~/.cache/qmill, and nothing is left in /tmp: the fixtures take it from pytest's tmp_path_factory
+(pytest keeps the last few runs' for debugging and deletes older ones); a RunningServer made
+directly (cancel_test.py's child process) deletes its own when it stops or the process exits.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +19,14 @@ class RunningServer:
     def __init__(self, **config_fields) -> None:
         from qmill.server import app, config
 
+        # TemporaryDirectory also cleans up at interpreter exit when stop() is never reached.
+        self._own_dir: tempfile.TemporaryDirectory[str] | None = None
+        if "data_dir" not in config_fields:
+            self._own_dir = tempfile.TemporaryDirectory(prefix="qmill-test-")
+            config_fields["data_dir"] = self._own_dir.name
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        # A data directory of its own (jobs db, uploads): never the user's ~/.cache/qmill.
-        config_fields.setdefault("data_dir", tempfile.mkdtemp(prefix="qmill-test-"))
         cfg = config.ServerConfig(host="127.0.0.1", port=0, grace_seconds=1.0, **config_fields)
         self.server = asyncio.run_coroutine_threadsafe(app.create_server(cfg), self._loop).result(
             60
@@ -33,22 +42,25 @@ class RunningServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+        if self._own_dir is not None:
+            self._own_dir.cleanup()  # after the stop: the job runner writes there until then
 
 
 @pytest.fixture(scope="module")
-def server():
-    running = RunningServer()
+def server(tmp_path_factory):
+    running = RunningServer(data_dir=str(tmp_path_factory.mktemp("server-data")))
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="module")
-def make_server():
+def make_server(tmp_path_factory):
     """Starts RunningServer(**config_fields) for tests that need their own options (tokens, TLS,
     limits); every server it started is stopped when the module's tests are done."""
     started: list[RunningServer] = []
 
     def make(**config_fields) -> RunningServer:
+        config_fields.setdefault("data_dir", str(tmp_path_factory.mktemp("server-data")))
         started.append(RunningServer(**config_fields))
         return started[-1]
 

@@ -28,6 +28,7 @@ checkpoint imports them.
 
 from qmill.client.checkpoints.formats import FORMATS as FORMATS
 from qmill.client.checkpoints.formats import create_writer as create_writer
+from qmill.client.checkpoints.formats import format_for_destination as format_for_destination
 from qmill.client.checkpoints.formats import open_source as open_source
 from qmill.client.checkpoints.protocols import CheckpointWriter as CheckpointWriter
 from qmill.client.checkpoints.protocols import TensorEntry as TensorEntry
@@ -39,5 +40,6 @@ __all__ = [
     "TensorEntry",
     "TensorSource",
     "create_writer",
+    "format_for_destination",
     "open_source",
 ]

@@ -56,6 +56,18 @@ def open_source(path: str | os.PathLike) -> protocols.TensorSource:
     raise ValueError(f"{path} is not a checkpoint qmill reads; expected {_ACCEPTED}")
 
 
+def format_for_destination(destination: str | os.PathLike, source_format: str) -> str:
+    """The format an output is written in when none is asked for: the one its name's suffix
+    says (`out.npz`, `out.safetensors`), else the source's. A user who names a file `x.npz`
+    expects an npz, not an Orbax directory called x.npz."""
+    name = pathlib.Path(destination).name
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name.endswith(".npz"):
+        return "npz"
+    return source_format
+
+
 def _open_directory(path: pathlib.Path) -> protocols.TensorSource:
     pytree = orbax_layout.find_pytree_dir(path)
     if pytree is not None:

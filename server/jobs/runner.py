@@ -7,6 +7,9 @@ a job's output byte for byte the CLI's, and makes jobs resumable the same way: f
 are kept in `<destination>.qmill-partial/`, so a job that was RUNNING when the server died is
 queued again on start and continues where it stopped.
 
+Just before a job starts its paths are checked again against the tenant's directory
+(paths.py): a symlink made after the submit must not take the job elsewhere.
+
 One job runs at a time: a job already uses every core through JAX, and queued jobs keep their
 order. Cancelling stops the job before its next tensor and deletes its partial output; the
 destination is never written, because the check runs before the checkpoint is committed.
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from qmill.client import embedded, errors, job
 from qmill.client.checkpoints import staging
 from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import store as store_lib
 
 log = logging.getLogger(__name__)
@@ -69,9 +73,15 @@ class JobRunner:
     """The background thread that runs queued jobs in order."""
 
     def __init__(
-        self, store: store_lib.JobStore, *, on_change: Callable[[], None] | None = None
+        self,
+        store: store_lib.JobStore,
+        *,
+        paths: paths_lib.PathPolicy,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
+        # Where jobs may read and write; SubmitJob checks with the same policy.
+        self.paths = paths
         # Called after every change of a job (the server updates the qmill_jobs gauge).
         self._on_change = on_change
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -138,10 +148,14 @@ class JobRunner:
             raise _Stop(cancelled=False)
 
     def _run(self, record: store_lib.JobRecord) -> None:
+        destination = record.destination
         try:
+            source, destination = self.paths.check_job(
+                record.tenant, record.source, record.destination
+            )
             job.quantize_checkpoint(
-                record.source,
-                record.destination,
+                source,
+                destination,
                 record.recipe,
                 backend=embedded.EmbeddedClient(),
                 output_format=record.output_format or None,
@@ -151,8 +165,8 @@ class JobRunner:
             )
         except _Stop as stop:
             if stop.cancelled:
-                destination = pathlib.Path(record.destination).absolute()
-                staging.remove(destination.with_name(destination.name + staging.PARTIAL_SUFFIX))
+                path = pathlib.Path(destination).absolute()
+                staging.remove(path.with_name(path.name + staging.PARTIAL_SUFFIX))
                 self._finish(record.job_id, pb.JOB_STATE_CANCELLED, "cancelled")
             return  # stopping: left RUNNING, resumed by the next server
         except errors.QmillError as e:

@@ -1,13 +1,15 @@
 """The Jobs service: a thin adapter from RPCs to the job store and runner.
 
 Jobs are visible to their tenant only: another tenant's job id gets NOT_FOUND, the same answer
-as an id that does not exist. Paths are the server's own filesystem (local or mounted); object
-store URLs (gs://, s3://) are refused with INVALID_ARGUMENT until a reader for them exists.
+as an id that does not exist. Paths are the server's own filesystem (local or mounted), confined
+to the tenant's directory under --jobs-root (paths.py has the rules); object store URLs (gs://,
+s3://) are refused with INVALID_ARGUMENT until a reader for them exists.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pathlib
 
@@ -20,8 +22,11 @@ from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, codec, errors
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import store as store_lib
+
+log = logging.getLogger(__name__)
 
 # How often WatchJob looks at its job; changes in between are coalesced into one event.
 WATCH_POLL_SECONDS = 0.1
@@ -35,12 +40,14 @@ class JobsServicer(pb_grpc.JobsServicer):
     def __init__(self, runner: runner_lib.JobRunner) -> None:
         self._runner = runner
         self._store = runner.store
+        self._paths = runner.paths
 
     @errors.unary
     async def SubmitJob(self, request: pb.SubmitJobRequest, context) -> pb.Job:
-        source = _local_path(request.source, "source")
-        destination = _local_path(request.destination, "destination")
         tenant = auth.current_principal().tenant
+        # Confinement first, before anything about a path is told back (e.g. whether it exists).
+        source = self._paths.resolve(tenant, request.source, "source")
+        destination = self._paths.resolve(tenant, request.destination, "destination")
         # A repeated request_id answers with its job before any check: the job may have written
         # the destination since the first submit.
         existing = self._store.find(tenant, request.request_id)
@@ -48,6 +55,7 @@ class JobsServicer(pb_grpc.JobsServicer):
             return _same_job(existing, request.request_id, source, destination).to_proto()
         if not pathlib.Path(source).exists():
             raise ValueError(f"source {source} does not exist on the server")
+        self._paths.check_job(tenant, source, destination)  # symlinks inside a source directory
         if request.output_format not in FORMATS:
             raise ValueError(
                 f"output_format {request.output_format!r} is not one of orbax, safetensors, npz "
@@ -55,7 +63,9 @@ class JobsServicer(pb_grpc.JobsServicer):
             )
         if not request.recipe.rules:
             raise ValueError("the recipe has no rules; send at least one (e.g. qtype int8)")
-        codec.recipe_from_proto(request.recipe)  # refuses a bad recipe now, not in the job
+        # The check QuantizeParams makes of its recipe: a bad rule or qtype (int99) is refused
+        # now, with the engine's message, instead of failing the job later.
+        codec.recipe_from_proto(request.recipe)
         recipe = recipe_proto.to_mapping(request.recipe)
         if recipe["convention"] == "auto":
             # As `qmill quantize` does: no convention → the source format's (job.py fills it).
@@ -133,17 +143,6 @@ def _same_job(
     return record
 
 
-def _local_path(value: str, what: str) -> str:
-    if not value:
-        raise ValueError(f"{what} is empty; give a path on the server")
-    if "://" in value:
-        raise ValueError(
-            f"{what} {value!r}: object-store URLs are not supported by this server yet; give a "
-            "local or mounted path"
-        )
-    return os.path.abspath(value)
-
-
 def jobs_db_path(config: config_lib.ServerConfig) -> str:
     return config.jobs_db or os.path.join(config.data_dir, "jobs.sqlite3")
 
@@ -152,9 +151,11 @@ def add_to_server(
     server: grpc.aio.Server, config: config_lib.ServerConfig, metrics: metrics_lib.Metrics
 ) -> runner_lib.JobRunner:
     """Registers the Jobs service; returns its runner, for the server to start and stop."""
+    policy = paths_lib.PathPolicy.from_config(config)
+    log.info("jobs: %s", policy.describe())
     store = store_lib.JobStore(jobs_db_path(config))
     runner = runner_lib.JobRunner(
-        store, on_change=lambda: metrics.set_jobs_by_state(store.counts())
+        store, paths=policy, on_change=lambda: metrics.set_jobs_by_state(store.counts())
     )
     pb_grpc.add_JobsServicer_to_server(JobsServicer(runner), server)
     return runner

@@ -47,6 +47,21 @@ def test_readme_quickstart_runs_verbatim(tmp_path):
     assert "params/Dense_0/bias" in paths
 
 
+def test_an_output_named_npz_is_an_npz_even_from_orbax(tmp_path):
+    out = tmp_path / "tiny.npz"
+    result = subprocess.run(
+        [*QMILL, "quantize", str(ROOT / "examples/tiny-mlp"), "-o", str(out), "--recipe", "int8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert out.is_file()
+    with checkpoints.open_source(out) as written:
+        assert written.format == "npz"
+        assert "params/Dense_0/kernel/array/qvalue" in {e.path for e in written.entries()}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -43,3 +43,8 @@ def test_a_scale_dtype_that_is_not_floating_is_refused_with_the_fix(name: str) -
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
 def test_floating_scale_dtypes_are_accepted(name: str) -> None:
     assert recipes.TensorRule(qtype="int8", scale_dtype=name).scale_dtype == name
+
+
+def test_an_unknown_qtype_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"recipe rule 0: .*'int99' is not a qtype.*int8"):
+        recipes.recipe_from_mapping({"rules": [{"qtype": "int99"}]})

@@ -1,5 +1,6 @@
 """Batch jobs on a real server: same bytes as `qmill quantize`, idempotency, cancel, tenants,
-and a job that survives `kill -9` of its server."""
+job paths confined to each tenant's directory under --jobs-root, and a job that survives
+`kill -9` of its server."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SOURCE = str(ROOT / "examples" / "tiny-mlp")  # Orbax, 5 float tensors + 1 int32
+EXAMPLE = str(ROOT / "examples" / "tiny-mlp")  # Orbax, 5 float tensors + 1 int32
+# Every tenant's directory under the jobs root holds a copy, so jobs name it relatively.
+SOURCE = "tiny-mlp"
 TOKENS = {
     "token-a": {"tenant": "team-a", "role": "user"},
     "token-b": {"tenant": "team-b", "role": "user"},
@@ -42,22 +45,44 @@ def _wait(client: jobs.JobsClient, job_id: str, done, seconds: float = 45.0) -> 
     raise AssertionError(f"job {job_id} never got there: {client.get(job_id)}")
 
 
+def _finished(client: jobs.JobsClient, job_id: str) -> pb.Job:
+    return _wait(client, job_id, lambda j: j.state in jobs.FINAL_STATES)
+
+
 def _cli_output(tmp_path: pathlib.Path, name: str, *extra: str) -> pathlib.Path:
     out = tmp_path / "cli" / name
-    assert cli.main(["quantize", SOURCE, "-o", str(out), "-q", *extra]) == 0
+    assert cli.main(["quantize", EXAMPLE, "-o", str(out), "-q", *extra]) == 0
     return out
 
 
 @pytest.fixture(scope="module")
-def jobs_server(make_server, tmp_path_factory):
+def jobs_root(tmp_path_factory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("jobs-root")
+    for tenant in ("team-a", "team-b", "ops"):
+        shutil.copytree(EXAMPLE, root / tenant / SOURCE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def jobs_server(make_server, tmp_path_factory, jobs_root):
     db = tmp_path_factory.mktemp("jobs") / "jobs.sqlite3"
-    return make_server(tokens=auth.TokenTable.from_mapping(TOKENS), jobs_db=str(db))
+    return make_server(
+        tokens=auth.TokenTable.from_mapping(TOKENS), jobs_db=str(db), jobs_root=str(jobs_root)
+    )
+
+
+@pytest.fixture
+def work(jobs_root, request) -> pathlib.Path:
+    """A directory of team-a's for this test alone (the tests share one server and root)."""
+    path = jobs_root / "team-a" / request.node.name
+    path.mkdir()
+    return path
 
 
 @pytest.mark.parametrize("fmt", ["npz", "safetensors"])
-def test_submit_and_watch_equals_qmill_quantize(jobs_server, tmp_path, fmt):
+def test_submit_and_watch_equals_qmill_quantize(jobs_server, work, tmp_path, fmt):
     name = "out.npz" if fmt == "npz" else "out.safetensors"
-    dest = tmp_path / name
+    dest = work / name
     with _client(jobs_server.address, "token-a") as client:
         job = client.submit(SOURCE, str(dest), INT8, output_format=fmt)
         assert job.state == pb.JOB_STATE_QUEUED and job.job_id
@@ -70,44 +95,44 @@ def test_submit_and_watch_equals_qmill_quantize(jobs_server, tmp_path, fmt):
     assert dest.read_bytes() == reference.read_bytes()
 
 
-def test_repeated_request_id_is_the_same_job(jobs_server, tmp_path):
-    dest = str(tmp_path / "out.npz")
+def test_repeated_request_id_is_the_same_job(jobs_server, work, jobs_root):
+    dest = str(work / "out.npz")
     with _client(jobs_server.address, "token-a") as client:
         first = client.submit(SOURCE, dest, INT8, request_id="rid-1", output_format="npz")
         again = client.submit(SOURCE, dest, INT8, request_id="rid-1", output_format="npz")
         assert again.job_id == first.job_id
-        _wait(client, first.job_id, lambda j: j.state in jobs.FINAL_STATES)
+        _finished(client, first.job_id)
         with pytest.raises(errors.QmillError, match=r"ALREADY_EXISTS.*rid-1"):
             client.submit(SOURCE, dest + "2", INT8, request_id="rid-1", output_format="npz")
         ids = [j.job_id for j in client.list()]
         assert ids.count(first.job_id) == 1
     # The key is per tenant: team-b's rid-1 is another job.
     with _client(jobs_server.address, "token-b") as other:
-        job_b = other.submit(SOURCE, str(tmp_path / "b.npz"), INT8, request_id="rid-1")
+        job_b = other.submit(SOURCE, "rid-1.npz", INT8, request_id="rid-1")
         assert job_b.job_id != first.job_id
-        _wait(other, job_b.job_id, lambda j: j.state in jobs.FINAL_STATES)
+        _finished(other, job_b.job_id)
 
 
-def test_cancel_leaves_no_destination(jobs_server, tmp_path, monkeypatch):
+def test_cancel_leaves_no_destination(jobs_server, work, monkeypatch):
     # The runner reads the test-only delay when a job starts: 1 s before each tensor.
     monkeypatch.setenv("QMILL_TEST_TENSOR_DELAY", "1")
-    dest = tmp_path / "out.npz"
+    dest = work / "out.npz"
     with _client(jobs_server.address, "token-a") as client:
         job = client.submit(SOURCE, str(dest), INT8)
         _wait(client, job.job_id, lambda j: j.state == pb.JOB_STATE_RUNNING)
         client.cancel(job.job_id)
-        job = _wait(client, job.job_id, lambda j: j.state in jobs.FINAL_STATES)
+        job = _finished(client, job.job_id)
         # Cancelling a finished job changes nothing.
         assert client.cancel(job.job_id).state == pb.JOB_STATE_CANCELLED
     assert job.state == pb.JOB_STATE_CANCELLED
     assert job.tensors_done < job.tensors_total
     assert not dest.exists()
-    assert not (tmp_path / "out.npz.qmill-partial").exists()
+    assert not (work / "out.npz.qmill-partial").exists()
 
 
-def test_other_tenants_jobs_are_not_found(jobs_server, tmp_path):
+def test_other_tenants_jobs_are_not_found(jobs_server, work):
     with _client(jobs_server.address, "token-a") as owner:
-        job = owner.submit(SOURCE, str(tmp_path / "a.npz"), INT8)
+        job = owner.submit(SOURCE, str(work / "a.npz"), INT8)
         with _client(jobs_server.address, "token-b") as other:
             for call in (other.get, other.cancel, lambda i: list(other.watch(i))):
                 with pytest.raises(errors.QmillError, match="NOT_FOUND") as raised:
@@ -116,7 +141,7 @@ def test_other_tenants_jobs_are_not_found(jobs_server, tmp_path):
             assert job.job_id not in [j.job_id for j in other.list()]
             with pytest.raises(errors.QmillError, match="PERMISSION_DENIED"):
                 other.list(all_tenants=True)
-        _wait(owner, job.job_id, lambda j: j.state in jobs.FINAL_STATES)
+        _finished(owner, job.job_id)
     with _client(jobs_server.address, "token-ops") as admin:
         assert job.job_id in [j.job_id for j in admin.list(all_tenants=True)]
         assert job.job_id not in [j.job_id for j in admin.list()]
@@ -125,29 +150,109 @@ def test_other_tenants_jobs_are_not_found(jobs_server, tmp_path):
 @pytest.mark.parametrize(
     ("source", "dest", "message"),
     [
-        ("gs://bucket/ckpt", "{tmp}/o.npz", "object-store URLs are not supported"),
-        ("{tmp}/missing", "{tmp}/o.npz", "does not exist"),
+        ("gs://bucket/ckpt", "o.npz", r"INVALID_ARGUMENT.*object-store URLs \(gs://, s3://"),
+        ("missing", "o.npz", "does not exist"),
         (SOURCE, "", "destination is empty"),
-        (SOURCE, str(ROOT / "examples"), "already exists"),
+        (SOURCE, SOURCE, "ALREADY_EXISTS.*already exists"),
     ],
 )
-def test_bad_submissions_say_what_to_fix(jobs_server, tmp_path, source, dest, message):
+def test_bad_submissions_say_what_to_fix(jobs_server, source, dest, message):
     with _client(jobs_server.address, "token-a") as client:
         with pytest.raises(errors.QmillError, match=message):
-            client.submit(
-                source.replace("{tmp}", str(tmp_path)), dest.replace("{tmp}", str(tmp_path)), INT8
-            )
+            client.submit(source, dest, INT8)
         with pytest.raises(errors.QmillError, match=r"INVALID_ARGUMENT.*not a valid regex"):
-            client.submit(SOURCE, str(tmp_path / "o.npz"), {"rules": [{"path_regex": "("}]})
+            client.submit(SOURCE, "o.npz", {"rules": [{"path_regex": "("}]})
 
 
-def test_a_job_that_fails_says_why(jobs_server, tmp_path):
+def test_an_unknown_qtype_is_refused_at_submit_not_in_the_job(jobs_server, work):
     with _client(jobs_server.address, "token-a") as client:
-        job = client.submit(SOURCE, str(tmp_path / "o.npz"), {"rules": [{"qtype": "int99"}]})
-        job = _wait(client, job.job_id, lambda j: j.state in jobs.FINAL_STATES)
+        before = len(client.list())
+        with pytest.raises(errors.QmillError) as raised:
+            client.submit(SOURCE, str(work / "o.npz"), {"rules": [{"qtype": "int99"}]})
+        assert len(client.list()) == before
+    assert raised.value.code == "INVALID_ARGUMENT"
+    assert "'int99' is not a qtype" in raised.value.details
+    assert "valid qtypes: " in raised.value.details and "int8" in raised.value.details
+
+
+def test_a_job_that_fails_says_why(jobs_server, work):
+    (work / "notes.txt").write_text("not a checkpoint")
+    with _client(jobs_server.address, "token-a") as client:
+        job = client.submit(str(work / "notes.txt"), str(work / "o.npz"), INT8)
+        job = _finished(client, job.job_id)
     assert job.state == pb.JOB_STATE_FAILED
-    assert "int99" in job.error
-    assert not (tmp_path / "o.npz").exists()
+    assert "notes.txt" in job.error
+    assert not (work / "o.npz").exists()
+
+
+# --- Confinement: a tenant's job paths stay inside <jobs root>/<tenant>/ ------------------------
+
+
+def test_relative_and_absolute_paths_inside_the_tenants_directory(jobs_server, jobs_root):
+    team_b = jobs_root / "team-b"
+    with _client(jobs_server.address, "token-b") as client:
+        job = _finished(client, client.submit(SOURCE, "out/rel.npz", INT8).job_id)
+        assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
+        # The job shows the resolved server paths.
+        assert job.source == os.path.realpath(team_b / SOURCE)
+        assert job.destination == os.path.realpath(team_b / "out" / "rel.npz")
+        absolute = client.submit(str(team_b / SOURCE), str(team_b / "out" / "abs.npz"), INT8)
+        assert _finished(client, absolute.job_id).state == pb.JOB_STATE_SUCCEEDED
+    assert (team_b / "out" / "rel.npz").read_bytes() == (team_b / "out" / "abs.npz").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("source", "dest"),
+    [
+        ("../team-a/tiny-mlp", "stolen.npz"),  # another tenant's source
+        ("../team-a/no-such-thing", "stolen.npz"),  # same answer: existence is not told
+        ("{root}/team-a/tiny-mlp", "stolen.npz"),  # absolute, another tenant's
+        ("link-to-a", "stolen.npz"),  # a symlink to another tenant's source
+        ("tiny-mlp/../../team-a/tiny-mlp", "stolen.npz"),
+        (SOURCE, "../team-a/planted.npz"),  # writing into another tenant's directory
+        (SOURCE, "dir-of-a/planted.npz"),  # through a symlinked directory
+        (SOURCE, "/tmp/planted.npz"),  # absolute outside the root: refused, not re-rooted
+        (SOURCE, "."),  # the tenant's directory itself
+    ],
+)
+def test_paths_leaving_the_tenants_directory_are_refused(jobs_server, jobs_root, source, dest):
+    team_b = jobs_root / "team-b"
+    for name, target in (("link-to-a", "team-a/tiny-mlp"), ("dir-of-a", "team-a")):
+        if not (team_b / name).is_symlink():
+            (team_b / name).symlink_to(jobs_root / target)
+    source = source.replace("{root}", str(jobs_root))
+    with _client(jobs_server.address, "token-b") as client:
+        with pytest.raises(errors.QmillError) as raised:
+            client.submit(source, dest, INT8, overwrite=True)
+        assert not [j for j in client.list() if "planted" in j.destination]
+    assert raised.value.code == "INVALID_ARGUMENT"
+    assert "outside your jobs directory" in raised.value.details
+    assert f"job paths must be in {team_b}/" in raised.value.details
+    assert (
+        not list(jobs_root.glob("team-a/planted*"))
+        and not pathlib.Path("/tmp/planted.npz").exists()
+    )
+
+
+def test_a_server_with_tokens_and_no_jobs_root_refuses_server_paths(make_server, tmp_path):
+    server = make_server(
+        tokens=auth.TokenTable.from_mapping(TOKENS), jobs_db=str(tmp_path / "jobs.sqlite3")
+    )
+    with _client(server.address, "token-a") as client:
+        with pytest.raises(errors.QmillError) as raised:
+            client.submit(EXAMPLE, str(tmp_path / "o.npz"), INT8)
+        assert client.list() == []
+    assert raised.value.code == "FAILED_PRECONDITION"
+    assert "--jobs-root" in raised.value.details
+
+
+def test_without_auth_jobs_use_any_path(make_server, tmp_path):
+    """The single-user mode (no tokens, no --jobs-root): a laptop's own paths, as today."""
+    server = make_server(jobs_db=str(tmp_path / "jobs.sqlite3"))
+    with _client(server.address) as client:
+        job = _finished(client, client.submit(EXAMPLE, str(tmp_path / "o.npz"), INT8).job_id)
+    assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
+    assert (tmp_path / "o.npz").exists()
 
 
 def _qmill() -> list[str]:
@@ -155,12 +260,12 @@ def _qmill() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "qmill.client.cli"]
 
 
-def _serve(db: pathlib.Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+def _serve(db: pathlib.Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen(
-        [*_qmill(), "serve", "--port", str(port), "--jobs-db", str(db), "--grace", "1"],
+        [*_qmill(), "serve", "--port", str(port), "--jobs-db", str(db), "--grace", "1", *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -180,31 +285,33 @@ def _serve(db: pathlib.Path, env: dict[str, str]) -> tuple[subprocess.Popen, str
 
 
 def test_job_survives_kill_9_of_its_server(tmp_path):
-    db, dest = tmp_path / "jobs.sqlite3", tmp_path / "out.npz"
+    # No tokens: the one tenant is "default", its jobs in <root>/default/. The first server gets
+    # the root from --jobs-root, the restarted one from $QMILL_JOBS_ROOT (the runner checks the
+    # resumed job's paths against it again).
+    root = tmp_path / "root"
+    shutil.copytree(EXAMPLE, root / "default" / SOURCE)
+    db, dest = tmp_path / "jobs.sqlite3", root / "default" / "out.npz"
     env = {**os.environ, "QMILL_DATA_DIR": str(tmp_path / "data")}
-    server, address = _serve(db, {**env, "QMILL_TEST_TENSOR_DELAY": "0.7"})
+    delayed = {**env, "QMILL_TEST_TENSOR_DELAY": "0.7"}
+    server, address = _serve(db, delayed, "--jobs-root", str(root))
     try:
         with _client(address) as client:
-            job = client.submit(SOURCE, str(dest), INT8, request_id="survivor", output_format="npz")
+            job = client.submit(SOURCE, "out.npz", INT8, request_id="survivor", output_format="npz")
             _wait(client, job.job_id, lambda j: j.tensors_done >= 2)
     finally:
         server.kill()
         server.wait(30)
     assert not dest.exists()
-    partial = tmp_path / "out.npz.qmill-partial" / "tensors.jsonl"
+    partial = root / "default" / "out.npz.qmill-partial" / "tensors.jsonl"
     finished_before = len(partial.read_text().splitlines())
     assert 1 <= finished_before < 5
 
-    server, address = _serve(db, env)
+    server, address = _serve(db, {**env, "QMILL_JOBS_ROOT": str(root)})
     try:
         with _client(address) as client:
-            assert (
-                client.submit(
-                    SOURCE, str(dest), INT8, request_id="survivor", output_format="npz"
-                ).job_id
-                == job.job_id
-            )
-            done = _wait(client, job.job_id, lambda j: j.state in jobs.FINAL_STATES)
+            again = client.submit(SOURCE, "out.npz", INT8, request_id="survivor")
+            assert again.job_id == job.job_id
+            done = _finished(client, job.job_id)
     finally:
         server.kill()
         server.wait(30)
@@ -212,8 +319,8 @@ def test_job_survives_kill_9_of_its_server(tmp_path):
     assert dest.read_bytes() == _cli_output(tmp_path, "out.npz", "--format", "npz").read_bytes()
 
 
-def test_cli_submit_watch_list_cancel(jobs_server, tmp_path, capsys):
-    dest = tmp_path / "cli.npz"
+def test_cli_submit_watch_list_cancel(jobs_server, work, tmp_path, capsys):
+    dest = work / "cli.npz"
     common = ["--server", jobs_server.address, "--token", "token-a"]
     args = ["submit", SOURCE, str(dest), "--format", "npz", "--watch", "--request-id", "cli-1"]
     assert cli.main([*args, *common]) == 0

@@ -1,8 +1,20 @@
-"""The job store: idempotency keys per tenant, listing, updates, counts, reopening the file."""
+"""The job store (idempotency keys per tenant, listing, updates, counts, reopening the file) and
+the confinement of job paths to a tenant's directory, at submit and again in the runner."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+
+import pytest
+
+from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server import auth
+from qmill.server import config as config_lib
+from qmill.server.jobs import paths as paths_lib
+from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import store as store_lib
 
 
@@ -50,3 +62,143 @@ def test_list_update_counts_and_reopen(tmp_path):
     assert job is not None and job.recipe == {"rules": [{"qtype": "int8"}]}
     assert job.to_proto().tensors_done == 3
     assert reopened.get("missing") is None
+
+
+# --- Confinement of job paths (server/jobs/paths.py) -------------------------------------------
+
+
+@pytest.fixture
+def root(tmp_path):
+    """A jobs root with two tenants' directories, team-a's holding a (fake) checkpoint."""
+    for tenant in ("team-a", "team-b"):
+        (tmp_path / "root" / tenant).mkdir(parents=True)
+    (tmp_path / "root" / "team-a" / "ckpt").mkdir()
+    (tmp_path / "root" / "team-a" / "ckpt" / "params.npz").write_bytes(b"x")
+    return tmp_path / "root"
+
+
+def _confined(root) -> paths_lib.PathPolicy:
+    return paths_lib.PathPolicy(jobs_root=str(root), multi_tenant=True)
+
+
+def test_relative_and_inside_absolute_paths_resolve_in_the_tenants_directory(root):
+    policy = _confined(root)
+    a = os.path.realpath(root / "team-a")
+    assert policy.resolve("team-a", "ckpt", "source") == os.path.join(a, "ckpt")
+    assert policy.resolve("team-a", "out/new.npz", "destination") == os.path.join(a, "out/new.npz")
+    assert policy.resolve("team-a", "x/../ckpt", "source") == os.path.join(a, "ckpt")
+    assert policy.resolve("team-a", str(root / "team-a" / "ckpt"), "source") == os.path.join(
+        a, "ckpt"
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "../team-a/ckpt",  # another tenant's files
+        "..",
+        ".",  # the directory itself: as a destination it would be replaced whole
+        "ckpt/../../team-a/ckpt",
+        "{root}/team-a/ckpt",  # absolute, another tenant's
+        "/etc/passwd",  # absolute, outside the root: refused, never re-rooted
+    ],
+)
+def test_paths_that_leave_the_tenants_directory_are_refused(root, value):
+    with pytest.raises(ValueError, match=r"outside your jobs directory: .*team-b/") as raised:
+        _confined(root).resolve("team-b", value.replace("{root}", str(root)), "source")
+    assert not isinstance(raised.value, wire.WireError)  # plain ValueError: INVALID_ARGUMENT
+
+
+def test_a_symlink_out_of_the_tenants_directory_is_refused(root):
+    (root / "team-b" / "link").symlink_to(root / "team-a" / "ckpt")
+    (root / "team-b" / "outdir").symlink_to(root / "team-a")
+    policy = _confined(root)
+    with pytest.raises(ValueError, match=r"source 'link' is outside your jobs directory"):
+        policy.resolve("team-b", "link", "source")
+    with pytest.raises(ValueError, match=r"destination 'outdir/o\.npz' is outside"):
+        policy.resolve("team-b", "outdir/o.npz", "destination")
+    # A link that stays inside is fine: the job keeps the resolved path.
+    (root / "team-a" / "alias").symlink_to(root / "team-a" / "ckpt")
+    assert policy.resolve("team-a", "alias", "source") == os.path.realpath(root / "team-a/ckpt")
+
+
+def test_check_job_looks_inside_the_source_and_at_the_partial_output(root):
+    policy = _confined(root)
+    (root / "team-b" / "secret").write_text("b's")
+    assert policy.check_job("team-a", "ckpt", "o.npz")[0].endswith("team-a/ckpt")
+    (root / "team-a" / "ckpt" / "d").symlink_to(root / "team-b" / "secret")
+    with pytest.raises(ValueError, match=r"source file d .* is outside"):
+        policy.check_job("team-a", "ckpt", "o.npz")
+    (root / "team-a" / "ckpt" / "d").unlink()
+    (root / "team-a" / "o.npz.qmill-partial").symlink_to(root / "team-b")
+    with pytest.raises(ValueError, match=r"partial output .* is outside"):
+        policy.check_job("team-a", "ckpt", "o.npz")
+
+
+@pytest.mark.parametrize("tenant", ["..", ".", "", "a/b"])
+def test_a_tenant_name_that_is_not_one_directory_is_a_failed_precondition(root, tenant):
+    with pytest.raises(wire.WireError, match="cannot name a directory") as raised:
+        _confined(root).resolve(tenant, "ckpt", "source")
+    assert raised.value.code == "FAILED_PRECONDITION"
+
+
+def test_without_a_jobs_root_auth_refuses_and_single_user_allows_any_path(tmp_path):
+    with pytest.raises(wire.WireError, match="must start it with --jobs-root") as raised:
+        paths_lib.PathPolicy(multi_tenant=True).resolve("team-a", "/data/ckpt", "source")
+    assert raised.value.code == "FAILED_PRECONDITION"
+    single = paths_lib.PathPolicy(multi_tenant=False)
+    assert single.resolve("default", "/etc/x", "source") == "/etc/x"
+    assert single.resolve("default", "rel", "source") == os.path.abspath("rel")
+    assert "single-user" in single.describe()
+
+
+@pytest.mark.parametrize("policy", [paths_lib.PathPolicy(), paths_lib.PathPolicy(jobs_root="/r")])
+def test_object_store_urls_and_empty_paths_say_what_to_do(policy):
+    with pytest.raises(ValueError, match=r"object-store URLs \(gs://, s3://, ...\) are not supp"):
+        policy.resolve("a", "gs://bucket/ckpt", "source")
+    with pytest.raises(ValueError, match="destination is empty"):
+        policy.resolve("a", "", "destination")
+
+
+def test_policy_from_config(tmp_path):
+    tokens = auth.TokenTable.from_mapping({"t": {"tenant": "a"}})
+    policy = paths_lib.PathPolicy.from_config(
+        config_lib.ServerConfig(jobs_root=str(tmp_path), tokens=tokens)
+    )
+    assert policy == paths_lib.PathPolicy(jobs_root=str(tmp_path), multi_tenant=True)
+    assert str(tmp_path) in policy.describe()
+    assert not paths_lib.PathPolicy.from_config(
+        config_lib.ServerConfig(jobs_root=None)
+    ).multi_tenant
+    with pytest.raises(ValueError, match=r"--jobs-root .* is not a directory"):
+        paths_lib.PathPolicy.from_config(config_lib.ServerConfig(jobs_root=str(tmp_path / "no")))
+
+
+@pytest.mark.parametrize("swap", ["source", "destination"])
+def test_the_runner_checks_again_a_symlink_made_after_the_submit(root, tmp_path, swap):
+    """The job passed SubmitJob's check; then its source (or destination's directory) became a
+    link to team-b's files. The runner refuses it before reading or writing anything."""
+    (root / "team-a" / "outdir").mkdir()
+    (root / "team-b" / "ckpt").mkdir()
+    store = store_lib.JobStore(tmp_path / "jobs.sqlite3")
+    record, _ = _create(
+        store,
+        tenant="team-a",
+        source=str(root / "team-a" / "ckpt"),
+        destination=str(root / "team-a" / "outdir" / "o.npz"),
+    )
+    moved = root / "team-a" / ("ckpt" if swap == "source" else "outdir")
+    shutil.rmtree(moved)
+    moved.symlink_to(root / "team-b" / ("ckpt" if swap == "source" else ""))
+    runner = runner_lib.JobRunner(store, paths=_confined(root))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while (job := store.get(record.job_id)).state not in store_lib.FINAL:
+            assert time.monotonic() < deadline, job
+            time.sleep(0.02)
+    finally:
+        runner.stop()
+    assert job.state == pb.JOB_STATE_FAILED
+    assert f"{swap} " in job.error and "outside your jobs directory" in job.error
+    assert not list((root / "team-b").glob("o.npz*"))

@@ -77,3 +77,14 @@ def test_importing_checkpoints_does_not_import_jax_or_orbax():
         "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("out.npz", "npz"), ("out.safetensors", "safetensors"), ("out", "orbax"), ("o.ckpt", "orbax")],
+)
+def test_an_outputs_suffix_picks_its_format_else_the_sources(name, expected):
+    assert checkpoints.format_for_destination(f"/some/dir/{name}", "orbax") == expected
+    # A suffix-less name keeps whatever the source is.
+    if expected == "orbax":
+        assert checkpoints.format_for_destination(name, "npz") == "npz"

@@ -1,0 +1,147 @@
+"""Where a job may read and write: a tenant's job paths are confined to the tenant's directory.
+
+A job's source and destination are paths on the server, so on a shared server they must not
+reach another tenant's files or the server's own. Three modes, from the server's options:
+
+- `--jobs-root DIR`: each tenant's paths are inside `DIR/<tenant>/`. A relative path is taken
+  from there. An absolute path is accepted only when it already lies inside it (a client on the
+  server's machine may pass full paths) and refused otherwise, never re-rooted: `/data/ckpt`
+  silently meaning `DIR/<tenant>/data/ckpt` would surprise more than an error naming the
+  directory. After symlinks are resolved (os.path.realpath) the path must stay inside, so `..`
+  and symlinks cannot leave it; a source directory's own symlinks are checked the same way. The
+  job keeps the resolved path. Without tokens the one tenant is "default": `DIR/default/`.
+- tokens (or tenants from client certificates) without `--jobs-root`: several tenants share the
+  server and no directory is theirs, so SubmitJob with a server path is refused
+  (FAILED_PRECONDITION) until the operator sets `--jobs-root`.
+- neither: the single-user mode (a laptop, loopback, no auth): any path the server's user may
+  read or write, as `qmill quantize` itself would.
+
+The check runs at submit time and again in the runner just before the job starts, so a symlink
+planted after the submit cannot take a job outside. It does not close the window between that
+second check and the job's own file opens (that would need openat/O_NOFOLLOW in every reader and
+writer): tenant directories should be writable only by the server and their tenant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+from qmill.client.checkpoints import staging
+from qmill.proto import wire
+from qmill.server import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PathPolicy:
+    """How SubmitJob and the runner turn a job's paths into paths on the server."""
+
+    # Directory of one directory per tenant; None: no confinement (see the module docstring).
+    jobs_root: str | None = None
+    # The server authenticates callers, so several tenants may share it.
+    multi_tenant: bool = False
+
+    @classmethod
+    def from_config(cls, config: config_lib.ServerConfig) -> PathPolicy:
+        """The policy of a server; raises ValueError when --jobs-root is not a directory."""
+        root = config.jobs_root
+        if root is not None:
+            if not os.path.isdir(root):
+                raise ValueError(
+                    f"--jobs-root {root} is not a directory; create it (with one directory per "
+                    "tenant inside) or leave the option out"
+                )
+            root = os.path.abspath(root)
+        multi_tenant = config.tokens is not None or config.tenant_from_client_cert
+        return cls(jobs_root=root, multi_tenant=multi_tenant)
+
+    def describe(self) -> str:
+        """One line for the server's startup log."""
+        if self.jobs_root is not None:
+            return f"job paths confined to {self.jobs_root}/<tenant>/"
+        if self.multi_tenant:
+            return (
+                "jobs with server paths are refused: tokens are set but --jobs-root is not "
+                "(set it to confine each tenant's jobs to its own directory)"
+            )
+        return (
+            "jobs may read and write any path this server's user can (single-user mode: no "
+            "tokens, no --jobs-root)"
+        )
+
+    def tenant_dir(self, tenant: str) -> str:
+        """`<jobs_root>/<tenant>`; raises when the tenant's name cannot be one directory."""
+        assert self.jobs_root is not None
+        if tenant in ("", ".", "..") or "/" in tenant or "\\" in tenant or "\0" in tenant:
+            raise wire.WireError(
+                f"tenant {tenant!r} cannot name a directory under the jobs root; the operator "
+                "must give it a name without '/' (and not '.' or '..') in the token table",
+                code="FAILED_PRECONDITION",
+            )
+        return os.path.join(self.jobs_root, tenant)
+
+    def resolve(self, tenant: str, value: str, what: str) -> str:
+        """The server path a job of `tenant` uses for `value` (its `what`: source, destination).
+
+        Raises:
+          ValueError: empty, an object-store URL, or outside the tenant's directory
+            (INVALID_ARGUMENT).
+          wire.WireError: FAILED_PRECONDITION, when this server cannot take server paths.
+        """
+        if not value:
+            raise ValueError(f"{what} is empty; give a path on the server")
+        if "://" in value:
+            raise ValueError(
+                f"{what} {value!r}: object-store URLs (gs://, s3://, ...) are not supported by "
+                "this server; copy the checkpoint to the server's filesystem and give its path"
+            )
+        if self.jobs_root is None:
+            if self.multi_tenant:
+                raise wire.WireError(
+                    f"this server does not run jobs on server paths ({what} {value!r}): it has "
+                    "several tenants but no jobs directory; the operator must start it with "
+                    "--jobs-root DIR (each tenant's jobs then use DIR/<tenant>/)",
+                    code="FAILED_PRECONDITION",
+                )
+            return os.path.abspath(value)
+        base = self.tenant_dir(tenant)
+        real_base = os.path.realpath(base)
+        # join keeps an absolute value as it is: it must then already be inside (see above).
+        real = os.path.realpath(os.path.join(base, value))
+        if not _inside(real, real_base):
+            raise ValueError(
+                f"{what} {value!r} is outside your jobs directory: job paths must be in {base}/ "
+                "(relative paths are taken from there; '..' and symlinks may not leave it)"
+            )
+        return real
+
+    def check_job(self, tenant: str, source: str, destination: str) -> tuple[str, str]:
+        """The (source, destination) a job runs with, checked again as the job starts.
+
+        Also checks what the job will touch beside the two paths: symlinks inside a source
+        directory and the destination's partial output, which a tenant could have made point
+        elsewhere. Raises as `resolve` does.
+        """
+        real_source = self.resolve(tenant, source, "source")
+        real_destination = self.resolve(tenant, destination, "destination")
+        if self.jobs_root is not None:
+            self._check_tree(tenant, real_source)
+            self.resolve(tenant, real_destination + staging.PARTIAL_SUFFIX, "partial output")
+        return real_source, real_destination
+
+    def _check_tree(self, tenant: str, source: str) -> None:
+        """Refuses a source directory with a symlink that resolves outside the tenant's."""
+        if not os.path.isdir(source):
+            return
+        for parent, dirs, files in os.walk(source):  # followlinks=False: links checked, not walked
+            for name in (*dirs, *files):
+                path = os.path.join(parent, name)
+                if os.path.islink(path):
+                    self.resolve(tenant, path, f"source file {os.path.relpath(path, source)}")
+
+
+def _inside(path: str, directory: str) -> bool:
+    """Whether `path` is below `directory` (both resolved and absolute). The directory itself is
+    not: as a destination it would be replaced whole, with its staging copy in the jobs root."""
+    return path != directory and pathlib.PurePath(path).is_relative_to(directory)
