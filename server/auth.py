@@ -14,8 +14,19 @@ the token itself, so the file need not contain secrets:
     "k7Fq...long-random..." = { tenant = "team-a", role = "user" }
     "sha256:9f86d0...0f00a08" = { tenant = "ops", role = "admin" }
 
-Without a token table the server has one implicit principal, tenant "default" with role admin:
-the laptop case, where whoever can reach the loopback port owns the server.
+`--tokens FILE` is re-read when it changes, without a restart (TokenFile): on the request path, at
+most once a second, the file's mtime, size and inode are compared with the version in use. A new
+version that does not load (bad syntax or entry, missing or empty file) keeps the tokens in use and
+logs an error, so a bad edit neither lets everyone in nor locks everyone out. Tokens in
+QMILL_TOKENS are fixed until restart.
+
+Under mTLS with --tenant-from-client-cert, a call without a bearer token is tenant <subject CN of
+its client certificate>, role user (grpc verified the certificate against --client-ca before the
+call reached us). A bearer token, when the server has a table, still decides: admins use tokens.
+
+Without a token table (and without --tenant-from-client-cert) the server has one implicit
+principal, tenant "default" with role admin: the laptop case, where whoever can reach the loopback
+port owns the server.
 """
 
 from __future__ import annotations
@@ -26,16 +37,20 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import os
 import pathlib
+import time
 import tomllib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
 
 from qmill.proto import wire
 from qmill.server import calls
+
+log = logging.getLogger(__name__)
 
 ROLES = ("user", "admin")
 TOKENS_ENV = "QMILL_TOKENS"
@@ -170,6 +185,62 @@ class TokenTable:
         return found
 
 
+class TokenFile:
+    """A token table kept in step with its file (see the module docstring).
+
+    Called on the event loop only. The first load happens here and its errors are raised: a
+    server must not start with a table it cannot read.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        check_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = pathlib.Path(path)
+        self.check_seconds = check_seconds
+        self._clock = clock
+        self._version = self._stat()  # before reading: a change while we read is seen next time
+        self.table = TokenTable.load(self.path)
+        self._checked = clock()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()  # follows symlinks: a Kubernetes Secret swaps its ..data link
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def current(self) -> TokenTable:
+        """The table in use, re-reading the file first when it is due and has changed."""
+        now = self._clock()
+        if now - self._checked >= self.check_seconds:
+            self._checked = now
+            version = self._stat()
+            if version != self._version:
+                self._version = version  # a bad version is reported once, not every second
+                self._reload()
+        return self.table
+
+    def _reload(self) -> None:
+        try:
+            table = TokenTable.load(self.path)
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            log.error(
+                "token file not reloaded, keeping the %d tokens in use: %s",
+                len(self.table.by_digest),
+                e,
+            )
+            return
+        self.table = table
+        log.info("token file %s reloaded: %d tokens", self.path, len(table.by_digest))
+
+    def principal(self, token: str) -> Principal | None:
+        return self.current().principal(token)
+
+
 def _bearer(metadata: Any) -> str | None:
     for key, value in metadata or ():
         if key == "authorization":
@@ -179,11 +250,23 @@ def _bearer(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks the bearer token of every non-health RPC; binds the caller's Principal."""
+def _common_name(context: Any) -> str | None:
+    """The subject CN of the call's verified client certificate, if any."""
+    names = context.auth_context().get("x509_common_name") or ()
+    for name in names:
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return None
 
-    def __init__(self, tokens: TokenTable | None) -> None:
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer token (or client certificate) of every non-health RPC; binds the
+    caller's Principal."""
+
+    def __init__(
+        self, tokens: TokenTable | TokenFile | None, *, tenant_from_client_cert: bool = False
+    ) -> None:
         self._tokens = tokens
+        self._from_cert = tenant_from_client_cert
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -194,20 +277,35 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     @contextlib.asynccontextmanager
     async def _around(self, method: str, context: Any) -> AsyncIterator[None]:
-        if self._tokens is None:
-            _principal.set(LOCAL)
-        else:
-            token = _bearer(context.invocation_metadata())
-            if not token:
-                await context.abort(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "missing bearer token: pass --token or set QMILL_TOKEN "
-                    "(metadata 'authorization: Bearer <token>')",
-                )
+        principal = await self._authenticate(context)
+        # Lives in this call's task (and tasks it starts); never reset, the task ends with it.
+        _principal.set(principal)
+        if principal is not LOCAL:
+            calls.annotate(tenant=principal.tenant)
+        yield None
+
+    async def _authenticate(self, context: Any) -> Principal:
+        # Runs as the call starts: like its peer (server/calls.py), a call's auth context must not
+        # be read after a client cancel has freed it.
+        token = _bearer(context.invocation_metadata())
+        if token and self._tokens is not None:
             principal = self._tokens.principal(token)
             if principal is None:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or revoked token")
-            # Lives in this call's task (and tasks it starts); never reset, the task ends with it.
-            _principal.set(principal)
-            calls.annotate(tenant=principal.tenant)
-        yield None
+            return principal
+        if self._from_cert:
+            name = _common_name(context)
+            if not name:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "no bearer token, and no client certificate subject CN to name a tenant",
+                )
+            return Principal(tenant=name, role="user")
+        if self._tokens is None:
+            return LOCAL
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing bearer token: pass --token or set QMILL_TOKEN "
+            "(metadata 'authorization: Bearer <token>')",
+        )
+        raise AssertionError("unreachable")  # abort raises

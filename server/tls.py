@@ -6,6 +6,8 @@ Policy (also in the README):
 - Any other interface: TLS (`--tls-cert` + `--tls-key`) is required, unless `--insecure` says that
   plaintext is intended (e.g. TLS terminated by a mesh sidecar); that logs a warning.
 - `--client-ca` turns on mTLS: clients must present a certificate signed by that CA.
+  `--tenant-from-client-cert` (needs mTLS) makes the certificate's subject CN the tenant of calls
+  that carry no bearer token (server/auth.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def check_transport(config: config_lib.ServerConfig) -> list[str]:
     tls = config.tls_cert is not None
     if config.client_ca is not None and not tls:
         raise ValueError("--client-ca (mTLS) needs --tls-cert and --tls-key")
+    if config.tenant_from_client_cert and config.client_ca is None:
+        raise ValueError(
+            "--tenant-from-client-cert needs mTLS (--client-ca): only a certificate the server "
+            "verified may name a tenant"
+        )
     warnings = []
     if not tls:
         if config.insecure:

@@ -1,29 +1,39 @@
-"""Tokens, roles, TLS and mTLS through a real server on loopback.
+"""Tokens, roles, token file reload, TLS, mTLS and tenants from client certificates through a
+real server on loopback.
 
 Certificates are made here, at test time (no private key is committed): one CA signs a server
-certificate for 127.0.0.1/localhost and a client certificate; a second CA signs an impostor.
+certificate for 127.0.0.1/localhost and client certificates (CN client, alice, bob); a second CA
+signs an impostor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import json
+import pathlib
+import shutil
+import time
 
 import grpc
 import numpy as np
 import pytest
+import safetensors.numpy
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from google.protobuf import empty_pb2, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qmill.client import cli, credentials, errors, remote
+from qmill.client import admin as admin_client
+from qmill.client import cli, credentials, errors, remote, uploads
+from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import admin, auth
+from qmill.server import auth
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 INT8 = {"rules": [{"qtype": "int8"}]}
 TOKENS = {
     "user-a-token-0123456789": {"tenant": "team-a", "role": "user"},
@@ -84,6 +94,8 @@ def pki(tmp_path_factory):
     _write(d, "server", server, server_key)
     for name, issuer, issuer_key in (
         ("client", "qmill test CA", ca_key),
+        ("alice", "qmill test CA", ca_key),
+        ("bob", "qmill test CA", ca_key),
         ("impostor", "other CA", other_key),
     ):
         key = ec.generate_private_key(ec.SECP256R1())
@@ -104,12 +116,9 @@ def _caps(address, creds):
 
 def _server_info(address, token):
     with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary(
-            admin.GET_SERVER_INFO,
-            request_serializer=empty_pb2.Empty.SerializeToString,
-            response_deserializer=struct_pb2.Struct.FromString,
+        return pb_grpc.AdminStub(channel).GetServerInfo(
+            pb.GetServerInfoRequest(), metadata=[("authorization", f"Bearer {token}")], timeout=30
         )
-        return call(empty_pb2.Empty(), metadata=[("authorization", f"Bearer {token}")], timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -162,8 +171,77 @@ def test_admin_only_operation_needs_the_admin_role(token_server):
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "needs an admin token" in e.value.details()
     info = _server_info(token_server.address, "admin-token-0123456789")
-    assert info["max_inflight_bytes"] == token_server.server.config.max_inflight_bytes
-    assert info["inflight_bytes"] == 0
+    assert info.max_inflight_bytes == token_server.server.config.max_inflight_bytes
+    assert info.max_concurrent_streams == token_server.server.config.max_concurrent_streams
+    assert (info.inflight_bytes, info.waiting_calls, dict(info.inflight_bytes_by_tenant)) == (
+        0,
+        0,
+        {},
+    )
+
+
+def test_qmill_admin_info_prints_the_load_readably_or_as_json(token_server, capsys, monkeypatch):
+    monkeypatch.delenv(credentials.TOKEN_ENV, raising=False)
+    args = ["admin", "info", "--server", token_server.address]
+    assert cli.main([*args, "--token", "admin-token-0123456789"]) == 0
+    out = capsys.readouterr().out
+    limit = token_server.server.config.max_inflight_bytes
+    assert f"in-flight bytes: 0 of {limit:,} (peak" in out and "calls waiting for room: 0" in out
+    assert "streams: 0 open of 64" in out
+    assert cli.main([*args, "--json", "--token", "admin-token-0123456789"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["max_inflight_bytes"] == limit and info["inflight_bytes_by_tenant"] == {}
+    assert set(info) == {f.name for f in pb.ServerInfo.DESCRIPTOR.fields}
+    # A user token: refused in one line, exit 1.
+    assert cli.main([*args, "--token", "user-a-token-0123456789"]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+
+
+def test_described_info_shows_tenants_and_unlimited():
+    info = pb.ServerInfo(inflight_bytes=30, inflight_bytes_by_tenant={"b": 10, "a": 20})
+    lines = admin_client.describe(info)
+    assert lines[0].startswith("in-flight bytes: 30 of unlimited")
+    assert lines[1:3] == ["  tenant a: 20 of unlimited", "  tenant b: 10 of unlimited"]
+
+
+def _eventually(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def _answers(address, token) -> str:
+    try:
+        _caps(address, credentials.Credentials(token=token))
+    except errors.QmillError as e:
+        return e.code
+    return "OK"
+
+
+def test_token_file_changes_apply_without_a_restart(make_server, tmp_path):
+    path = tmp_path / "tokens.json"
+
+    def write(mapping):
+        (tmp_path / "next.json").write_text(json.dumps(mapping))
+        (tmp_path / "next.json").replace(path)
+
+    write({"old-token-0123456789": {"tenant": "a"}})
+    running = make_server(tokens=auth.TokenFile(path))
+    assert _answers(running.address, "old-token-0123456789") == "OK"
+    assert _answers(running.address, "new-token-0123456789") == "UNAUTHENTICATED"
+    # Added: the new token works within a second or so, on the same server.
+    both = {"old-token-0123456789": {"tenant": "a"}, "new-token-0123456789": {"tenant": "b"}}
+    write(both)
+    _eventually(lambda: _answers(running.address, "new-token-0123456789") == "OK")
+    # A broken edit keeps both working; removing one revokes it.
+    write("{not json")
+    time.sleep(1.2)
+    assert _answers(running.address, "old-token-0123456789") == "OK"
+    assert _answers(running.address, "new-token-0123456789") == "OK"
+    write({"new-token-0123456789": {"tenant": "b"}})
+    _eventually(lambda: _answers(running.address, "old-token-0123456789") == "UNAUTHENTICATED")
+    assert _answers(running.address, "new-token-0123456789") == "OK"
 
 
 def test_health_needs_no_token_and_reflection_is_off(token_server):
@@ -253,3 +331,74 @@ def test_async_client_sends_the_token_and_request_id(token_server):
     with pytest.raises(errors.QmillError) as e:
         asyncio.run(run("not-a-token"))
     assert e.value.code == "UNAUTHENTICATED"
+
+
+@pytest.fixture(scope="module")
+def cert_tenant_server(make_server, pki, tmp_path_factory):
+    jobs_root = tmp_path_factory.mktemp("jobs-root")
+    for tenant in ("alice", "bob"):
+        shutil.copytree(ROOT / "examples" / "tiny-mlp", jobs_root / tenant / "ckpt")
+    return make_server(
+        tls_cert=str(pki / "server.pem"),
+        tls_key=str(pki / "server.key"),
+        client_ca=str(pki / "ca.pem"),
+        tokens=auth.TokenTable.from_mapping(TOKENS),
+        tenant_from_client_cert=True,
+        jobs_root=str(jobs_root),
+    )
+
+
+def _cert_channel(address, pki, name, token=None):
+    creds = credentials.Credentials.from_files(
+        tls_ca=pki / "ca.pem",
+        tls_cert=pki / f"{name}.pem",
+        tls_key=pki / f"{name}.key",
+        token=token,
+        environ={},
+    )
+    return credentials.channel(address, creds, [])
+
+
+def _code(fn) -> str:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code().name
+    return "OK"
+
+
+def test_client_certificates_name_tenants_that_cannot_see_each_other(cert_tenant_server, pki):
+    address = cert_tenant_server.address
+    data = safetensors.numpy.save({"w": np.arange(64, dtype=np.float32).reshape(8, 8)})
+    recipe = recipe_proto.from_mapping(INT8)
+    with (
+        contextlib.closing(_cert_channel(address, pki, "alice")) as alice,
+        contextlib.closing(_cert_channel(address, pki, "bob")) as bob,
+    ):
+        upload_id = uploads.upload_bytes(alice, data, timeout=30).upload_id
+        job = pb_grpc.JobsStub(alice).SubmitJob(
+            pb.SubmitJobRequest(source="ckpt", destination="out.npz", recipe=recipe),
+            timeout=30,
+        )
+        query = pb.QueryUploadRequest(upload_id=upload_id)
+        get = pb.GetJobRequest(job_id=job.job_id)
+        for who, want in ((alice, "OK"), (bob, "NOT_FOUND")):
+            uploads_stub, jobs_stub = pb_grpc.UploadsStub(who), pb_grpc.JobsStub(who)
+            assert _code(lambda: uploads_stub.QueryUpload(query, timeout=30)) == want  # noqa: B023
+            assert _code(lambda: jobs_stub.GetJob(get, timeout=30)) == want  # noqa: B023
+        listed = pb_grpc.JobsStub(bob).ListJobs(pb.ListJobsRequest(), timeout=30).jobs
+        assert job.job_id not in [j.job_id for j in listed]
+        # The certificate makes a user: server-wide operations still need an admin token.
+        info = pb.GetServerInfoRequest()
+        assert _code(lambda: pb_grpc.AdminStub(alice).GetServerInfo(info, timeout=30)) == (
+            "PERMISSION_DENIED"
+        )
+    # A token, when sent, decides over the certificate.
+    with contextlib.closing(
+        _cert_channel(address, pki, "alice", token="admin-token-0123456789")
+    ) as ops:
+        assert pb_grpc.AdminStub(ops).GetServerInfo(info, timeout=30).max_inflight_bytes
+    with contextlib.closing(_cert_channel(address, pki, "alice", token="not-a-token")) as wrong:
+        assert _code(lambda: pb_grpc.AdminStub(wrong).GetServerInfo(info, timeout=30)) == (
+            "UNAUTHENTICATED"
+        )

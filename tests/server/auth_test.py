@@ -87,3 +87,62 @@ def test_helpers_raise_errors_that_map_to_the_right_codes():
 def test_outside_a_call_the_principal_is_the_local_admin():
     assert auth.current_principal() == auth.LOCAL
     assert auth.require_admin() == auth.LOCAL
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _write_tokens(path, mapping):
+    # Write then rename, as config management (and a Kubernetes Secret's link swap) does.
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(mapping if isinstance(mapping, str) else json.dumps(mapping))
+    tmp.replace(path)
+
+
+def test_token_file_is_reread_when_it_changes_at_most_once_per_interval(tmp_path):
+    path, clock = tmp_path / "tokens.json", _Clock()
+    _write_tokens(path, {"tok-a": {"tenant": "a"}})
+    tokens = auth.TokenFile(path, clock=clock)
+    assert tokens.principal("tok-a").tenant == "a"
+    _write_tokens(path, {"tok-b": {"tenant": "b", "role": "admin"}})
+    clock.now = 0.5  # not due yet: the file is not even looked at
+    assert tokens.principal("tok-b") is None and tokens.principal("tok-a").tenant == "a"
+    clock.now = 1.0
+    assert tokens.principal("tok-b").is_admin and tokens.principal("tok-a") is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["not json", {}, {"tok": {"tenant": "a", "role": "root"}}, None],
+    ids=["syntax", "empty", "bad-entry", "missing"],
+)
+def test_a_bad_new_token_file_keeps_the_tokens_in_use_and_logs_once(tmp_path, caplog, bad):
+    path, clock = tmp_path / "tokens.json", _Clock()
+    _write_tokens(path, {"tok-a": {"tenant": "a"}})
+    tokens = auth.TokenFile(path, clock=clock)
+    if bad is None:
+        path.unlink()
+    else:
+        _write_tokens(path, bad)
+    for second in (1, 2, 3):
+        clock.now = second
+        assert tokens.principal("tok-a").tenant == "a"  # nobody locked out
+        assert tokens.principal("tok") is None  # nobody let in
+    errors_logged = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors_logged) == 1 and "keeping the 1 tokens in use" in errors_logged[0].message
+    _write_tokens(path, {"tok-c": {"tenant": "c"}})  # fixed: applied at the next check
+    clock.now = 4
+    assert tokens.principal("tok-c").tenant == "c" and tokens.principal("tok-a") is None
+
+
+def test_a_token_file_that_does_not_load_at_start_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        auth.TokenFile(tmp_path / "absent.toml")
+    (tmp_path / "bad.toml").write_text("x = ")
+    with pytest.raises(ValueError, match="not valid"):
+        auth.TokenFile(tmp_path / "bad.toml")

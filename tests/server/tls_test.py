@@ -38,3 +38,10 @@ def test_other_interfaces_need_tls_or_insecure(host):
 def test_incomplete_tls_flags_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         tls.check_transport(config.ServerConfig(**fields))
+
+
+def test_tenant_from_client_cert_needs_mtls():
+    tls_only = {"tls_cert": "c", "tls_key": "k", "tenant_from_client_cert": True}
+    with pytest.raises(ValueError, match="needs mTLS"):
+        tls.check_transport(config.ServerConfig(**tls_only))
+    assert tls.check_transport(config.ServerConfig(**tls_only, client_ca="ca")) == []
