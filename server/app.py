@@ -48,8 +48,9 @@ class Server:
         self.limiter = limits.ByteLimiter(
             config.max_inflight_bytes,
             config.max_tenant_inflight_bytes,
-            wait_seconds=config.admission_timeout_seconds,
+            wait_seconds=config.max_wait_seconds,
             on_change=self.metrics.inflight_bytes.set,
+            on_waiting=self.metrics.waiting_calls.set,
         )
         self.metrics.inflight_limit.set(config.max_inflight_bytes)
         self.streams = limits.StreamLimitInterceptor(
@@ -59,7 +60,9 @@ class Server:
         # auth runs before the stream limit so unauthenticated calls cannot take stream slots.
         interceptors = [
             metrics_lib.ObservabilityInterceptor(self.metrics),
-            auth.AuthInterceptor(config.tokens),
+            auth.AuthInterceptor(
+                config.tokens, tenant_from_client_cert=config.tenant_from_client_cert
+            ),
             self.streams,
         ]
         self._executor = futures.ThreadPoolExecutor(
@@ -86,7 +89,9 @@ class Server:
             ),
             self._grpc,
         )
-        admin.add_to_server(admin.AdminServicer(config, self.limiter, self.streams), self._grpc)
+        pb_grpc.add_AdminServicer_to_server(
+            admin.AdminServicer(config, self.limiter, self.streams), self._grpc
+        )
         # Uploads and calibrations live under data_dir; the model registry names the models.
         data_dir = pathlib.Path(config.data_dir)
         self.uploads = uploads.UploadStore(
@@ -105,6 +110,7 @@ class Server:
                 self.uploads,
                 self.calibrations,
                 max_tensor_bytes=config.max_tensor_bytes,
+                limiter=self.limiter,
             ),
             self._grpc,
         )

@@ -23,7 +23,7 @@ from qmill.engine import flax_util, layout, leaf, qarray, zoo
 from qmill.engine import rules as rules_lib
 from qmill.engine.providers import odml
 from qmill.proto import wire
-from qmill.server import calibrations, odml_servicer
+from qmill.server import calibrations, odml_export, odml_servicer
 
 _LITERT_QTYPES = (None, "int8")
 
@@ -88,7 +88,7 @@ class Session:
         )
         self.model = qe.quantize_model(self.module, provider)
         abstract = jax.eval_shape(self.model.init, jax.random.key(0), self.input)
-        params = unwrap_params(params)
+        params = odml_export.unwrap_params(params)
         expected, got = _shapes(abstract["params"]), _shapes(params)
         if expected != got:
             raise wire.WireError(_mismatch(expected, got), code="FAILED_PRECONDITION")
@@ -156,14 +156,6 @@ class Session:
 
     def float_params(self) -> dict[str, Any]:
         return _flatten_params(self.params)
-
-
-def unwrap_params(tree: Mapping[str, Any]) -> Any:
-    """The params collection itself: checkpoints of Flax variables (Orbax saves of
-    ``{"params": ...}``) nest it one level down, under "params"."""
-    if set(tree) == {"params"} and isinstance(tree["params"], Mapping):
-        return tree["params"]
-    return tree
 
 
 def _flatten_params(tree: Any, prefix: str = "") -> dict[str, Any]:

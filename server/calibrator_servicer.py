@@ -1,6 +1,8 @@
 """The Calibrator service: a thin adapter over calibrate.Session and the stores.
 
 JAX runs only on the engine executor; the event loop assembles batches and streams answers.
+Each batch's bytes are reserved with the server's ByteLimiter before its buffer is allocated and
+released once the engine has added it to the statistics, as QuantizeParams does for tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ import numpy as np
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import auth, calibrate, calibrations, calls, codec, errors, models, uploads
+from qmill.server import (
+    auth,
+    calibrate,
+    calibrations,
+    calls,
+    codec,
+    errors,
+    limits,
+    models,
+    uploads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +52,15 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         *,
         max_tensor_bytes: int,
         resolve: Callable[[pb.ModelSpec], tuple[Any, Any]] = models.resolve,
+        limiter: limits.ByteLimiter | None = None,
     ) -> None:
         self._executor = executor
         self._uploads = uploads_store
         self._calibrations = calibration_store
         self._max_tensor_bytes = max_tensor_bytes
         self._resolve = resolve
+        # Counts the batches held (None: unlimited).
+        self._limiter = limiter
 
     def _prepare(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
         entry, config = self._resolve(start.model)
@@ -104,14 +119,25 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         start = first.start
         prep = await loop.run_in_executor(self._executor, self._prepare, start, tenant)
         new_batches = 0
-        async for array in _batches(requests, self._max_tensor_bytes):
-            await loop.run_in_executor(self._executor, prep.session.add_batch, array)
-            new_batches += 1
-            yield pb.CalibrateResponse(
-                progress=pb.CalibrateProgress(
-                    batches=prep.session.batches, examples=prep.session.examples
+        account = limits.Account(self._limiter, tenant) if self._limiter else None
+        try:
+            async for array, nbytes in _batches(requests, self._max_tensor_bytes, account):
+                work = loop.run_in_executor(self._executor, prep.session.add_batch, array)
+                if account is not None:
+                    account.hold_until_done(work)  # the engine reads the bytes until it ends
+                await work
+                del array
+                if account is not None:
+                    account.release(nbytes)
+                new_batches += 1
+                yield pb.CalibrateResponse(
+                    progress=pb.CalibrateProgress(
+                        batches=prep.session.batches, examples=prep.session.examples
+                    )
                 )
-            )
+        finally:
+            if account is not None:
+                account.close()  # a batch still held (failed, cancelled) goes back now
         if new_batches == 0 and not start.calibration_id:
             raise ValueError("no calibration batches were sent: send at least one")
         stats, ptq = await loop.run_in_executor(
@@ -137,8 +163,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
 
 
 def _param_responses(plan, path: str, result) -> Iterator[pb.CalibrateResponse]:
-    """A PTQ param as QuantizeParams streams it. Float tensors the server made (static activation
-    scales) go as KEPT with one part, 'value', whose bytes follow (the client has no copy)."""
+    """A PTQ param as QuantizeParams streams it. Float tensors (biases, static activation scales)
+    go as RESULT_KIND_FLOAT with one part, 'value', whose bytes follow (the client has no copy)."""
     if plan is not None:
         size = result.qvalue.nbytes  # for reports only, as QuantizeParams' input_bytes
         for r in codec.result_responses(plan, result, size):
@@ -153,7 +179,7 @@ def _param_responses(plan, path: str, result) -> Iterator[pb.CalibrateResponse]:
     yield pb.CalibrateResponse(
         param=pb.TensorResult(
             path=path,
-            kind=pb.RESULT_KIND_KEPT,
+            kind=pb.RESULT_KIND_FLOAT,
             reason="float tensor of the PTQ params (bias or static activation scale)",
             parts=[wire.header_for("value", array, data)],
             input_bytes=len(data),
@@ -163,15 +189,17 @@ def _param_responses(plan, path: str, result) -> Iterator[pb.CalibrateResponse]:
         yield pb.CalibrateResponse(chunk=chunk)
 
 
-async def _batches(requests: AsyncIterator[pb.CalibrateRequest], max_bytes: int):
-    """Each complete batch tensor as a numpy array."""
+async def _batches(
+    requests: AsyncIterator[pb.CalibrateRequest], max_bytes: int, account: limits.Account | None
+) -> AsyncIterator[tuple[np.ndarray, int]]:
+    """(array, bytes reserved) per complete batch; the caller releases the bytes when done."""
     assembler: wire.Assembler | None = None
     async for request in requests:
         kind = request.WhichOneof("item")
         if kind == "batch":
             if assembler is not None:
                 assembler.finish()  # DATA_LOSS: the previous batch was cut short
-            assembler = wire.Assembler(request.batch, max_bytes=max_bytes)
+            assembler = await _start_batch(request.batch, max_bytes, account)
         elif kind == "chunk":
             if assembler is None:
                 raise ValueError("a chunk arrived before any batch header")
@@ -181,7 +209,26 @@ async def _batches(requests: AsyncIterator[pb.CalibrateRequest], max_bytes: int)
         else:
             raise ValueError("empty request: set one of start, batch or chunk")
         if assembler is not None and assembler.complete:
-            yield np.array(assembler.finish())
+            nbytes = assembler.header.byte_length if account is not None else 0
+            array = assembler.finish()
             assembler = None
+            yield array, nbytes
+            del array  # counted as released once the caller asks for the next batch
     if assembler is not None:
         assembler.finish()
+
+
+async def _start_batch(
+    header: pb.TensorHeader, max_bytes: int, account: limits.Account | None
+) -> wire.Assembler:
+    """Reserves the announced bytes (over the in-flight limit: RESOURCE_EXHAUSTED), then lets
+    the Assembler check the header and allocate."""
+    if account is None or header.byte_length > max_bytes:
+        # Unlimited, or a header the Assembler refuses before allocating: nothing to reserve.
+        return wire.Assembler(header, max_bytes=max_bytes)
+    await account.reserve(header.byte_length)
+    try:
+        return wire.Assembler(header, max_bytes=max_bytes)
+    except BaseException:
+        account.release(header.byte_length)
+        raise

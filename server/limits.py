@@ -2,14 +2,16 @@
 
 Tensor bytes are reserved before the buffer that receives them is allocated, so memory for
 assembled tensors never exceeds `max_inflight_bytes` whatever the number of clients. A call that
-finds no room waits (that is the backpressure: its client's sends stall) up to
-`admission_timeout_seconds`, then gets RESOURCE_EXHAUSTED with a retry hint in the message and in
-the `retry-delay-ms` trailing metadata. A request that could never fit fails at once.
+finds no room queues (that is the backpressure: its client's sends stall), first come, first
+served, for at most `max_wait_seconds`, then gets RESOURCE_EXHAUSTED with a retry hint in the
+message and in the `retry-delay-ms` trailing metadata. A request that could never fit fails at
+once. A cancelled call, or one whose deadline passes, leaves the queue at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -37,10 +39,29 @@ class Exhausted(wire.WireError):
         calls.add_trailer(RETRY_TRAILER, str(round(retry_after * 1000)))
 
 
-class ByteLimiter:
-    """Counts reserved bytes, server-wide and per tenant, on one asyncio.Condition.
+class _Waiter:
+    """A reservation waiting its turn; `granted` is set once its bytes are counted."""
 
-    Runs on the server's event loop only (reservations come from coroutines).
+    __slots__ = ("granted", "n", "tenant")
+
+    def __init__(self, tenant: str, n: int, granted: asyncio.Future) -> None:
+        self.tenant = tenant
+        self.n = n
+        self.granted = granted
+
+
+class ByteLimiter:
+    """Counts reserved bytes, server-wide and per tenant; reservations that find no room queue.
+
+    The queue is first come, first served: a waiter is granted as soon as it fits, and no later
+    waiter passes one that is blocked by the server-wide limit, so a big tensor is never starved
+    by a stream of small ones. The one exception keeps tenants apart: a waiter blocked only by its
+    own tenant's cap lets other tenants' waiters pass (never its own tenant's), and once its tenant
+    has room it is again the oldest in line for server-wide room.
+
+    Runs on the server's event loop only (reservations come from coroutines; releases from
+    coroutines or callbacks on the loop's thread). Granting happens in `release`, synchronously:
+    bytes handed to a waiter are counted at once, so nothing can slip in between.
     """
 
     def __init__(
@@ -51,6 +72,7 @@ class ByteLimiter:
         wait_seconds: float,
         retry_after: float = 1.0,
         on_change: Callable[[int], None] | None = None,
+        on_waiting: Callable[[int], None] | None = None,
     ) -> None:
         self.total = total
         self.per_tenant = per_tenant
@@ -61,14 +83,29 @@ class ByteLimiter:
         self.waits = 0  # reservations that had to wait for room (a sign the limit was binding)
         self.by_tenant: dict[str, int] = {}
         self._on_change = on_change
-        self._room = asyncio.Condition()
-        self._wakers: set[asyncio.Task] = set()  # referenced until done (asyncio keeps weak refs)
+        self._on_waiting = on_waiting
+        self._queue: collections.deque[_Waiter] = collections.deque()
 
-    def _fits(self, tenant: str, n: int) -> bool:
-        return self.used + n <= self.total and self.by_tenant.get(tenant, 0) + n <= self.per_tenant
+    @property
+    def waiting(self) -> int:
+        """Reservations queued for room now."""
+        return len(self._queue)
+
+    def _fits_total(self, n: int) -> bool:
+        return self.used + n <= self.total
+
+    def _fits_tenant(self, tenant: str, n: int) -> bool:
+        return self.by_tenant.get(tenant, 0) + n <= self.per_tenant
 
     async def reserve(self, tenant: str, n: int) -> None:
-        """Waits for room for `n` bytes; raises Exhausted when they never fit or time runs out."""
+        """Waits its turn for room for `n` bytes.
+
+        Raises:
+            Exhausted: at once when `n` is over the limit itself; after `wait_seconds` in the
+                queue when room did not come.
+            asyncio.CancelledError: the call was cancelled (or its deadline passed) while waiting;
+                it leaves the queue and holds nothing.
+        """
         limit = min(self.total, self.per_tenant)
         if n > limit:
             raise Exhausted(
@@ -76,27 +113,36 @@ class ByteLimiter:
                 "split the tensor or raise --max-inflight-bytes / --max-tenant-inflight-bytes",
                 self.retry_after,
             )
-        async with self._room:
-            if not self._fits(tenant, n):
-                self.waits += 1
-                try:
-                    await asyncio.wait_for(
-                        self._room.wait_for(lambda: self._fits(tenant, n)), self.wait_seconds
-                    )
-                except TimeoutError:
-                    raise Exhausted(
-                        f"server busy: {self.used} of {self.total} bytes in flight "
-                        f"({self.by_tenant.get(tenant, 0)} of {self.per_tenant} for tenant "
-                        f"{tenant!r}); waited {self.wait_seconds:g} s for room for {n} bytes",
-                        self.retry_after,
-                    ) from None
-            self.used += n
-            self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + n
-            self.peak = max(self.peak, self.used)
-        self._changed()
+        waiter = _Waiter(tenant, n, asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
+        self._grant()  # at once when nobody it must respect is ahead and it fits
+        if waiter.granted.done():
+            return
+        self.waits += 1
+        self._report_waiting()
+        try:
+            async with asyncio.timeout(self.wait_seconds):
+                await asyncio.shield(waiter.granted)
+        except BaseException as e:
+            busy = (
+                f"server busy: {self.used} of {self.total} bytes in flight "
+                f"({self.by_tenant.get(tenant, 0)} of {self.per_tenant} for tenant {tenant!r}), "
+                f"{len(self._queue) - 1} other calls waiting; waited {self.wait_seconds:g} s "
+                f"for room for {n} bytes"
+            )
+            if waiter.granted.done():  # granted just as it gave up: hand the bytes on
+                self.release(tenant, n)
+            else:
+                waiter.granted.cancel()
+                self._queue.remove(waiter)
+                self._report_waiting()
+                self._grant()  # it may have been the one holding others back
+            if isinstance(e, TimeoutError):
+                raise Exhausted(busy, self.retry_after) from None
+            raise
 
     def release(self, tenant: str, n: int) -> None:
-        """Returns bytes; callable from plain callbacks (no await), on the loop's thread."""
+        """Returns bytes and grants waiters that now fit; callable from plain callbacks."""
         if not n:
             return
         self.used -= n
@@ -106,22 +152,37 @@ class ByteLimiter:
         else:
             del self.by_tenant[tenant]
         self._changed()
-        # Waking waiters needs the condition's lock, hence a task: release() itself cannot await.
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # the server's loop is gone: nobody is left waiting
-            return
-        waker = loop.create_task(self._notify())
-        self._wakers.add(waker)
-        waker.add_done_callback(self._wakers.discard)
+        self._grant()
 
-    async def _notify(self) -> None:
-        async with self._room:
-            self._room.notify_all()
+    def _grant(self) -> None:
+        """Grants queued waiters in order while they fit (see the class docstring)."""
+        capped: set[str] = set()  # tenants whose oldest waiter is held by the tenant cap
+        granted = False
+        for waiter in list(self._queue):
+            if waiter.tenant in capped:
+                continue
+            if not self._fits_tenant(waiter.tenant, waiter.n):
+                capped.add(waiter.tenant)
+                continue
+            if not self._fits_total(waiter.n):
+                break  # first in line for server-wide room: nobody behind it goes first
+            self._queue.remove(waiter)
+            self.used += waiter.n
+            self.by_tenant[waiter.tenant] = self.by_tenant.get(waiter.tenant, 0) + waiter.n
+            self.peak = max(self.peak, self.used)
+            waiter.granted.set_result(None)
+            granted = True
+        if granted:
+            self._changed()
+            self._report_waiting()
 
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self.used)
+
+    def _report_waiting(self) -> None:
+        if self._on_waiting is not None:
+            self._on_waiting(len(self._queue))
 
 
 class Account:

@@ -91,6 +91,11 @@ class Metrics:
         self.inflight_limit = prometheus_client.Gauge(
             "qmill_inflight_limit_bytes", "Server-wide limit on in-flight bytes", registry=r
         )
+        self.waiting_calls = prometheus_client.Gauge(
+            "qmill_waiting_calls",
+            "Calls queued for in-flight bytes (first come, first served)",
+            registry=r,
+        )
         self.streams = prometheus_client.Gauge(
             "qmill_active_streams", "Streaming RPCs in progress", registry=r
         )

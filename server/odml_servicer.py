@@ -109,6 +109,7 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
         if not request.params_upload_id:
             raise ValueError("params_upload_id is empty: upload the model's params first")
         params = _lookup(b.load_params, tenant, request.params_upload_id, what="params upload")
+        params = odml_export.unwrap_params(params)
         stats = None
         if request.calibration_id:
             stats = _lookup(b.load_stats, tenant, request.calibration_id, what="calibration")

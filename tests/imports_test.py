@@ -45,8 +45,6 @@ ALLOWED = {
         "jax",
         "numpy",
         "prometheus_client",
-        # Well-known protobuf types (Empty, Struct) for the small admin service in server/admin.py.
-        "google.protobuf",
         # Batch jobs (server/jobs/runner.py) run the CLI's own quantize_checkpoint with the
         # embedded backend: one implementation of reading, resuming and writing checkpoints, so a
         # job's output is byte for byte the CLI's.

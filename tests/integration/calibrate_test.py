@@ -19,11 +19,7 @@ W8A8 = [pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=Tru
 CNN = pb.ModelSpec(name="cnn", config_json="{}")
 
 
-@pytest.fixture(scope="module")
-def setup(make_server, tmp_path_factory):
-    running = make_server(data_dir=str(tmp_path_factory.mktemp("data")), reflection=True)
-    channel = grpc.insecure_channel(running.address)
-    x = (load_digits().images / 16.0).astype(np.float32)[..., None][:96]
+def _upload_cnn(channel, x) -> str:
     model = zoo.BUILTIN["cnn"].build(zoo.CnnConfig())
     params = model.init(jax.random.key(0), x[:1])["params"]
     flat = {
@@ -31,7 +27,15 @@ def setup(make_server, tmp_path_factory):
     }
     status = client_uploads.upload_bytes(channel, safetensors.numpy.save(flat))
     assert status.complete
-    yield channel, status.upload_id, x
+    return status.upload_id
+
+
+@pytest.fixture(scope="module")
+def setup(make_server, tmp_path_factory):
+    running = make_server(data_dir=str(tmp_path_factory.mktemp("data")), reflection=True)
+    channel = grpc.insecure_channel(running.address)
+    x = (load_digits().images / 16.0).astype(np.float32)[..., None][:96]
+    yield channel, _upload_cnn(channel, x), x
     channel.close()
 
 
@@ -64,6 +68,14 @@ def test_ptq_params_come_back_quantized(setup):
     assert kernel["scale"].shape[-1] == 64
     assert result.results["Dense_0/kernel"].quality.sqnr_db > 30
     assert "value" in result.params["Dense_0/bias"]
+    # Server-made float tensors come as FLOAT with their bytes; KEPT would mean "no bytes".
+    assert result.results["Dense_0/kernel"].kind == pb.RESULT_KIND_QUANTIZED
+    assert result.results["Dense_0/bias"].kind == pb.RESULT_KIND_FLOAT
+    assert [h.path for h in result.results["Dense_0/bias"].parts] == ["value"]
+    assert {r.kind for r in result.results.values()} == {
+        pb.RESULT_KIND_QUANTIZED,
+        pb.RESULT_KIND_FLOAT,
+    }
 
 
 @pytest.mark.parametrize(
@@ -106,3 +118,26 @@ def test_reflection_lists_the_new_services(setup):
     (response,) = list(stub.ServerReflectionInfo(iter([request])))
     names = {s.name for s in response.list_services_response.service}
     assert {"qmill.v1.Uploads", "qmill.v1.Calibrator", "qmill.v1.Quantizer"} <= names
+
+
+def test_batches_count_against_the_inflight_limit(make_server, setup, tmp_path):
+    _, _, x = setup
+    batch_bytes = 8 * 8 * 8 * 4  # 8 examples of 8x8x1 float32
+    running = make_server(
+        data_dir=str(tmp_path),
+        max_inflight_bytes=2 * batch_bytes,
+        max_tenant_inflight_bytes=2 * batch_bytes,
+    )
+    limiter = running.server.limiter
+    with grpc.insecure_channel(running.address) as channel:
+        uid = _upload_cnn(channel, x)
+        # A batch over the limit is refused at once, like a tensor of QuantizeParams.
+        with pytest.raises(errors.QmillError) as info:
+            client_calibrate.calibrate(channel, _start(uid), [x[:32]])
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+        assert f"{4 * batch_bytes} bytes requested at once" in info.value.details
+        assert limiter.used == 0
+        # Batches within it: each counted while held, then given back.
+        result = client_calibrate.calibrate(channel, _start(uid), np.split(x[:32], 4))
+    assert result.summary.batches_total == 4
+    assert limiter.peak == batch_bytes and limiter.used == 0 and not limiter.by_tenant

@@ -1,5 +1,6 @@
-"""Limits through a real server: streams, in-flight bytes (server and tenant), deadlines and
-cancellation, each refusal a RESOURCE_EXHAUSTED with a retry hint, memory always given back."""
+"""Limits through a real server: streams, in-flight bytes (server and tenant), the queue of calls
+waiting for room, deadlines and cancellation, each refusal a RESOURCE_EXHAUSTED with a retry hint,
+memory always given back."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def busy_server(make_server):
         tokens=auth.TokenTable.from_mapping(tokens),
         max_inflight_bytes=256 * KiB,
         max_tenant_inflight_bytes=128 * KiB,
-        admission_timeout_seconds=0.3,
+        max_wait_seconds=0.3,
     )
 
 
@@ -182,3 +183,28 @@ def test_cancel_or_deadline_mid_tensor_frees_its_bytes_promptly(make_server, how
         assert _quantize(running.address, 64 * KiB).quantized
     finally:
         stalled.close()
+
+
+def test_a_call_without_room_queues_is_counted_and_goes_when_room_comes(make_server):
+    running = make_server(
+        max_inflight_bytes=128 * KiB, max_tenant_inflight_bytes=128 * KiB, max_wait_seconds=60
+    )
+    holder = Stalled(running.address, [RECIPE, *_partial_tensor(96 * KiB, 1)])
+    done = {}
+    try:
+        _eventually(lambda: _gauge(running) == 96 * KiB)
+        waiter = threading.Thread(
+            target=lambda: done.setdefault("outcome", _quantize(running.address, 64 * KiB))
+        )
+        waiter.start()
+        _eventually(lambda: running.server.limiter.waiting == 1)
+        assert running.server.metrics.value("qmill_waiting_calls") == 1
+        with grpc.insecure_channel(running.address) as channel:
+            info = pb_grpc.AdminStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        assert (info.waiting_calls, info.inflight_bytes) == (1, 96 * KiB)
+    finally:
+        holder.close()
+    waiter.join(60)
+    assert done["outcome"].quantized
+    assert running.server.metrics.value("qmill_waiting_calls") == 0
+    _eventually(lambda: _gauge(running) == 0)
