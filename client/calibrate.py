@@ -45,6 +45,27 @@ def _requests(start: pb.CalibrateStart, batches: Iterable[np.ndarray]) -> Iterat
             yield pb.CalibrateRequest(chunk=chunk)
 
 
+def _check_param(param: pb.TensorResult) -> None:
+    """A PTQ param is QUANTIZED (qvalue, scale[, zero_point]) or FLOAT (one part, "value"): the
+    client has no copy of the server's params, so a KEPT one (no bytes) could not be written."""
+    names = {h.path for h in param.parts}
+    if param.kind == pb.RESULT_KIND_FLOAT:
+        ok = names == {"value"}
+    elif param.kind == pb.RESULT_KIND_QUANTIZED:
+        ok = {"qvalue", "scale"} <= names <= {"qvalue", "scale", "zero_point"}
+    else:
+        ok = False
+    if not ok:
+        kind = (
+            pb.ResultKind.Name(param.kind) if param.kind in pb.ResultKind.values() else param.kind
+        )
+        raise errors.QmillError(
+            "DATA_LOSS",
+            f"PTQ param {param.path} came as {kind} with parts {sorted(names)}; expected "
+            "RESULT_KIND_QUANTIZED (qvalue, scale[, zero_point]) or RESULT_KIND_FLOAT (value)",
+        )
+
+
 def calibrate(
     channel: grpc.Channel,
     start: pb.CalibrateStart,
@@ -74,6 +95,7 @@ def calibrate(
             elif kind == "stat":
                 pending.append((stats, response.stat.path, wire.Assembler(response.stat)))
             elif kind == "param":
+                _check_param(response.param)
                 results[response.param.path] = response.param
                 target = params.setdefault(response.param.path, {})
                 pending.extend((target, h.path, wire.Assembler(h)) for h in response.param.parts)
@@ -211,12 +233,7 @@ def add_command(sub: Any) -> None:
     c.add_argument("--server", required=True, help="HOST:PORT")
     c.add_argument("--model", required=True, help="model name in the server's registry")
     c.add_argument("--config", default="", help="the model's config as a JSON object")
-    c.add_argument(
-        "--params",
-        required=True,
-        help="the model's float params: a checkpoint (safetensors, npz, Orbax; uploaded once) "
-        "or the id of an earlier upload",
-    )
+    uploads.add_params_arguments(c)
     c.add_argument("--batches", required=True, help=".npy file of inputs, examples on axis 0")
     c.add_argument("--batch-size", type=int, default=32, help="examples per batch (default 32)")
     c.add_argument("--calibration-id", default="", help="continue this calibration")
@@ -232,22 +249,13 @@ def add_command(sub: Any) -> None:
     credentials.add_arguments(c)
 
 
-def _is_upload_id(text: str) -> bool:
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
-
-
 def run_command(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
     """Runs `qmill calibrate`; returns the exit code."""
     rules = load_rules(args.rules)
     batches = load_batches(args.batches, args.batch_size)
     creds = credentials.from_args(args)
     with contextlib.closing(uploads.open_channel(args.server, creds)) as channel:
-        if not os.path.exists(args.params) and _is_upload_id(args.params):
-            upload_id = args.params
-        else:
-            status = uploads.upload_file(channel, args.params, timeout=args.timeout)
-            upload_id = status.upload_id
-            print_line(f"params {args.params}: upload {upload_id} ({status.total_bytes:,} bytes)")
+        upload_id = uploads.params_upload_id(channel, args, print_line)
         start = pb.CalibrateStart(
             model=pb.ModelSpec(name=args.model, config_json=args.config),
             params_upload_id=upload_id,

@@ -17,10 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from qmill.client import (
+    admin,
     calibrate,
     checkpoints,
     credentials,
     errors,
+    export_odml,
     fanout,
     job,
     jobs,
@@ -62,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--format",
         choices=("orbax", "safetensors", "npz"),
-        help="output format (default: the input's)",
+        help="output format (default: the output's suffix, .npz or .safetensors; else the input's)",
     )
     q.add_argument("--overwrite", action="store_true", help="replace an existing output")
     q.add_argument(
@@ -96,7 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     sec.add_argument("--tls-key", metavar="PEM", help="server private key")
     sec.add_argument("--client-ca", metavar="PEM", help="require client certificates (mTLS)")
-    sec.add_argument("--tokens", metavar="FILE", help="token table, TOML or JSON ($QMILL_TOKENS)")
+    sec.add_argument(
+        "--tokens",
+        metavar="FILE",
+        help="token table, TOML or JSON, re-read when it changes ($QMILL_TOKENS: fixed)",
+    )
+    sec.add_argument(
+        "--tenant-from-client-cert",
+        action="store_true",
+        help="under mTLS, a call without a token is tenant <client certificate CN>, role user",
+    )
     sec.add_argument(
         "--insecure", action="store_true", help="allow plaintext on a non-loopback --host"
     )
@@ -104,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-concurrent-streams", type=int, help="streaming calls at once")
     lim.add_argument("--max-inflight-bytes", type=int, help="tensor bytes held, all calls")
     lim.add_argument("--max-tenant-inflight-bytes", type=int, help="the same, per tenant")
+    lim.add_argument(
+        "--max-wait-seconds", type=float, help="queueing for in-flight room, at most (default 5)"
+    )
     lim.add_argument("--max-upload-bytes", type=int, help="largest upload accepted")
     lim.add_argument("--upload-quota-bytes", type=int, help="upload bytes one tenant may hold")
     lim.add_argument("--upload-expiry-seconds", type=float, help="seconds an upload is kept")
@@ -112,12 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--jobs-db", help="SQLite file of batch jobs (default: jobs.sqlite3 in the data dir)"
     )
+    s.add_argument(
+        "--jobs-root",
+        metavar="DIR",
+        help="confine each tenant's batch jobs (qmill submit) to DIR/<tenant>/ ($QMILL_JOBS_ROOT); "
+        "needed for jobs when tokens are set; with neither (single-user), jobs use any path",
+    )
 
     jobs.add_commands(
         sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
     )
 
     uploads.add_command(sub)
+    admin.add_command(sub)
     calibrate.add_command(sub)
 
     i = sub.add_parser("inspect", help="list a checkpoint's tensors")
@@ -127,16 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--server", required=True, help="HOST:PORT")
     credentials.add_arguments(c)
 
-    e = sub.add_parser("export-odml", help="export a LiteRT (.tflite) model from a server")
-    e.add_argument("--server", required=True, help="HOST:PORT")
-    e.add_argument("--model", required=True, help="model name in the server's registry")
-    e.add_argument("--model-config", default="", help="the model's config as a JSON object")
-    e.add_argument("--params", required=True, help="upload id of the model's float params")
-    e.add_argument("--calibration-id", default="", help="for static-range rules (w8a8)")
-    e.add_argument("--rules", default="int8", choices=["int8", "int4", "w8a8"])
-    e.add_argument("--input-shape", default="1,8,8,1", help="one model input, batch first")
-    e.add_argument("-o", "--output", required=True, help="the .tflite file to write")
-    credentials.add_arguments(e)
+    export_odml.add_command(sub)
     return parser
 
 
@@ -216,7 +228,8 @@ def _serve(args: argparse.Namespace) -> int:
         "tls_key": args.tls_key,
         "client_ca": args.client_ca,
         "insecure": args.insecure,
-        "tokens": auth.TokenTable.load(args.tokens) if args.tokens else auth.TokenTable.from_env(),
+        "tokens": auth.TokenFile(args.tokens) if args.tokens else auth.TokenTable.from_env(),
+        "tenant_from_client_cert": args.tenant_from_client_cert,
         "metrics_port": args.metrics_port,
         "jobs_db": args.jobs_db,
     }
@@ -229,9 +242,12 @@ def _serve(args: argparse.Namespace) -> int:
         "upload_quota_bytes",
         "upload_expiry_seconds",
         "data_dir",
+        "jobs_root",
     ):
         if getattr(args, name):
             fields[name] = getattr(args, name)
+    if args.max_wait_seconds is not None:  # 0 is meaningful: refuse rather than queue
+        fields["max_wait_seconds"] = args.max_wait_seconds
     asyncio.run(app.serve(config.ServerConfig(**fields)))
     return 0
 
@@ -269,28 +285,6 @@ def _capabilities(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def _export_odml(args: argparse.Namespace, out: Console) -> int:
-    from qmill.client import export_odml
-    from qmill.proto.v1 import qmill_pb2 as pb
-
-    shape = [int(d) for d in args.input_shape.split(",") if d.strip()]
-    request = pb.ExportOdmlRequest(
-        model=pb.ModelSpec(name=args.model, config_json=args.model_config),
-        params_upload_id=args.params,
-        rules=export_odml.PRESETS[args.rules],
-        calibration_id=args.calibration_id,
-        input_shape=shape,
-        input_dtype=pb.DTYPE_F32,
-    )
-    creds = credentials.from_args(args)
-    with contextlib.closing(credentials.channel(args.server, creds, [])) as channel:
-        result = export_odml.export_odml(channel, request, args.output)
-    weights = ", ".join(f"{k} {v}" for k, v in sorted(result.info.quantized_weights.items()))
-    out.print(f"wrote {result.path} ({result.info.byte_length:,} bytes; weights: {weights})")
-    out.print("ops: " + " ".join(result.info.ops))
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out, err = Console(), Console(stderr=True)
@@ -302,7 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "inspect":
             return _inspect(args, out)
         if args.command == "export-odml":
-            return _export_odml(args, out)
+            return export_odml.run_command(
+                args, lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True)
+            )
+        if args.command == "admin":
+            return admin.run_command(
+                args, lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True)
+            )
         if args.command in ("upload", "calibrate"):
             module = uploads if args.command == "upload" else calibrate
             return module.run_command(

@@ -122,6 +122,9 @@ class ResponseDecoder:
                 mean_relative_error=result.quality.mean_relative_error,
                 input_bytes=result.input_bytes,
             )
+        if result.kind == pb.RESULT_KIND_FLOAT:
+            # A float tensor the server made or holds: its bytes came as the part "value".
+            array = self._parts.get("value")
         return TensorOutcome(
             path=result.path,
             quantized=False,

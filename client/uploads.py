@@ -1,24 +1,22 @@
-"""Client side of Uploads: send a file (or bytes) once, resuming from the committed offset.
+"""Client side of Uploads: send a checkpoint (or bytes) once, resuming from the committed offset.
 
-A checkpoint that is not already a safetensors file (an Orbax directory, an .npz) is converted
-to safetensors bytes first, keys '/'-joined tree paths, which is what the server reads.
+A checkpoint that is not already a safetensors file (an Orbax directory, an .npz) is sent as
+safetensors bytes made one tensor at a time (upload_content), keys '/'-joined tree paths, which
+is what the server reads. Uploads are named by their sha256: content the server already holds
+is not sent again (StartUpload answers complete).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import os
-import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
-import safetensors.numpy
 
-from qmill.client import credentials, errors, streaming
+from qmill.client import credentials, errors, streaming, upload_content
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -34,39 +32,38 @@ CHANNEL_OPTIONS = [
 _RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "OUT_OF_RANGE", "CANCELLED", "ABORTED"})
 
 
-def checkpoint_bytes(path: str | os.PathLike[str]) -> bytes:
-    """The safetensors bytes of a checkpoint: the file itself, or a conversion of npz / Orbax."""
-    p = pathlib.Path(path)
-    if p.is_file() and p.suffix == ".safetensors":
-        return p.read_bytes()
-    from qmill.client.checkpoints import formats  # lazy: Orbax readers import jax
-
-    with formats.open_source(p) as source:
-        tensors = {e.path: np.asarray(source.read(e.path)) for e in source.entries()}
-    return safetensors.numpy.save(tensors)
-
-
-def _requests(upload_id: str, data: bytes, offset: int, size: int) -> Iterator[pb.UploadRequest]:
-    for start in range(offset, len(data), size):
-        piece = data[start : start + size]
+def _requests(
+    upload_id: str,
+    content: upload_content.Content,
+    offset: int,
+    size: int,
+    on_sent: Callable[[int], None] | None,
+) -> Iterator[pb.UploadRequest]:
+    for start, piece in content.chunks(offset, size):
         yield pb.UploadRequest(
             upload_id=upload_id, offset=start, data=piece, crc32c=wire.crc32c(piece)
         )
+        if on_sent is not None:
+            on_sent(len(piece))
 
 
-def upload_bytes(
+def upload(
     channel: grpc.Channel,
-    data: bytes,
+    content: upload_content.Content,
     *,
-    name: str = "",
     metadata: Sequence[tuple[str, str]] | None = None,
     timeout: float | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     retries: int = 5,
     upload_id: str = "",
+    on_sent: Callable[[int], None] | None = None,
 ) -> pb.UploadStatus:
-    """Uploads ``data`` (safetensors bytes); after a failed stream, asks QueryUpload where to
-    resume and goes on from there, up to ``retries`` times. Pass ``upload_id`` to resume one."""
+    """Uploads ``content`` (safetensors bytes); after a failed stream, asks QueryUpload where to
+    resume and goes on from there, up to ``retries`` times. Pass ``upload_id`` to resume one.
+
+    A new upload reads the content twice (its sha256 first, which lets the server answer that
+    it holds the bytes already, then the bytes); ``on_sent`` sees the size of each chunk sent.
+    """
     stub = pb_grpc.UploadsStub(channel)
     try:
         if upload_id:
@@ -76,10 +73,10 @@ def upload_bytes(
         else:
             status = stub.StartUpload(
                 pb.StartUploadRequest(
-                    total_bytes=len(data),
-                    sha256=hashlib.sha256(data).hexdigest(),
+                    total_bytes=content.total_bytes,
+                    sha256=content.sha256(),
                     format="safetensors",
-                    name=name,
+                    name=content.name,
                 ),
                 metadata=metadata,
                 timeout=timeout,
@@ -91,7 +88,7 @@ def upload_bytes(
             return status
         try:
             return stub.Upload(
-                _requests(status.upload_id, data, status.committed_bytes, chunk_bytes),
+                _requests(status.upload_id, content, status.committed_bytes, chunk_bytes, on_sent),
                 metadata=metadata,
                 timeout=timeout,
             )
@@ -110,11 +107,20 @@ def upload_bytes(
     return status
 
 
-def upload_file(
-    channel: grpc.Channel, path: str | os.PathLike[str], **kwargs: object
+def upload_bytes(
+    channel: grpc.Channel, data: bytes, *, name: str = "", **kwargs: Any
 ) -> pb.UploadStatus:
-    """Uploads a checkpoint (safetensors file, npz or Orbax directory) as safetensors bytes."""
-    return upload_bytes(channel, checkpoint_bytes(path), name=pathlib.Path(path).name, **kwargs)
+    """Uploads ``data`` (safetensors bytes held in memory); see upload."""
+    return upload(channel, upload_content.of_bytes(data, name), **kwargs)
+
+
+def upload_file(
+    channel: grpc.Channel, path: str | os.PathLike[str], **kwargs: Any
+) -> pb.UploadStatus:
+    """Uploads a checkpoint (safetensors file, npz or Orbax directory) as safetensors bytes,
+    reading one tensor at a time; see upload."""
+    with upload_content.open_checkpoint(path) as content:
+        return upload(channel, content, **kwargs)
 
 
 def quantize_upload(
@@ -168,8 +174,74 @@ def add_command(sub: Any) -> None:
 
 def run_command(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
     """Runs `qmill upload`: prints the upload id (the last line, alone, for scripts)."""
+    sent = _Counter()
     with contextlib.closing(open_channel(args.server, credentials.from_args(args))) as channel:
-        status = upload_file(channel, args.checkpoint, timeout=args.timeout, upload_id=args.resume)
-    print_line(f"{args.checkpoint}: {status.total_bytes:,} bytes, sha256 {status.sha256}")
+        status = upload_file(
+            channel, args.checkpoint, timeout=args.timeout, upload_id=args.resume, on_sent=sent
+        )
+    print_line(
+        f"{args.checkpoint}: {status.total_bytes:,} bytes ({sent.describe()}), "
+        f"sha256 {status.sha256}"
+    )
     print_line(status.upload_id)
     return 0
+
+
+class _Counter:
+    """Counts the bytes an upload sent (an ``on_sent`` callback)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __call__(self, n: int) -> None:
+        self.bytes += n
+
+    def describe(self) -> str:
+        return f"{self.bytes:,} sent" if self.bytes else "already on the server, none sent"
+
+
+# --------------------------------------------------- params of `qmill calibrate` / `export-odml`
+
+
+def add_params_arguments(parser: argparse.ArgumentParser) -> None:
+    """--params CKPT | --params-upload-id ID, exactly one."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument(
+        "--params",
+        metavar="CKPT",
+        help="the model's float params: a checkpoint (safetensors, npz or Orbax directory), "
+        "uploaded first; content the server already holds is not sent again",
+    )
+    group.add_argument(
+        "--params-upload-id",
+        metavar="ID",
+        help="the model's float params as an earlier upload (`qmill upload` prints its id)",
+    )
+
+
+def params_upload_id(
+    channel: grpc.Channel,
+    args: argparse.Namespace,
+    print_line: Callable[[str], None],
+    *,
+    metadata: Sequence[tuple[str, str]] | None = None,
+) -> str:
+    """The upload id of the params named by add_params_arguments' flags (uploading a --params
+    checkpoint first)."""
+    if args.params_upload_id:
+        return args.params_upload_id
+    if not os.path.exists(args.params):
+        hint = f"; to name an earlier upload, pass --params-upload-id {args.params}"
+        looks_like_id = len(args.params) == 32 and all(c in "0123456789abcdef" for c in args.params)
+        raise FileNotFoundError(
+            f"--params {args.params}: no such checkpoint{hint if looks_like_id else ''}"
+        )
+    sent = _Counter()
+    status = upload_file(
+        channel, args.params, metadata=metadata, timeout=args.timeout, on_sent=sent
+    )
+    print_line(
+        f"params {args.params}: upload {status.upload_id} ({status.total_bytes:,} bytes, "
+        f"{sent.describe()})"
+    )
+    return status.upload_id

@@ -52,7 +52,7 @@ def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup):
     upload_id = up.stdout.split()[-1]
     common = ["--server", address, "--model", "cnn", "--config", '{"hidden": 64}']
     first = _qmill(
-        "calibrate", *common, "--params", upload_id, "--batches", str(tmp / "first.npy"),
+        "calibrate", *common, "--params-upload-id", upload_id, "--batches", str(tmp / "first.npy"),
         "--batch-size", "16",
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
@@ -72,6 +72,7 @@ def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup):
     assert second.returncode == 0, second.stderr
     assert f"calibration {cid}: 6 batches, 96 examples in total" in second.stdout
     assert f"upload {upload_id}" not in second.stdout  # a new upload id, the same content
+    assert "already on the server, none sent" in second.stdout
 
     # The same six batches in one call, through the library: the stats are equal bit for bit.
     with grpc.insecure_channel(address) as channel:

@@ -157,7 +157,7 @@ def test_without_the_extra_the_server_answers_unimplemented(address, tmp_path, m
 
 def test_cli_writes_the_model(address, tmp_path, capsys):
     out = tmp_path / "int4.tflite"
-    argv = ["export-odml", "--server", address, "--model", "cnn", "--params", "up-1"]
+    argv = ["export-odml", "--server", address, "--model", "cnn", "--params-upload-id", "up-1"]
     assert cli.main([*argv, "--rules", "int4", "-o", str(out)]) == 0
     assert "INT4 4" in capsys.readouterr().out
     assert out.stat().st_size > 0

@@ -117,3 +117,31 @@ def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running):
     with pytest.raises(grpc.RpcError) as rpc:
         list(stub.QuantizeParams(iter(extra), metadata=A))
     assert rpc.value.code().name == "INVALID_ARGUMENT" and "upload_id" in rpc.value.details()
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "npz"])
+def test_a_checkpoint_is_streamed_once_and_a_second_upload_sends_nothing(running, tmp_path, fmt):
+    from qmill.client import checkpoints
+
+    server, channel = running
+    rng = np.random.default_rng(["orbax", "npz"].index(fmt) + 2)  # content new to the server
+    path = tmp_path / ("ckpt" if fmt == "orbax" else "ckpt.npz")
+    with checkpoints.create_writer(path, fmt) as writer:
+        for i in range(4):
+            writer.write(f"params/Dense_{i}/kernel", rng.normal(size=(32, 16)).astype(np.float32))
+            writer.write(f"params/Dense_{i}/bias", rng.normal(size=(16,)).astype(np.float32))
+        writer.write("step", np.asarray(3, np.int32))
+    with checkpoints.open_source(path) as source:
+        old = safetensors.numpy.save({e.path: source.read(e.path) for e in source.entries()})
+    sent: list[int] = []
+    first = client_uploads.upload_file(
+        channel, path, metadata=A, chunk_bytes=4096, on_sent=sent.append
+    )
+    assert first.complete and sum(sent) == len(old) and len(sent) == -(-len(old) // 4096)
+    # The stored content is the old whole-checkpoint serialization, byte for byte.
+    assert server.server.uploads.blob_path(first.sha256).read_bytes() == old
+    assert first.sha256 == hashlib.sha256(old).hexdigest()
+    # Content-addressed: the same checkpoint again is complete at StartUpload, nothing sent.
+    sent.clear()
+    again = client_uploads.upload_file(channel, path, metadata=A, on_sent=sent.append)
+    assert again.complete and again.upload_id != first.upload_id and sent == []
