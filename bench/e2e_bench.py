@@ -1,23 +1,31 @@
 """End-to-end: quantize a synthetic checkpoint through `qmill serve` vs raw gRPC byte streaming.
 
-    python bench/e2e_bench.py [--gib 1.0] [--tensor-mib 64] [--recipe int8] [--replicas 1,3]
+    python bench/e2e_bench.py [--gib 0.5] [--tensor-mib 32] [--recipes int8,int4,nf4,fp8]
+                              [--replicas 1,3] [--repeat 2] [--json bench/results/e2e.json]
 
 Both runs send the same bytes over loopback in 4 MiB messages, in the same session on the same
 machine, each against a server in its own process:
 - baseline: a bare grpc server (sync API, generic handler) that only counts the bytes it receives;
+  measured before and after the qmill runs (`--repeat` times each), the best is the baseline;
 - qmill: `qmill quantize SRC -o DST --server` (client process) against `qmill serve` (server
   process): read, send, quantize, stream back, write. With `--replicas N`, N server processes
-  and `--server a,b,c` (client/fanout.py spreads the tensors over them); each count in
-  `--replicas 1,3` is run in turn against the same baseline.
-Reported: throughput of each, their ratio (target >= 0.6), and peak RSS of the qmill client and
-the largest server process (target <= 3x the largest tensor + 500 MB, independent of checkpoint
-size). On one machine the replicas share its cores (and accelerator): N > 1 shows the fan-out's
-overhead and the CPU-bound speed-up at most, not a cluster's scaling.
+  and `--server a,b,c` (client/fanout.py spreads the tensors over them). The servers of one
+  replica count are started once and serve every recipe; each recipe first warms every server's
+  compile cache with one tensor (as a long-running server's is), then runs `--repeat` times.
+Reported per (replica count, recipe): the best throughput, its ratio to the raw baseline, and
+peak RSS of the qmill client (its own VmHWM, read as it exits: ru_maxrss from wait4 would
+include this bench process's, which Linux carries across fork and exec) and of the largest
+server process (VmHWM, reset through
+/proc/PID/clear_refs before each run). On one machine the replicas share its cores (and
+accelerator): N > 1 shows the fan-out's overhead and the CPU-bound speed-up at most, not a
+cluster's scaling.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -28,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -35,6 +44,18 @@ import safetensors.numpy
 
 CHUNK = 4 * 1024 * 1024
 RAW_METHOD = "/bench.Raw/Push"
+QMILL = [sys.executable, "-m", "qmill.client.cli"]
+# The CLI in a process that writes its own peak RSS (VmHWM) to $QMILL_BENCH_HWM as it exits.
+CLIENT = r"""
+import atexit, os, sys
+from qmill.client import cli
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            open(os.environ["QMILL_BENCH_HWM"], "w").write(line.split()[1])
+atexit.register(hwm)
+sys.exit(cli.main(sys.argv[1:]))
+"""
 
 RAW_SERVER = r"""
 import sys, grpc
@@ -63,25 +84,43 @@ def _free_port() -> int:
 
 
 def make_checkpoint(
-    directory: pathlib.Path, gib: float, tensor_mib: int
+    path: pathlib.Path, count: int, tensor_mib: int, *, seed: int = 0
 ) -> tuple[pathlib.Path, int]:
-    """A sharded-free single safetensors file of f32 (out, in) weights; returns (path, bytes)."""
+    """A safetensors file of `count` f32 (out, in) weights of ~tensor_mib each; (path, bytes).
+
+    Written one tensor at a time through safetensors' header + raw bytes layout, so making a
+    checkpoint larger than memory needs only one tensor in memory.
+    """
     side = int((tensor_mib * 2**20 / 4) ** 0.5)
-    count = max(1, round(gib * 1024 / tensor_mib))
-    rng = np.random.default_rng(0)
-    path = directory / "synthetic.safetensors"
-    tensors = {
-        f"layers.{i}.weight": rng.standard_normal((side, side), np.float32) for i in range(count)
-    }
-    safetensors.numpy.save_file(tensors, str(path))
-    return path, sum(t.nbytes for t in tensors.values())
+    nbytes = side * side * 4
+    header: dict[str, object] = {}
+    for i in range(count):
+        header[f"layers.{i}.weight"] = {
+            "dtype": "F32",
+            "shape": [side, side],
+            "data_offsets": [i * nbytes, (i + 1) * nbytes],
+        }
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for _ in range(count):
+            f.write(rng.standard_normal((side, side), np.float32).tobytes())
+    return path, count * nbytes
 
 
-def _peak_rss_mb(pid: int) -> float:
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM of a process (peak resident set since start or since reset_peak_rss)."""
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Resets VmHWM to the current RSS (Linux: writing 5 to /proc/PID/clear_refs)."""
+    pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def raw_baseline(path: pathlib.Path) -> float:
@@ -91,6 +130,7 @@ def raw_baseline(path: pathlib.Path) -> float:
         [sys.executable, "-c", RAW_SERVER, str(port)], stdout=subprocess.PIPE, text=True
     )
     try:
+        assert proc.stdout is not None
         proc.stdout.readline()
         with grpc.insecure_channel(
             f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 << 20)]
@@ -99,7 +139,7 @@ def raw_baseline(path: pathlib.Path) -> float:
             with safetensors.safe_open(str(path), "np") as f:
                 keys = list(f.keys())
 
-                def chunks():
+                def chunks() -> Iterator[bytes]:
                     for key in keys:
                         data = f.get_tensor(key).view(np.uint8).reshape(-1)
                         for offset in range(0, data.size, CHUNK):
@@ -113,119 +153,169 @@ def raw_baseline(path: pathlib.Path) -> float:
         proc.wait()
 
 
-def _start_server(qmill: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    server = subprocess.Popen(
-        [*qmill, "serve", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    return server, f"127.0.0.1:{port}"
-
-
-def _wait_until_up(qmill: list[str], address: str) -> None:
+def _wait_until_up(address: str) -> None:
     for _ in range(240):
-        caps = [*qmill, "capabilities", "--server", address]
+        caps = [*QMILL, "capabilities", "--server", address]
         if subprocess.run(caps, capture_output=True).returncode == 0:
             return
         time.sleep(0.5)
     raise RuntimeError(f"qmill serve at {address} did not come up")
 
 
-def _quantize_cmd(qmill: list[str], src: str, dst: str, server: str, recipe: str) -> list[str]:
-    return [*qmill, "quantize", src, "-o", dst, "--server", server, "--recipe", recipe, "-q"]
-
-
-def qmill_run(
-    path: pathlib.Path, out: pathlib.Path, recipe: str, replicas: int = 1
-) -> tuple[float, float, float]:
-    """(seconds, client peak RSS MB, largest server peak RSS MB) for one quantize through
-    `replicas` local `qmill serve` processes (`--server a,b,c` when more than one)."""
-    qmill = [sys.executable, "-m", "qmill.client.cli"]
-    started = [_start_server(qmill) for _ in range(replicas)]
+@contextlib.contextmanager
+def qmill_servers(count: int) -> Iterator[list[tuple[int, str]]]:
+    """`count` local `qmill serve` processes, once all answer; yields (pid, address) each."""
+    started = []
     try:
+        for _ in range(count):
+            port = _free_port()
+            server = subprocess.Popen(
+                [*QMILL, "serve", "--port", str(port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            started.append((server, f"127.0.0.1:{port}"))
         for _, address in started:
-            _wait_until_up(qmill, address)
-        # Warm every server's compile cache with one tensor of the same shape, as long-running
-        # servers would be; the measured run then shows steady-state throughput.
-        with tempfile.TemporaryDirectory() as tmp:
-            with safetensors.safe_open(str(path), "np") as f:
-                key = next(iter(f.keys()))
-                safetensors.numpy.save_file({key: f.get_tensor(key)}, f"{tmp}/w.safetensors")
-            for i, (_, address) in enumerate(started):
-                warm = f"{tmp}/o{i}.safetensors"
-                subprocess.run(
-                    _quantize_cmd(qmill, f"{tmp}/w.safetensors", warm, address, recipe), check=True
-                )
-        target = ",".join(address for _, address in started)
-        start = time.perf_counter()
-        client = subprocess.Popen(_quantize_cmd(qmill, str(path), str(out), target, recipe))
-        # wait4: this client's own peak RSS (RUSAGE_CHILDREN would mix in every earlier child).
-        _, status, usage = os.wait4(client.pid, 0)
-        seconds = time.perf_counter() - start
-        client.returncode = os.waitstatus_to_exitcode(status)
-        if client.returncode != 0:
-            raise RuntimeError(f"qmill quantize failed with exit code {client.returncode}")
-        server_mb = max(_peak_rss_mb(server.pid) for server, _ in started)
-        return seconds, usage.ru_maxrss / 1024, server_mb
+            _wait_until_up(address)
+        yield [(server.pid, address) for server, address in started]
     finally:
         for server, _ in started:
             server.terminate()
             server.wait()
 
 
+def _quantize_args(src: str, dst: str, server: str, recipe: str) -> list[str]:
+    return ["quantize", src, "-o", dst, "--server", server, "--recipe", recipe, "-q"]
+
+
+def _quantize_cmd(src: str, dst: str, server: str, recipe: str) -> list[str]:
+    return [*QMILL, *_quantize_args(src, dst, server, recipe)]
+
+
+def warm(path: pathlib.Path, servers: list[tuple[int, str]], recipe: str) -> None:
+    """Quantizes the checkpoint's first tensor on every server (fills its compile cache)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with safetensors.safe_open(str(path), "np") as f:
+            key = next(iter(f.keys()))
+            safetensors.numpy.save_file({key: f.get_tensor(key)}, f"{tmp}/w.safetensors")
+        for i, (_, address) in enumerate(servers):
+            cmd = _quantize_cmd(f"{tmp}/w.safetensors", f"{tmp}/o{i}.safetensors", address, recipe)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def quantize_once(
+    path: pathlib.Path, out: pathlib.Path, servers: list[tuple[int, str]], recipe: str
+) -> tuple[float, float, float]:
+    """(seconds, client peak RSS MB, largest server peak RSS MB during the run) of one
+    `qmill quantize` through `servers` (`--server a,b,c` when more than one)."""
+    for pid, _ in servers:
+        reset_peak_rss(pid)
+    target = ",".join(address for _, address in servers)
+    start = time.perf_counter()
+    hwm_file = out.with_name("client-hwm")
+    command = [sys.executable, "-c", CLIENT, *_quantize_args(str(path), str(out), target, recipe)]
+    client = subprocess.Popen(command, env={**os.environ, "QMILL_BENCH_HWM": str(hwm_file)})
+    _, status, _ = os.wait4(client.pid, 0)
+    seconds = time.perf_counter() - start
+    client.returncode = os.waitstatus_to_exitcode(status)
+    if client.returncode != 0:
+        raise RuntimeError(f"qmill quantize failed with exit code {client.returncode}")
+    out.unlink()
+    server_mb = max(peak_rss_mb(pid) for pid, _ in servers)
+    client_mb = int(hwm_file.read_text()) / 1024
+    hwm_file.unlink()
+    return seconds, client_mb, server_mb
+
+
+def environment() -> dict[str, str]:
+    """Machine and versions, for the results file."""
+    versions = {name: importlib.metadata.version(name) for name in ("jax", "grpcio", "numpy")}
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "machine": f"{cpu}, {platform.machine()}, {os.cpu_count()} cores, {mem_gib:.0f} GiB",
+        "python": platform.python_version(),
+        **versions,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--tensor-mib", type=int, default=64)
-    parser.add_argument("--recipe", default="int8")
+    parser.add_argument("--gib", type=float, default=0.5, help="checkpoint size (default 0.5)")
+    parser.add_argument("--tensor-mib", type=int, default=32)
+    parser.add_argument("--recipes", default="int8", help="presets, comma-separated")
     parser.add_argument(
         "--replicas",
         default="1",
         help="local `qmill serve` processes to spread the checkpoint over; a list (1,3) runs "
         "each count in turn against the same baseline (default 1)",
     )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each case; best counts")
+    parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument(
         "--workdir", default=None, help="where to put the checkpoints (default: a temp dir)"
     )
     args = parser.parse_args()
     counts = [int(n) for n in args.replicas.split(",")]
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     if min(counts) < 1:
         parser.error("--replicas: counts must be >= 1")
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="qmill-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     runs = []
     try:
-        path, nbytes = make_checkpoint(work, args.gib, args.tensor_mib)
-        raw_s = raw_baseline(path)
+        count = max(1, round(args.gib * 1024 / args.tensor_mib))
+        path, nbytes = make_checkpoint(work / "synthetic.safetensors", count, args.tensor_mib)
         mb = nbytes / 1e6
+        raw = [raw_baseline(path) for _ in range(args.repeat)]
         for n in counts:
-            out = work / f"out-{n}.safetensors"
-            qmill_s, client_mb, server_mb = qmill_run(path, out, args.recipe, n)
-            out.unlink()
-            runs.append(
-                {
-                    "replicas": n,
-                    "qmill_MB_per_s": round(mb / qmill_s, 1),
-                    "ratio": round(raw_s / qmill_s, 3),
-                    "client_peak_rss_MB": round(client_mb, 1),
-                    "server_peak_rss_MB": round(server_mb, 1),
-                }
-            )
+            with qmill_servers(n) as servers:
+                for recipe in recipes:
+                    warm(path, servers, recipe)
+                    out = work / "out.safetensors"
+                    tries = [quantize_once(path, out, servers, recipe) for _ in range(args.repeat)]
+                    seconds = min(t[0] for t in tries)
+                    runs.append(
+                        {
+                            "replicas": n,
+                            "recipe": recipe,
+                            "seconds": [round(t[0], 2) for t in tries],
+                            "qmill_MB_per_s": round(mb / seconds, 1),
+                            "client_peak_rss_MB": round(max(t[1] for t in tries), 1),
+                            "server_peak_rss_MB": round(max(t[2] for t in tries), 1),
+                        }
+                    )
+                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+        raw += [raw_baseline(path) for _ in range(args.repeat)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    raw_mb_s = mb / min(raw)
+    for run in runs:  # ratio = qmill throughput / raw gRPC throughput of the same session
+        run["ratio"] = round(run["qmill_MB_per_s"] / raw_mb_s, 3)
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "python": platform.python_version(),
+        **environment(),
         "checkpoint_MB": round(mb, 1),
-        "largest_tensor_MB": round(args.tensor_mib * 2**20 / 1e6, 1),
-        "recipe": args.recipe,
-        "raw_grpc_MB_per_s": round(mb / raw_s, 1),
-        "rss_target_MB": round(3 * args.tensor_mib * 2**20 / 1e6 + 500, 1),
-        # One entry per replica count; ratio = qmill throughput / raw gRPC throughput.
+        "tensors": count,
+        "largest_tensor_MB": round(nbytes / count / 1e6, 1),
+        "raw_grpc_MB_per_s": round(raw_mb_s, 1),
+        "raw_grpc_MB_per_s_all": [round(mb / s, 1) for s in raw],
+        "rss_target_MB": round(3 * nbytes / count / 1e6 + 500, 1),
+        # One entry per (replica count, recipe).
         "runs": runs,
     }
-    print(json.dumps(result, indent=1))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(text + "\n")
     return 0
 
 
