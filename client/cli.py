@@ -127,6 +127,13 @@ def _parser() -> argparse.ArgumentParser:
         "--jobs-db", help="SQLite file of batch jobs (default: jobs.sqlite3 in the data dir)"
     )
     s.add_argument(
+        "--job-peers",
+        metavar="SERVERS",
+        help="spread each batch job's tensors over these replicas (a:1,b:2 or dns:///NAME:PORT; "
+        "include this server to use it too); token for them in $QMILL_JOB_PEER_TOKEN",
+    )
+    s.add_argument("--job-peer-tls-ca", metavar="PEM", help="CA of the --job-peers (TLS)")
+    s.add_argument(
         "--jobs-root",
         metavar="DIR",
         help="confine each tenant's batch jobs (qmill submit) to DIR/<tenant>/ ($QMILL_JOBS_ROOT); "
@@ -243,6 +250,8 @@ def _serve(args: argparse.Namespace) -> int:
         "upload_expiry_seconds",
         "data_dir",
         "jobs_root",
+        "job_peers",
+        "job_peer_tls_ca",
     ):
         if getattr(args, name):
             fields[name] = getattr(args, name)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 MiB = 1024 * 1024
 DATA_DIR_ENV = "QMILL_DATA_DIR"
 JOBS_ROOT_ENV = "QMILL_JOBS_ROOT"
+JOB_PEER_TOKEN_ENV = "QMILL_JOB_PEER_TOKEN"
 
 
 def default_data_dir() -> str:
@@ -78,6 +79,15 @@ class ServerConfig:
     jobs_root: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(JOBS_ROOT_ENV) or None
     )
+    # Replicas a batch job spreads its tensors over, as `qmill quantize --server` does: a:1,b:2
+    # or dns:///name:port, resolved when each job starts (list this server too to use its own
+    # engine). None: jobs quantize in-process. The peers see the job's tensors as the tenant of
+    # job_peer_token ($QMILL_JOB_PEER_TOKEN); job_peer_tls_ca: their CA, when they use TLS.
+    job_peers: str | None = None
+    job_peer_token: str | None = dataclasses.field(
+        default_factory=lambda: os.environ.get(JOB_PEER_TOKEN_ENV) or None, repr=False
+    )
+    job_peer_tls_ca: str | None = None
 
     # Observability. Port of the Prometheus /metrics endpoint (on `host`); None: not served,
     # 0: a free port (tests).

@@ -494,7 +494,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix")
+    __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix", "message")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +507,7 @@ class Job(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     source: str
@@ -519,7 +520,8 @@ class Job(_message.Message):
     error: str
     created_unix: float
     updated_unix: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., request_id: _Optional[str] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ...) -> None: ...
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., request_id: _Optional[str] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

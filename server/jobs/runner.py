@@ -27,6 +27,7 @@ from qmill.client import embedded, errors, job
 from qmill.client.checkpoints import staging
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server.jobs import paths as paths_lib
+from qmill.server.jobs import peers as peers_lib
 from qmill.server.jobs import store as store_lib
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,12 @@ class JobRunner:
         *,
         paths: paths_lib.PathPolicy,
         on_change: Callable[[], None] | None = None,
+        new_backend: Callable[[], job.Backend] = embedded.EmbeddedClient,
     ) -> None:
         self.store = store
+        # Makes each job's backend: the in-process engine, or a FanoutClient over the replicas
+        # of --job-peers (peers.py).
+        self._new_backend = new_backend
         # Where jobs may read and write; SubmitJob checks with the same policy.
         self.paths = paths
         # Called after every change of a job (the server updates the qmill_jobs gauge).
@@ -153,16 +158,18 @@ class JobRunner:
             source, destination = self.paths.check_job(
                 record.tenant, record.source, record.destination
             )
-            job.quantize_checkpoint(
-                source,
-                destination,
-                record.recipe,
-                backend=embedded.EmbeddedClient(),
-                output_format=record.output_format or None,
-                overwrite=record.overwrite,
-                progress=_Progress(self, record.job_id),
-                check=self._check,
-            )
+            with self._new_backend() as backend:
+                job.quantize_checkpoint(
+                    source,
+                    destination,
+                    record.recipe,
+                    backend=backend,
+                    output_format=record.output_format or None,
+                    overwrite=record.overwrite,
+                    progress=_Progress(self, record.job_id),
+                    check=self._check,
+                )
+                spread = peers_lib.describe_spread(backend)
         except _Stop as stop:
             if stop.cancelled:
                 path = pathlib.Path(destination).absolute()
@@ -177,7 +184,9 @@ class JobRunner:
             log.exception("job %s failed", record.job_id)
             self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error="internal error")
         else:
-            self._finish(record.job_id, pb.JOB_STATE_SUCCEEDED, f"wrote {record.destination}")
+            self._finish(
+                record.job_id, pb.JOB_STATE_SUCCEEDED, f"wrote {record.destination}{spread}"
+            )
 
     def _finish(
         self, job_id: str, state: int, message: str, *, error: str = ""

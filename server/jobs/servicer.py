@@ -23,6 +23,7 @@ from qmill.server import auth, codec, errors
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
 from qmill.server.jobs import paths as paths_lib
+from qmill.server.jobs import peers as peers_lib
 from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import store as store_lib
 
@@ -154,8 +155,14 @@ def add_to_server(
     policy = paths_lib.PathPolicy.from_config(config)
     log.info("jobs: %s", policy.describe())
     store = store_lib.JobStore(jobs_db_path(config))
+    new_backend = peers_lib.backend_factory(config)
+    if config.job_peers:
+        log.info("jobs: tensors spread over --job-peers %s", config.job_peers)
     runner = runner_lib.JobRunner(
-        store, paths=policy, on_change=lambda: metrics.set_jobs_by_state(store.counts())
+        store,
+        paths=policy,
+        on_change=lambda: metrics.set_jobs_by_state(store.counts()),
+        new_backend=new_backend,
     )
     pb_grpc.add_JobsServicer_to_server(JobsServicer(runner), server)
     return runner

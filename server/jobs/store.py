@@ -86,6 +86,7 @@ class JobRecord:
             bytes_done=self.bytes_done,
             bytes_total=self.bytes_total,
             error=self.error,
+            message=self.message,
             created_unix=self.created,
             updated_unix=self.updated,
         )

@@ -71,9 +71,7 @@ def trained(tmp_path_factory):
     return tmp, params, (x[1400:], y[1400:])
 
 
-def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(
-    make_server, trained
-):
+def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(make_server, trained):
     from ai_edge_litert.interpreter import Interpreter
 
     tmp, params, (xt, yt) = trained

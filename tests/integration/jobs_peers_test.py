@@ -1,0 +1,113 @@
+"""Batch jobs spread over replicas (--job-peers), all real servers on 127.0.0.1: the checkpoint
+is the one `qmill quantize` writes in-process, byte for byte; a dead peer's tensors go to the
+others; with every peer dead the job fails and says why."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from qmill.client import cli, jobs
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server import config as config_lib
+from qmill.server.jobs import peers
+
+INT8 = {"rules": [{"qtype": "int8"}]}
+
+
+def _closed_port() -> str:
+    """An address nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _finished(client: jobs.JobsClient, job_id: str, seconds: float = 60.0) -> pb.Job:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        job = client.get(job_id)
+        if job.state in jobs.FINAL_STATES:
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish: {client.get(job_id)}")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """Twelve (64, 32) kernels and their biases: enough tensors for two peers to share."""
+    path = tmp_path_factory.mktemp("peers-src") / "model.npz"
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(12):
+        tensors[f"params/Dense_{i}/kernel"] = rng.standard_normal((64, 32), np.float32)
+        tensors[f"params/Dense_{i}/bias"] = rng.standard_normal((32,), np.float32)
+    np.savez(path, **tensors)
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected(source, tmp_path_factory):
+    """What `qmill quantize` writes in-process."""
+    out = tmp_path_factory.mktemp("peers-cli") / "model-int8.npz"
+    assert cli.main(["quantize", str(source), "-o", str(out), "--recipe", "int8", "-q"]) == 0
+    return out.read_bytes()
+
+
+def _run_job(make_server, source, destination, job_peers: str) -> pb.Job:
+    server = make_server(job_peers=job_peers)
+    with jobs.JobsClient(server.address, timeout=30) as client:
+        submitted = client.submit(str(source), str(destination), INT8, output_format="npz")
+        return _finished(client, submitted.job_id)
+
+
+def test_a_job_spreads_over_two_peers_and_writes_the_cli_checkpoint(
+    make_server, source, expected, tmp_path
+):
+    first, second = make_server(), make_server()
+    job = _run_job(make_server, source, tmp_path / "out.npz", f"{first.address},{second.address}")
+    assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
+    assert "over 2 peers" in job.message, job.message
+    for peer in (first, second):  # each answered a share of the 12 kernels
+        assert f"{peer.address}: " in job.message
+    assert (tmp_path / "out.npz").read_bytes() == expected
+
+
+def test_a_dead_peer_is_dropped_and_the_others_finish_the_job(
+    make_server, source, expected, tmp_path
+):
+    alive = make_server()
+    dead = _closed_port()
+    job = _run_job(make_server, source, tmp_path / "out.npz", f"{dead},{alive.address}")
+    assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
+    # All 24 tensors (the kept biases are answered too) by the one peer left.
+    assert f"over 1 peer ({alive.address}: 24 tensors; lost {dead})" in job.message
+    assert (tmp_path / "out.npz").read_bytes() == expected
+
+
+def test_with_every_peer_dead_the_job_fails_and_names_the_cause(make_server, source, tmp_path):
+    job = _run_job(make_server, source, tmp_path / "out.npz", _closed_port())
+    assert job.state == pb.JOB_STATE_FAILED
+    assert "UNAVAILABLE" in job.error or "unavailable" in job.error.lower(), job.error
+    assert not (tmp_path / "out.npz").exists()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [(",", "names no server"), ("dns:///qmill-replicas", "give the port")],
+)
+def test_a_malformed_peer_list_stops_the_server_at_start(spec, message):
+    with pytest.raises(ValueError, match=message):
+        peers.backend_factory(config_lib.ServerConfig(job_peers=spec))
+
+
+def test_peers_get_the_peer_token_never_the_servers_own(monkeypatch):
+    monkeypatch.setenv("QMILL_TOKEN", "the-servers-own-client-token")
+    monkeypatch.delenv(config_lib.JOB_PEER_TOKEN_ENV, raising=False)
+    make = peers.backend_factory(config_lib.ServerConfig(job_peers="127.0.0.1:1"))
+    assert make()._credentials.token is None
+    monkeypatch.setenv(config_lib.JOB_PEER_TOKEN_ENV, "peer-token")
+    make = peers.backend_factory(config_lib.ServerConfig(job_peers="127.0.0.1:1"))
+    assert make()._credentials.token == "peer-token"
