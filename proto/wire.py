@@ -128,6 +128,10 @@ def from_bytes(
     return raw.view(dtype.newbyteorder("<")).reshape(shape)
 
 
+# Alignment of assembled tensors' buffers, in bytes.
+BUFFER_ALIGNMENT = 64
+
+
 def crc32c(data: bytes | np.ndarray) -> int:
     # extend() takes any buffer, value() only bytes; numpy arrays avoid a copy.
     return google_crc32c.extend(0, data)
@@ -158,7 +162,7 @@ class Assembler:
 
     header: pb.TensorHeader
     max_bytes: int | None = None
-    _buffer: bytearray = dataclasses.field(init=False)
+    _buffer: np.ndarray = dataclasses.field(init=False)
     _received: int = dataclasses.field(init=False, default=0)
     _crc: int = dataclasses.field(init=False, default=0)
 
@@ -179,7 +183,12 @@ class Assembler:
                 f"{self.max_bytes}; split it or raise the server's --max-tensor-bytes",
                 code="RESOURCE_EXHAUSTED",
             )
-        self._buffer = bytearray(expected)
+        # Uninitialized: every byte is written before finish() reads it (complete is checked), and
+        # a zero-filled bytearray made assembling a 32 MiB tensor ~7x slower. 64-byte aligned:
+        # XLA:CPU then uses the buffer in place instead of copying it (engine/leaf.py).
+        raw = np.empty(expected + BUFFER_ALIGNMENT, np.uint8)
+        start = -raw.ctypes.data % BUFFER_ALIGNMENT
+        self._buffer = raw[start : start + expected]
 
     @property
     def complete(self) -> bool:
@@ -199,7 +208,7 @@ class Assembler:
                 f"tensor {label}: {end} bytes received, more than the announced "
                 f"{self.header.byte_length}"
             )
-        self._buffer[self._received : end] = chunk.data
+        self._buffer[self._received : end] = np.frombuffer(chunk.data, np.uint8)
         self._crc = google_crc32c.extend(self._crc, chunk.data)
         self._received = end
 

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -113,12 +113,14 @@ def wrap_handler(
     method: str,
     around: Around,
     *,
-    on_request: Callable[[Any], None] | None = None,
-    on_response: Callable[[Any], None] | None = None,
+    on_request_bytes: Callable[[int], None] | None = None,
+    on_response_bytes: Callable[[int], None] | None = None,
 ) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` whose behaviour runs inside `around(method, ctx)`.
 
-    on_request/on_response see every message (for byte counters) when given.
+    on_request_bytes/on_response_bytes see the wire size of every message (for byte counters):
+    taken where grpc (de)serializes it, because a message's ByteSize() would encode a 4 MiB
+    chunk again just to measure it (it was ~12 % of the server's time on a quantize stream).
     """
     if handler.request_streaming and handler.response_streaming:
         fn, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
@@ -129,24 +131,13 @@ def wrap_handler(
     else:
         fn, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
 
-    def requests_of(request: Any) -> Any:
-        if not handler.request_streaming:
-            if on_request is not None:
-                on_request(request)
-            return request
-        if on_request is None:
-            return request
-        return _observed(request, on_request)
-
     if inspect.isasyncgenfunction(fn):
 
         async def behavior(request, context):
             async with around(method, context) as replaced:
-                responses = fn(requests_of(request), replaced or context)
+                responses = fn(request, replaced or context)
                 try:
                     async for response in responses:
-                        if on_response is not None:
-                            on_response(response)
                         yield response
                 finally:
                     await responses.aclose()
@@ -155,10 +146,7 @@ def wrap_handler(
 
         async def behavior(request, context):
             async with around(method, context) as replaced:
-                response = await fn(requests_of(request), replaced or context)
-                if on_response is not None and response is not None:
-                    on_response(response)
-                return response
+                return await fn(request, replaced or context)
 
     else:
         # Synchronous handlers would run on grpc's thread pool outside our hooks (and outside auth);
@@ -166,12 +154,30 @@ def wrap_handler(
         raise TypeError(f"{method}: qmill interceptors need async handlers")
     return make(
         behavior,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
+        request_deserializer=_counting(handler.request_deserializer, on_request_bytes, into=True),
+        response_serializer=_counting(handler.response_serializer, on_response_bytes, into=False),
     )
 
 
-async def _observed(requests: AsyncIterator[Any], on_request: Callable[[Any], None]):
-    async for request in requests:
-        on_request(request)
-        yield request
+def _counting(
+    convert: Callable[[Any], Any] | None, count: Callable[[int], None] | None, *, into: bool
+) -> Callable[[Any], Any] | None:
+    """`convert` (a deserializer when `into`, else a serializer) that also counts wire bytes."""
+    if count is None:
+        return convert
+    step = convert or (lambda data: data)  # no (de)serializer: grpc hands over raw bytes
+
+    if into:
+
+        def deserialize(data: bytes) -> Any:
+            count(len(data))
+            return step(data)
+
+        return deserialize
+
+    def serialize(message: Any) -> bytes:
+        data = step(message)
+        count(len(data))
+        return data
+
+    return serialize

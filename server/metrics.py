@@ -179,8 +179,8 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
             handler,
             handler_call_details.method,
             self._around,
-            on_request=lambda m: received.inc(m.ByteSize()),
-            on_response=lambda m: sent.inc(m.ByteSize()),
+            on_request_bytes=received.inc,
+            on_response_bytes=sent.inc,
         )
 
     @contextlib.asynccontextmanager
