@@ -199,7 +199,7 @@ async def _batches(
         if kind == "batch":
             if assembler is not None:
                 assembler.finish()  # DATA_LOSS: the previous batch was cut short
-            assembler = await _start_batch(request.batch, max_bytes, account)
+            assembler = await limits.start_assembly(request.batch, max_bytes, account)
         elif kind == "chunk":
             if assembler is None:
                 raise ValueError("a chunk arrived before any batch header")
@@ -216,19 +216,3 @@ async def _batches(
             del array  # counted as released once the caller asks for the next batch
     if assembler is not None:
         assembler.finish()
-
-
-async def _start_batch(
-    header: pb.TensorHeader, max_bytes: int, account: limits.Account | None
-) -> wire.Assembler:
-    """Reserves the announced bytes (over the in-flight limit: RESOURCE_EXHAUSTED), then lets
-    the Assembler check the header and allocate."""
-    if account is None or header.byte_length > max_bytes:
-        # Unlimited, or a header the Assembler refuses before allocating: nothing to reserve.
-        return wire.Assembler(header, max_bytes=max_bytes)
-    await account.reserve(header.byte_length)
-    try:
-        return wire.Assembler(header, max_bytes=max_bytes)
-    except BaseException:
-        account.release(header.byte_length)
-        raise

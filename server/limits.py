@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from qmill.proto import wire
+from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth, calls
 
 log = logging.getLogger(__name__)
@@ -275,3 +276,20 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
     def _report(self) -> None:
         if self._on_change is not None:
             self._on_change(self.active)
+
+
+async def start_assembly(
+    header: pb.TensorHeader, max_bytes: int, account: Account | None
+) -> wire.Assembler:
+    """Reserves a tensor's announced bytes (over the in-flight limit: RESOURCE_EXHAUSTED), then
+    lets the Assembler check the header and allocate; the reservation goes back if it refuses."""
+    if account is None or header.byte_length > max_bytes:
+        # Unlimited, or a header the Assembler refuses before allocating anything (a byte count
+        # that does not match, or a tensor over the limit): nothing to reserve.
+        return wire.Assembler(header, max_bytes=max_bytes)
+    await account.reserve(header.byte_length)
+    try:
+        return wire.Assembler(header, max_bytes=max_bytes)
+    except BaseException:
+        account.release(header.byte_length)
+        raise

@@ -75,7 +75,7 @@ async def _read_tensors(
             if kind == "header":
                 if assembler is not None:
                     assembler.finish()  # raises DATA_LOSS: the previous tensor was cut short
-                assembler = await _start_tensor(request.header, max_tensor_bytes, account)
+                assembler = await limits.start_assembly(request.header, max_tensor_bytes, account)
             elif kind == "chunk":
                 if assembler is None:
                     raise ValueError("a chunk arrived before any tensor header")
@@ -98,22 +98,6 @@ async def _read_tensors(
         raise
     except BaseException as exc:  # handed to the responder, which owns the call's status
         await queue.put(exc)
-
-
-async def _start_tensor(
-    header: pb.TensorHeader, max_tensor_bytes: int, account: limits.Account | None
-) -> wire.Assembler:
-    """Reserves the announced bytes, then lets the Assembler check the header and allocate."""
-    if account is None or header.byte_length > max_tensor_bytes:
-        # Unlimited, or a header the Assembler refuses before allocating anything (a byte count
-        # that does not match, or a tensor over the limit): nothing to reserve.
-        return wire.Assembler(header, max_bytes=max_tensor_bytes)
-    await account.reserve(header.byte_length)
-    try:
-        return wire.Assembler(header, max_bytes=max_tensor_bytes)
-    except BaseException:
-        account.release(header.byte_length)
-        raise
 
 
 async def _upload_tensors(

@@ -18,6 +18,7 @@ import pytest
 
 import qmill.engine as qe
 from qmill.engine import zoo
+from qmill.server import calibrations
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",
@@ -35,17 +36,6 @@ def _qmill(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*command, *args], capture_output=True, text=True, timeout=300, env=os.environ
     )
-
-
-def _nest(flat: dict[str, np.ndarray]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return tree
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +99,7 @@ def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(make_s
 
     # The JAX static-range PTQ model from the same params and the server's merged statistics.
     with np.load(tmp / "stats.npz") as f:
-        stats = _nest({k: f[k] for k in f.files})
+        stats = calibrations.unflatten({k: f[k] for k in f.files})
     stats.pop("model_output", None)
     ptq = qe.quantize_model(zoo.BUILTIN["cnn"].build(zoo.CnnConfig()), qe.PtqProvider(W8A8))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), xt[:1])
