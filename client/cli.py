@@ -139,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
         help="confine each tenant's batch jobs (qmill submit) to DIR/<tenant>/ ($QMILL_JOBS_ROOT); "
         "needed for jobs when tokens are set; with neither (single-user), jobs use any path",
     )
+    s.add_argument(
+        "--jobs-url-root",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="allow batch jobs on object-store URLs below URL/<tenant>/ (gs:// or s3://; "
+        "repeat or comma-separate for several; $QMILL_JOBS_URL_ROOT); needs qmill[objectstore]",
+    )
 
     jobs.add_commands(
         sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
@@ -257,6 +265,8 @@ def _serve(args: argparse.Namespace) -> int:
             fields[name] = getattr(args, name)
     if args.max_wait_seconds is not None:  # 0 is meaningful: refuse rather than queue
         fields["max_wait_seconds"] = args.max_wait_seconds
+    if args.jobs_url_root:  # else $QMILL_JOBS_URL_ROOT, read by the config
+        fields["jobs_url_roots"] = config.split_url_roots(*args.jobs_url_root)
     asyncio.run(app.serve(config.ServerConfig(**fields)))
     return 0
 

@@ -12,11 +12,17 @@ if TYPE_CHECKING:
 MiB = 1024 * 1024
 DATA_DIR_ENV = "QMILL_DATA_DIR"
 JOBS_ROOT_ENV = "QMILL_JOBS_ROOT"
+JOBS_URL_ROOT_ENV = "QMILL_JOBS_URL_ROOT"
 JOB_PEER_TOKEN_ENV = "QMILL_JOB_PEER_TOKEN"
 
 
 def default_data_dir() -> str:
     return os.environ.get(DATA_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "qmill")
+
+
+def split_url_roots(*values: str) -> tuple[str, ...]:
+    """--jobs-url-root values (each may be comma-separated) as one tuple, blanks dropped."""
+    return tuple(part.strip() for v in values for part in v.split(",") if part.strip())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,6 +84,12 @@ class ServerConfig:
     # set, and may use any path in the single-user (no tokens) mode.
     jobs_root: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(JOBS_ROOT_ENV) or None
+    )
+    # Object-store prefixes (gs://, s3://) of one prefix per tenant: a job's URLs must lie below
+    # `<root>/<tenant>/` of one of them (server/jobs/urls.py). Empty ($QMILL_JOBS_URL_ROOT unset,
+    # comma-separated): jobs with URLs are refused.
+    jobs_url_roots: tuple[str, ...] = dataclasses.field(
+        default_factory=lambda: split_url_roots(os.environ.get(JOBS_URL_ROOT_ENV, ""))
     )
     # Replicas a batch job spreads its tensors over, as `qmill quantize --server` does: a:1,b:2
     # or dns:///name:port, resolved when each job starts (list this server too to use its own

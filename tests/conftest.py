@@ -67,3 +67,38 @@ def make_server(tmp_path_factory):
     yield make
     for running in started:
         running.stop()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 endpoint: moto's server on 127.0.0.1, for the whole session.
+
+    s3fs (through botocore) reads the endpoint and credentials from the AWS_* variables when it
+    first builds its filesystem; etils.epath and fsspec then keep that filesystem for the
+    process, so the variables are set once, before any s3:// path is used, and kept. Yields a
+    function that makes an empty bucket and returns its name.
+    """
+    import itertools
+    import os
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    counter = itertools.count()
+
+    def bucket(prefix: str = "qmill") -> str:
+        name = f"{prefix}-{next(counter)}"
+        fsspec.filesystem("s3").mkdir(name)
+        return name
+
+    yield bucket
+    server.stop()

@@ -49,6 +49,9 @@ ALLOWED = {
         # embedded backend: one implementation of reading, resuming and writing checkpoints, so a
         # job's output is byte for byte the CLI's.
         "qmill.client",
+        # Jobs on object-store URLs copy through etils.epath, Orbax's own storage layer (so no
+        # new dependency; its gs:// and s3:// filesystems are the optional objectstore extra).
+        "etils",
     },
     "client": {"qmill.proto", "qmill.client", "grpc", "numpy", "ml_dtypes", "safetensors", "rich"},
     "proto": {"google", "grpc", "qmill.proto", "numpy", "ml_dtypes"},

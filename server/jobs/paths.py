@@ -16,6 +16,11 @@ reach another tenant's files or the server's own. Three modes, from the server's
 - neither: the single-user mode (a laptop, loopback, no auth): any path the server's user may
   read or write, as `qmill quantize` itself would.
 
+Object-store URLs (gs://, s3://) are refused unless the operator names URL roots
+(`--jobs-url-root`); then a tenant's URLs must lie below `<root>/<tenant>/` of one of them, in
+every mode, "default" being the one tenant of a server without tokens (as with --jobs-root).
+urls.py has the parsing; a URL is never resolved or re-rooted, only checked.
+
 The check runs at submit time and again in the runner just before the job starts, so a symlink
 planted after the submit cannot take a job outside. It does not close the window between that
 second check and the job's own file opens (that would need openat/O_NOFOLLOW in every reader and
@@ -31,6 +36,7 @@ import pathlib
 from qmill.client.checkpoints import staging
 from qmill.proto import wire
 from qmill.server import config as config_lib
+from qmill.server.jobs import urls
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +47,8 @@ class PathPolicy:
     jobs_root: str | None = None
     # The server authenticates callers, so several tenants may share it.
     multi_tenant: bool = False
+    # Object-store prefixes of one prefix per tenant (--jobs-url-root); empty: URLs refused.
+    url_roots: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: config_lib.ServerConfig) -> PathPolicy:
@@ -54,32 +62,32 @@ class PathPolicy:
                 )
             root = os.path.abspath(root)
         multi_tenant = config.tokens is not None or config.tenant_from_client_cert
-        return cls(jobs_root=root, multi_tenant=multi_tenant)
+        url_roots = tuple(str(u) for u in urls.parse_roots(tuple(config.jobs_url_roots)))
+        return cls(jobs_root=root, multi_tenant=multi_tenant, url_roots=url_roots)
 
     def describe(self) -> str:
         """One line for the server's startup log."""
         if self.jobs_root is not None:
-            return f"job paths confined to {self.jobs_root}/<tenant>/"
-        if self.multi_tenant:
-            return (
+            local = f"job paths confined to {self.jobs_root}/<tenant>/"
+        elif self.multi_tenant:
+            local = (
                 "jobs with server paths are refused: tokens are set but --jobs-root is not "
                 "(set it to confine each tenant's jobs to its own directory)"
             )
-        return (
-            "jobs may read and write any path this server's user can (single-user mode: no "
-            "tokens, no --jobs-root)"
-        )
+        else:
+            local = (
+                "jobs may read and write any path this server's user can (single-user mode: no "
+                "tokens, no --jobs-root)"
+            )
+        if not self.url_roots:
+            return local + "; object-store URLs refused (no --jobs-url-root)"
+        prefixes = ", ".join(f"{r}/<tenant>/" for r in self.url_roots)
+        return f"{local}; job URLs confined to {prefixes}"
 
     def tenant_dir(self, tenant: str) -> str:
         """`<jobs_root>/<tenant>`; raises when the tenant's name cannot be one directory."""
         assert self.jobs_root is not None
-        if tenant in ("", ".", "..") or "/" in tenant or "\\" in tenant or "\0" in tenant:
-            raise wire.WireError(
-                f"tenant {tenant!r} cannot name a directory under the jobs root; the operator "
-                "must give it a name without '/' (and not '.' or '..') in the token table",
-                code="FAILED_PRECONDITION",
-            )
-        return os.path.join(self.jobs_root, tenant)
+        return os.path.join(self.jobs_root, _tenant_segment(tenant))
 
     def resolve(self, tenant: str, value: str, what: str) -> str:
         """The server path a job of `tenant` uses for `value` (its `what`: source, destination).
@@ -91,11 +99,8 @@ class PathPolicy:
         """
         if not value:
             raise ValueError(f"{what} is empty; give a path on the server")
-        if "://" in value:
-            raise ValueError(
-                f"{what} {value!r}: object-store URLs (gs://, s3://, ...) are not supported by "
-                "this server; copy the checkpoint to the server's filesystem and give its path"
-            )
+        if urls.is_url(value):
+            return self._resolve_url(tenant, value, what)
         if self.jobs_root is None:
             if self.multi_tenant:
                 raise wire.WireError(
@@ -126,9 +131,32 @@ class PathPolicy:
         real_source = self.resolve(tenant, source, "source")
         real_destination = self.resolve(tenant, destination, "destination")
         if self.jobs_root is not None:
-            self._check_tree(tenant, real_source)
-            self.resolve(tenant, real_destination + staging.PARTIAL_SUFFIX, "partial output")
+            # A URL's objects cannot be links; its local copy lives in the job's scratch.
+            if not urls.is_url(real_source):
+                self._check_tree(tenant, real_source)
+            if not urls.is_url(real_destination):
+                partial = real_destination + staging.PARTIAL_SUFFIX
+                self.resolve(tenant, partial, "partial output")
         return real_source, real_destination
+
+    def _resolve_url(self, tenant: str, value: str, what: str) -> str:
+        """`value` checked against the tenant's prefixes (see the module docstring)."""
+        if not self.url_roots:
+            raise ValueError(
+                f"{what} {value!r}: object-store URLs (gs://, s3://, ...) are not supported by "
+                "this server: the operator must start it with --jobs-url-root URL (e.g. "
+                "s3://bucket/jobs; each tenant's jobs then use URL/<tenant>/), or copy the "
+                "checkpoint to the server's filesystem and give its path"
+            )
+        url = urls.parse(value, what)
+        roots = urls.parse_roots(self.url_roots)
+        prefixes = urls.tenant_prefixes(roots, _tenant_segment(tenant))
+        if not any(url.is_below(prefix) for prefix in prefixes):
+            raise ValueError(
+                f"{what} {value!r} is outside your object-store jobs prefix: job URLs must be "
+                f"below {' or '.join(f'{p}/' for p in prefixes)}"
+            )
+        return str(url)
 
     def _check_tree(self, tenant: str, source: str) -> None:
         """Refuses a source directory with a symlink that resolves outside the tenant's."""
@@ -139,6 +167,17 @@ class PathPolicy:
                 path = os.path.join(parent, name)
                 if os.path.islink(path):
                     self.resolve(tenant, path, f"source file {os.path.relpath(path, source)}")
+
+
+def _tenant_segment(tenant: str) -> str:
+    """`tenant`, when it can be one directory (or URL segment); raises otherwise."""
+    if tenant in ("", ".", "..") or "/" in tenant or "\\" in tenant or "\0" in tenant:
+        raise wire.WireError(
+            f"tenant {tenant!r} cannot name a directory under the jobs root; the operator "
+            "must give it a name without '/' (and not '.' or '..') in the token table",
+            code="FAILED_PRECONDITION",
+        )
+    return tenant
 
 
 def _inside(path: str, directory: str) -> bool:

@@ -8,7 +8,9 @@ are kept in `<destination>.qmill-partial/`, so a job that was RUNNING when the s
 queued again on start and continues where it stopped.
 
 Just before a job starts its paths are checked again against the tenant's directory
-(paths.py): a symlink made after the submit must not take the job elsewhere.
+(paths.py): a symlink made after the submit must not take the job elsewhere. A job with an
+object-store URL runs the same pipeline on local copies in its scratch directory (scratch.py),
+deleted when the job ends; a server stopping keeps it for the resumed job.
 
 One job runs at a time: a job already uses every core through JAX, and queued jobs keep their
 order. Cancelling stops the job before its next tensor and deletes its partial output; the
@@ -28,6 +30,7 @@ from qmill.client.checkpoints import staging
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
+from qmill.server.jobs import scratch as scratch_lib
 from qmill.server.jobs import store as store_lib
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class JobRunner:
         paths: paths_lib.PathPolicy,
         on_change: Callable[[], None] | None = None,
         new_backend: Callable[[], job.Backend] = embedded.EmbeddedClient,
+        scratch: scratch_lib.Scratch | None = None,
     ) -> None:
         self.store = store
         # Makes each job's backend: the in-process engine, or a FanoutClient over the replicas
@@ -87,6 +91,8 @@ class JobRunner:
         self._new_backend = new_backend
         # Where jobs may read and write; SubmitJob checks with the same policy.
         self.paths = paths
+        # Local copies for jobs with object-store URLs (scratch.py), in the server's data dir.
+        self.scratch = scratch or scratch_lib.Scratch.in_data_dir(None)
         # Called after every change of a job (the server updates the qmill_jobs gauge).
         self._on_change = on_change
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -158,6 +164,12 @@ class JobRunner:
             source, destination = self.paths.check_job(
                 record.tenant, record.source, record.destination
             )
+            # Object-store URLs: the source is downloaded, the output written locally and
+            # uploaded once complete (scratch.py); local paths pass through unchanged.
+            staged = self.scratch.stage(
+                record.job_id, source, destination, overwrite=record.overwrite, check=self._check
+            )
+            source, destination = staged.source, staged.destination
             with self._new_backend() as backend:
                 job.quantize_checkpoint(
                     source,
@@ -165,11 +177,12 @@ class JobRunner:
                     record.recipe,
                     backend=backend,
                     output_format=record.output_format or None,
-                    overwrite=record.overwrite,
+                    overwrite=staged.overwrite,
                     progress=_Progress(self, record.job_id),
                     check=self._check,
                 )
                 spread = peers_lib.describe_spread(backend)
+            staged.publish(overwrite=record.overwrite, check=self._check)
         except _Stop as stop:
             if stop.cancelled:
                 path = pathlib.Path(destination).absolute()
@@ -192,6 +205,8 @@ class JobRunner:
         self, job_id: str, state: int, message: str, *, error: str = ""
     ) -> store_lib.JobRecord:
         log.info("job %s %s%s", job_id, store_lib.state_name(state), f": {error}" if error else "")
+        # Before the state changes: whoever sees the job ended sees its scratch gone.
+        self.scratch.discard(job_id)
         return self._update(job_id, state=state, message=message, error=error)
 
     def _update(self, job_id: str, **fields: object) -> store_lib.JobRecord:

@@ -2,8 +2,8 @@
 
 Jobs are visible to their tenant only: another tenant's job id gets NOT_FOUND, the same answer
 as an id that does not exist. Paths are the server's own filesystem (local or mounted), confined
-to the tenant's directory under --jobs-root (paths.py has the rules); object store URLs (gs://,
-s3://) are refused with INVALID_ARGUMENT until a reader for them exists.
+to the tenant's directory under --jobs-root, or object-store URLs (gs://, s3://) confined to the
+tenant's prefix under --jobs-url-root (paths.py has the rules, scratch.py how such jobs run).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pathlib
 
 import grpc
 
@@ -22,9 +21,11 @@ from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, codec, errors
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.jobs import object_store, urls
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
 from qmill.server.jobs import runner as runner_lib
+from qmill.server.jobs import scratch as scratch_lib
 from qmill.server.jobs import store as store_lib
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,12 @@ class JobsServicer(pb_grpc.JobsServicer):
         existing = self._store.find(tenant, request.request_id)
         if existing is not None:
             return _same_job(existing, request.request_id, source, destination).to_proto()
-        if not pathlib.Path(source).exists():
-            raise ValueError(f"source {source} does not exist on the server")
+        for path in (source, destination):
+            if urls.is_url(path):
+                object_store.require_filesystem(path)  # before asking the store anything
+        if not await _exists(source, follow=True):
+            where = "" if urls.is_url(source) else " on the server"
+            raise ValueError(f"source {source} does not exist{where}")
         self._paths.check_job(tenant, source, destination)  # symlinks inside a source directory
         if request.output_format not in FORMATS:
             raise ValueError(
@@ -71,8 +76,7 @@ class JobsServicer(pb_grpc.JobsServicer):
         if recipe["convention"] == "auto":
             # As `qmill quantize` does: no convention → the source format's (job.py fills it).
             del recipe["convention"]
-        dest = pathlib.Path(destination)
-        if not request.overwrite and (dest.exists() or dest.is_symlink()):
+        if not request.overwrite and await _exists(destination, follow=False):
             raise wire.WireError(
                 f"destination {destination} already exists; set overwrite to replace it",
                 code="ALREADY_EXISTS",
@@ -131,6 +135,14 @@ class JobsServicer(pb_grpc.JobsServicer):
         return record
 
 
+async def _exists(path: str, *, follow: bool) -> bool:
+    """Whether something is at a job path (`follow`: a dangling symlink is nothing). An object
+    store is asked off the event loop: a request takes milliseconds to seconds."""
+    if urls.is_url(path):
+        return await asyncio.to_thread(object_store.exists, path)
+    return os.path.exists(path) if follow else os.path.lexists(path)
+
+
 def _same_job(
     record: store_lib.JobRecord, request_id: str, source: str, destination: str
 ) -> store_lib.JobRecord:
@@ -158,11 +170,15 @@ def add_to_server(
     new_backend = peers_lib.backend_factory(config)
     if config.job_peers:
         log.info("jobs: tensors spread over --job-peers %s", config.job_peers)
+    scratch = scratch_lib.Scratch.in_data_dir(config.data_dir)
+    # Scratch of jobs that ended while no runner could delete it (a crash at the wrong moment).
+    scratch.sweep(keep=[r.job_id for r in store.list(tenant=None, states=list(store_lib.ACTIVE))])
     runner = runner_lib.JobRunner(
         store,
         paths=policy,
         on_change=lambda: metrics.set_jobs_by_state(store.counts()),
         new_backend=new_backend,
+        scratch=scratch,
     )
     pb_grpc.add_JobsServicer_to_server(JobsServicer(runner), server)
     return runner
