@@ -97,12 +97,15 @@ class JobsClient:
 
 
 def describe(job: pb.Job) -> str:
-    """One line for a job: id, state, progress, paths (and the error of a failed one)."""
+    """One line for a job: id, state, progress, paths, then the error of a failed one or the
+    latest message of any other (e.g. how a finished job's tensors were shared by --job-peers)."""
     line = (
         f"{job.job_id}  {state_name(job.state):<9}  {job.tensors_done}/{job.tensors_total} "
         f"tensors  {job.source} → {job.destination}"
     )
-    return line + (f"  error: {job.error}" if job.error else "")
+    if job.error:
+        return f"{line}  error: {job.error}"
+    return f"{line}  ({job.message})" if job.message else line
 
 
 # The CLI's part: `qmill submit` and `qmill jobs list|watch|cancel` (cli.py dispatches here).

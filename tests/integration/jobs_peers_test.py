@@ -111,3 +111,14 @@ def test_peers_get_the_peer_token_never_the_servers_own(monkeypatch):
     monkeypatch.setenv(config_lib.JOB_PEER_TOKEN_ENV, "peer-token")
     make = peers.backend_factory(config_lib.ServerConfig(job_peers="127.0.0.1:1"))
     assert make()._credentials.token == "peer-token"
+
+
+def test_the_cli_shows_how_a_finished_jobs_tensors_were_shared(make_server, source, tmp_path):
+    peer = make_server()
+    server = make_server(job_peers=peer.address)
+    submit = ["submit", "--server", server.address, str(source), str(tmp_path / "o.npz")]
+    assert cli.main([*submit, "--recipe", "int8", "--watch"]) == 0
+    with jobs.JobsClient(server.address, timeout=30) as client:
+        (job,) = client.list()
+    line = jobs.describe(job)
+    assert line.endswith(f"over 1 peer ({peer.address}: 24 tensors))"), line
