@@ -1,19 +1,22 @@
 # qmill server image. Build: docker build -t qmill .
 # CUDA build (NVIDIA GPUs): docker build --build-arg JAX_EXTRA=cuda13 -t qmill:cuda .
 # (JAX_EXTRA selects the jax[...] extra: "" for CPU, "cuda12" or "cuda13" for NVIDIA GPUs.)
+# Optional qmill extras: --build-arg QMILL_EXTRAS=objectstore (gs:// and s3:// batch jobs),
+# odml (ExportOdml, ~1.2 GB), or both comma-separated.
 
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
 ARG JAX_EXTRA=""
 ARG JAX_VERSION=0.10.2
+ARG QMILL_EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN python -m venv /opt/qmill
 ENV PATH=/opt/qmill/bin:$PATH
 # Dependencies first: this layer is reused until pyproject.toml changes.
 COPY pyproject.toml README.md ./
-RUN python -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); print('\n'.join(d['project']['dependencies']))" > /tmp/requirements.txt \
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = [e.strip() for e in os.environ['QMILL_EXTRAS'].split(',') if e.strip()]; print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && if [ -n "$JAX_EXTRA" ]; then pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}"; fi
 COPY proto ./proto
