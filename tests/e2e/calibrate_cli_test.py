@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-
 import grpc
 import jax
 import numpy as np
@@ -17,14 +12,6 @@ from qmill.client import calibrate as client_calibrate
 from qmill.client import checkpoints
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
-
-
-def _qmill(*args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("qmill", path=os.path.dirname(sys.executable))
-    command = [exe] if exe else [sys.executable, "-m", "qmill.client.cli"]
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=300, env=os.environ
-    )
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +32,13 @@ def setup(make_server, tmp_path_factory):
     return running.address, tmp, x
 
 
-def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup):
+def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup, run_qmill):
     address, tmp, x = setup
-    up = _qmill("upload", str(tmp / "cnn.npz"), "--server", address)
+    up = run_qmill("upload", str(tmp / "cnn.npz"), "--server", address)
     assert up.returncode == 0, up.stderr
     upload_id = up.stdout.split()[-1]
     common = ["--server", address, "--model", "cnn", "--config", '{"hidden": 64}']
-    first = _qmill(
+    first = run_qmill(
         "calibrate", *common, "--params-upload-id", upload_id, "--batches", str(tmp / "first.npy"),
         "--batch-size", "16",
     )  # fmt: skip
@@ -63,7 +50,7 @@ def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup):
     (tmp / "rules.toml").write_text(
         '[[rules]]\nweight_qtype = "int8"\nact_qtype = "int8"\nact_static_scale = true\n'
     )
-    second = _qmill(
+    second = run_qmill(
         "calibrate", *common, "--params", str(tmp / "cnn.npz"), "--batches",
         str(tmp / "second.npy"), "--batch-size", "16", "--calibration-id", cid, "--rules",
         str(tmp / "rules.toml"), "--stats-output", str(tmp / "stats.npz"), "--ptq-output",
@@ -105,9 +92,9 @@ def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup):
         (["--model", "cnn", "--rules", "w9a9"], "neither a preset"),
     ],
 )
-def test_calibrate_errors_print_one_line(setup, args, message):
+def test_calibrate_errors_print_one_line(setup, run_qmill, args, message):
     address, tmp, _ = setup
-    result = _qmill(
+    result = run_qmill(
         "calibrate", "--server", address, "--params", str(tmp / "cnn.npz"), "--batches",
         str(tmp / "first.npy"), *args,
     )  # fmt: skip

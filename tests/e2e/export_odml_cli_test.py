@@ -6,11 +6,7 @@ interpreter against the JAX static-range PTQ model made from the same params and
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
-import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -28,14 +24,6 @@ digits = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(digits)
 
 W8A8 = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
-
-
-def _qmill(*args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("qmill", path=os.path.dirname(sys.executable))
-    command = [exe] if exe else [sys.executable, "-m", "qmill.client.cli"]
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=300, env=os.environ
-    )
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +49,14 @@ def trained(tmp_path_factory):
     return tmp, params, (x[1400:], y[1400:])
 
 
-def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(make_server, trained):
+def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(
+    make_server, trained, run_qmill
+):
     from ai_edge_litert.interpreter import Interpreter
 
     tmp, params, (xt, yt) = trained
     address = make_server(data_dir=str(tmp / "data")).address
-    cal = _qmill(
+    cal = run_qmill(
         "calibrate", "--server", address, "--model", "cnn", "--params", str(tmp / "cnn.npz"),
         "--batches", str(tmp / "calibration.npy"), "--batch-size", "200",
         "--rules", "w8a8-static", "--stats-output", str(tmp / "stats.npz"),
@@ -75,7 +65,7 @@ def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(make_s
     calibration_id = cal.stdout.split("calibration ", 1)[1].split(":", 1)[0]
 
     out = tmp / "cnn.tflite"
-    export = _qmill(
+    export = run_qmill(
         "export-odml", "--server", address, "--model", "cnn", "--config", "{}",
         "--params", str(tmp / "cnn.npz"), "--calibration-id", calibration_id,
         "--rules", "w8a8", "-o", str(out),
