@@ -42,6 +42,8 @@ import grpc
 import numpy as np
 import safetensors.numpy
 
+from qmill.client.checkpoints import safetensors_header
+
 CHUNK = 4 * 1024 * 1024
 RAW_METHOD = "/bench.Raw/Push"
 QMILL = [sys.executable, "-m", "qmill.client.cli"]
@@ -88,23 +90,22 @@ def make_checkpoint(
 ) -> tuple[pathlib.Path, int]:
     """A safetensors file of `count` f32 (out, in) weights of ~tensor_mib each; (path, bytes).
 
-    Written one tensor at a time through safetensors' header + raw bytes layout, so making a
+    The header (qmill's own encoder) and then the tensors one at a time, so making a
     checkpoint larger than memory needs only one tensor in memory.
     """
     side = int((tensor_mib * 2**20 / 4) ** 0.5)
     nbytes = side * side * 4
-    header: dict[str, object] = {}
-    for i in range(count):
-        header[f"layers.{i}.weight"] = {
+    header = {
+        f"layers.{i}.weight": {
             "dtype": "F32",
             "shape": [side, side],
             "data_offsets": [i * nbytes, (i + 1) * nbytes],
         }
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+        for i in range(count)
+    }
     rng = np.random.default_rng(seed)
     with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        f.write(safetensors_header.encode_header(header, {}))
         for _ in range(count):
             f.write(rng.standard_normal((side, side), np.float32).tobytes())
     return path, count * nbytes

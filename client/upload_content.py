@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import pathlib
-import struct
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -173,9 +171,7 @@ def _converted(name: str, source: protocols.TensorSource) -> Content:
             "data_offsets": [position, position + e.nbytes],
         }
         position += e.nbytes
-    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    head = struct.pack("<Q", len(encoded)) + encoded
+    head = safetensors_header.encode_header(header, {}, utf8_names=True)
     parts = (Part(len(head), lambda: head), *(Part(e.nbytes, _reader(source, e)) for e in entries))
     return Content(name=name, parts=parts)
 

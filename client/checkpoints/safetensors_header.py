@@ -92,15 +92,22 @@ def _check_tensor(path: pathlib.Path, name: str, info: Any, data_bytes: int) -> 
 
 
 def encode_header(
-    tensors: dict[str, dict[str, Any]], metadata: dict[str, str], *, size: int | None = None
+    tensors: dict[str, dict[str, Any]],
+    metadata: dict[str, str],
+    *,
+    size: int | None = None,
+    utf8_names: bool = False,
 ) -> bytes:
     """The 8-byte length and the JSON header, padded with spaces to a multiple of 8 or, when
-    `size` is given and large enough, to exactly `size` bytes (space reserved ahead of time)."""
+    `size` is given and large enough, to exactly `size` bytes (space reserved ahead of time).
+
+    `utf8_names` writes non-ASCII names as UTF-8, as the safetensors library does, instead of
+    JSON \\u escapes (both read back the same)."""
     header: dict[str, Any] = {}
     if metadata:
         header[METADATA_KEY] = metadata
     header.update(tensors)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=not utf8_names).encode()
     target = size if size is not None and size >= len(encoded) else len(encoded)
     encoded += b" " * (target - len(encoded) + (-target % 8))
     return struct.pack("<Q", len(encoded)) + encoded
