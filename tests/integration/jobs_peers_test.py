@@ -5,7 +5,6 @@ others; with every peer dead the job fails and says why."""
 from __future__ import annotations
 
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -25,14 +24,9 @@ def _closed_port() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _finished(client: jobs.JobsClient, job_id: str, seconds: float = 60.0) -> pb.Job:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        job = client.get(job_id)
-        if job.state in jobs.FINAL_STATES:
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not finish: {client.get(job_id)}")
+def _finished(client: jobs.JobsClient, job_id: str) -> pb.Job:
+    """The job once final: WatchJob's stream ends with it."""
+    return list(client.watch(job_id))[-1].job
 
 
 @pytest.fixture(scope="module")
