@@ -12,6 +12,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from qmill.engine import numerics
+
 _PREFIX = "sum_of_"
 
 
@@ -42,7 +44,7 @@ def calibration(stat: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """The averaged calibration; a statistic with count 0 averages to zeros."""
     count = jnp.maximum(stat["count"], 1).astype(jnp.float32)
     return {
-        key.removeprefix(_PREFIX): value / count
+        key.removeprefix(_PREFIX): numerics.divide_broadcast(value, count, jnp.float32)
         for key, value in stat.items()
         if key.startswith(_PREFIX)
     }

@@ -98,7 +98,7 @@ def _rms(x: jax.Array, tiles: Sequence[int]) -> jax.Array:
     total = tiling.reduce_tiles(square, tiles, jnp.sum)
     count = x.size // total.size
     mean = numerics.fit(numerics.divide_broadcast(total, float(count), jnp.float32), x.dtype)
-    return numerics.fit(jnp.sqrt(mean), x.dtype)
+    return numerics.fit(numerics.sqrt(mean), x.dtype)
 
 
 def calibrate(x: jax.Array, method: str | Method, tiles: Sequence[int]) -> dict[str, jax.Array]:

@@ -13,9 +13,10 @@ implements where the reason is not obvious.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,42 @@ _NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
 # (which XLA keeps), broadcast divisions are written as the reciprocal multiply they compile to,
 # and true divisions get a divisor XLA can't see as a broadcast (`b + a * 0`, not foldable for
 # floats). All of it stays inside the same fused elementwise loop.
+#
+# Same bits on every backend. XLA:GPU lowers float32 division to `div.full.f32` (within 2 ulp,
+# not correctly rounded) where XLA:CPU, on which the reference was measured, divides exactly. So
+# off the CPU every array division and square root is done in float64 and rounded to float32
+# (`_correctly_rounded`): float64's are IEEE on every backend, and rounding a float64 quotient or
+# root of float32 operands to float32 gives the correctly rounded float32 result (double rounding
+# is innocuous for ÷ and √ since 53 ≥ 2·24 + 2). These are per-scale ops (a reciprocal per
+# channel or tile), not per-element, except degenerate one-element tiles. On the CPU they stay in
+# float32: XLA:CPU fuses the float64→float32 convert into the elementwise loop, which made bf16
+# int8 quantization ~45 % slower for no change in bits.
+
+# None: float64 ÷ and √ off the CPU only; True/False forces it (float64_arithmetic()).
+_FLOAT64_ARITHMETIC: bool | None = None
+
+
+@contextlib.contextmanager
+def float64_arithmetic(enabled: bool | None) -> Iterator[None]:
+    """Forces (or, with None, restores the default of) float64 ÷ and √ within the block.
+
+    For tests and diagnosis on the CPU. Jitted functions already traced keep their choice, so
+    jax's caches are cleared on entry and exit. Not thread-safe: process-wide.
+    """
+    global _FLOAT64_ARITHMETIC
+    saved, _FLOAT64_ARITHMETIC = _FLOAT64_ARITHMETIC, enabled
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _FLOAT64_ARITHMETIC = saved
+        jax.clear_caches()
+
+
+def _use_float64() -> bool:
+    if _FLOAT64_ARITHMETIC is not None:
+        return _FLOAT64_ARITHMETIC
+    return jax.default_backend() != "cpu"
 
 
 def wide_dtype(dtype: jnp.dtype) -> np.dtype:
@@ -62,13 +99,28 @@ def const(c: float, dtype: jnp.dtype) -> float:
     return float(np.asarray(c, dtype=dtype).astype(np.float64))
 
 
+def _correctly_rounded(op, *args: jax.Array) -> jax.Array:
+    """op on wide float arrays, correctly rounded on every backend (see above), in their dtype."""
+    dtype = jnp.result_type(*args)
+    if np.dtype(dtype) != np.dtype(np.float32) or not _use_float64():
+        return op(*args)
+    with jax.enable_x64(True):
+        return op(*(a.astype(jnp.float64) for a in args)).astype(jnp.float32)
+
+
+def sqrt(v: jax.Array) -> jax.Array:
+    """√v of a wide float array, correctly rounded on every backend."""
+    return _correctly_rounded(jnp.sqrt, widen(v))
+
+
 def reciprocal(b: jax.Array | float, dtype: jnp.dtype) -> jax.Array | float:
     """1 / b as the broadcast division of `dtype` computes it (see above)."""
     f16 = np.dtype(dtype) == np.dtype(jnp.float16)
     if isinstance(b, float | int):
         r = np.float32(1) / np.float32(const(b, dtype))
         return const(r, dtype) if f16 else float(r)
-    r = 1 / widen(b)
+    b = widen(b)
+    r = _correctly_rounded(lambda d: 1 / d, b)
     return fit(r, dtype) if f16 else r
 
 
@@ -110,7 +162,7 @@ def divide_broadcast(a: jax.Array, b: jax.Array | float, dtype: jnp.dtype) -> ja
 def divide_exact(a: jax.Array, b: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """`a / b` in `dtype` (wide in, wide out) where b has a's shape: a true division."""
     a = widen(a)
-    return fit(a / (widen(b) + a * 0), dtype)
+    return fit(_correctly_rounded(jnp.divide, a, widen(b) + a * 0), dtype)
 
 
 def _snap_pow2(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:

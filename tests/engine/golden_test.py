@@ -1,4 +1,9 @@
-"""Bit-for-bit agreement with the reference (Qwix 0.1.8) on the fixtures of make_golden.py."""
+"""Bit-for-bit agreement with the reference (Qwix 0.1.8) on the fixtures of make_golden.py.
+
+Each case runs twice: with the backend's default arithmetic and with ÷ and √ forced through
+float64, the route taken off the CPU (numerics, "Same bits on every backend"), so CI on a CPU
+checks the bits a GPU server computes.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qmill.engine import qarray
+from qmill.engine import numerics, qarray
 
 _FILE = pathlib.Path(__file__).parent / "golden" / "cases.npz"
 _DATA = np.load(_FILE)
@@ -35,8 +40,14 @@ def test_fixture_is_small() -> None:
     assert len(_META) > 100
 
 
+@pytest.fixture(scope="module", params=["default", "float64"])
+def arithmetic(request: pytest.FixtureRequest):
+    with numerics.float64_arithmetic(True if request.param == "float64" else None):
+        yield
+
+
 @pytest.mark.parametrize("case", _META, ids=_case_id)
-def test_matches_reference_bit_for_bit(case: dict) -> None:
+def test_matches_reference_bit_for_bit(case: dict, arithmetic: None) -> None:
     p = f"c{case['id']}/"
     x = jnp.asarray(_from_bits(_DATA[p + "x"], case["dtype"]))
     noise_fn = None
