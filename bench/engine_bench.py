@@ -7,6 +7,8 @@ Cases: int8, fp8 (float8_e4m3fn) and nf4 channelwise (axis 1), int4 with tiles o
 (channelwise on axis 1), each on bf16 and f32 input. Paths, each timed best-of-repeats:
   quantize  jit(qarray.quantize): device array in, QArray out (4-bit codes packed by XLA).
   bytes     jit(qarray.quantize_bytes): the same, 4-bit codes as uint8 bytes (what leaf.py runs).
+  eager     qarray.quantize called without jit, as quantize_params calls it: the NaN/Inf check
+            included, and on the CPU 4-bit codes computed as bytes and packed by numpy.
   donated   `quantize` with the input buffer donated (a fresh device copy per run, untimed).
   leaf      leaf.quantize_leaf: host numpy in, host numpy out plus the quality figures; the
             service's per-tensor unit of work (transfers and the SQNR pass included).
@@ -14,8 +16,8 @@ Throughput = (input bytes + qvalue bytes (itemsize, 1 for 4-bit) + scale bytes) 
 with baselines measured in the same run: numpy copy (np.copyto, bytes in + out; the CPU
 reference) and a jitted copy (device to device; the GPU reference). Transfers: host→device of the
 input, device→host of the outputs (packed 4-bit vs bytes). Each quantize path is checked to give
-the same bits as `quantize`. The targets of issue #2 are evaluated on the `quantize` and `bytes`
-paths and printed with the ratios.
+the same bits as `quantize`. The targets of issue #2 are evaluated on the `quantize`, `bytes` and
+`eager` paths and printed with the ratios.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def _bench_case(x_host, x, name, kw, dtype_name, repeats, copy_gbs, jcopy_gbs):
         {
             "quantize": lambda: jax.block_until_ready(quantize(x)),
             "bytes": lambda: jax.block_until_ready(as_bytes(x)),
+            "eager": lambda: jax.block_until_ready(qarray.quantize(x, how)),
             "donated": (fresh, lambda a: jax.block_until_ready(donated(a))),
         },
         repeats,
@@ -143,6 +146,7 @@ def _bench_case(x_host, x, name, kw, dtype_name, repeats, copy_gbs, jcopy_gbs):
     consistent = {
         "bytes": _same(qarray.storage_view(np.asarray(codes), kw["qtype"]), expected)
         and _same(np.asarray(scale), np.asarray(q.scale)),
+        "eager": _same(np.asarray(qarray.quantize(x, how).qvalue), expected),
         "donated": _same(np.asarray(donated(jax.device_put(x_host)).qvalue), expected),
         "leaf": _same(result.qvalue, expected) and _same(result.scale, np.asarray(q.scale)),
     }
@@ -153,7 +157,7 @@ def _targets(rows: list[dict], on_gpu: bool) -> list[dict]:
     pct = "pct_jitted_copy" if on_gpu else "pct_numpy_copy"
     by = {(r["dtype"], r["case"], r["path"]): r for r in rows}
     out = []
-    for path in ("quantize", "bytes"):
+    for path in ("quantize", "bytes", "eager"):
         for dtype in sorted({r["dtype"] for r in rows}):
             for label, num, den, bound, kind in TARGETS:
                 a = by[(dtype, num, path)]

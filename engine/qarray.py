@@ -8,9 +8,11 @@ Lingo:
   calibration   {"absmax"} or {"min", "max"} per tile (calibration.py).
 
 Invalid / non-finite input: `quantize` called eagerly (not under a jax transformation) raises
-ValueError when a tile's calibration is NaN/Inf, or, for fixed ranges, when x has a NaN/Inf. Under
-jit nothing can be raised: a tile holding NaN/Inf gets a NaN/Inf scale, its codes are unspecified
-and it dequantizes to NaN — callers that jit must check inputs themselves (leaf.py does).
+ValueError when x has a NaN/Inf. Under jit nothing can be raised: a tile holding NaN/Inf usually
+gets a NaN/Inf scale and dequantizes to NaN, but XLA:CPU's max/min reductions drop NaN for some
+shapes (e.g. float32 rows of 64+; openxla/xla#21461, the reference is affected alike), and then
+the tile keeps a finite scale and the NaN becomes code 0. Callers that jit must check inputs
+themselves (leaf.py does).
 """
 
 from __future__ import annotations
@@ -271,17 +273,32 @@ def storage_view(codes: np.ndarray, qtype: Any) -> np.ndarray:
     return codes if codes.dtype == storage else codes.view(storage)
 
 
-@functools.partial(jax.jit, static_argnames=("how", "scale_dtype"))
-def _quantize_checked(
-    array: jax.Array, how: HowToQuantize, scale_dtype: str | None
-) -> tuple[QArray, jax.Array]:
-    qa = _quantize(array, how, scale_dtype)
-    if calibration_lib.parse(how.calibration_method).is_fixed:
-        finite = jnp.isfinite(array).all()
-    else:
-        # A tile with NaN/Inf has a NaN/Inf scale: checking the scales is nearly free.
-        finite = jnp.isfinite(qa.scale).all()
-    return qa, finite
+_quantize_eager = jax.jit(_quantize_parts, static_argnums=(1, 2, 3))
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    """Whether x has no NaN/Inf: x · 0 is 0, or NaN where x is not finite, and a sum keeps it.
+
+    Not read off the scales: XLA:CPU's float max may drop a NaN (see the module doc). Its own
+    jit: fused with the quantization, on bf16 it shares the f32 convert of x with the quantizing
+    loop, which XLA then materializes as a whole f32 copy (6x slower); alone it adds one read of
+    x (~1.6 ms for 4096² bf16 on the CPU). XLA doesn't fold x · 0 for floats.
+    """
+    return jnp.isfinite(jnp.sum(x * 0))
+
+
+def _packs_on_host(array: jax.Array, qtype: str) -> bool:
+    """Whether 4-bit codes are better packed by numpy than by XLA: on the CPU, ~5x faster.
+
+    XLA:CPU writes int4/uint4 arrays one element at a time (numerics.to_qtype); computing the
+    codes as bytes, viewing them as the storage dtype on the host and putting them back costs a
+    host round trip, which on the CPU is a memcpy. Accelerators pack fine and keep the codes.
+    """
+    storage = np.dtype(qtypes.get(qtype).storage)
+    if storage not in (np.dtype(jnp.int4), np.dtype(jnp.uint4)):
+        return False
+    return all(d.platform == "cpu" for d in array.devices())
 
 
 def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -> QArray:
@@ -296,14 +313,24 @@ def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -
     scale_dtype = _dtype_name(scale_dtype)
     if isinstance(array, jax.core.Tracer):
         return _quantize(array, how, scale_dtype)
-    qa, finite = _quantize_checked(array, how, scale_dtype)
+    as_bytes = _packs_on_host(array, how.qtype)
+    codes, scale, zero_point = _quantize_eager(array, how, scale_dtype, as_bytes)
+    finite = _all_finite(array)
     # Under an outer trace (a concrete array closed over in jit) the flag is traced: no check.
     if not isinstance(finite, jax.core.Tracer) and not bool(finite):
         raise ValueError(
             f"array of shape {array.shape} contains NaN or Inf; quantizing it would spread them "
             "over whole scale tiles. Clean the tensor or leave it unquantized"
         )
-    return qa
+    if as_bytes:
+        storage = qtypes.get(how.qtype).storage
+        if isinstance(codes, jax.core.Tracer):  # under an outer trace: convert in the graph
+            codes = numerics.from_bytes(codes, how.qtype).astype(storage)
+        else:
+            # Where the input is; committed only if it was, as a jitted output would be.
+            place = array.sharding if array.committed else None
+            codes = jax.device_put(storage_view(np.asarray(codes), how.qtype), place)
+    return QArray(codes, scale, zero_point, how.qtype)
 
 
 def dequantize(qa: QArray) -> jax.Array:

@@ -106,17 +106,18 @@ def test_nan_and_inf_reach_their_tiles_scale(dtype, bad) -> None:
             qarray.quantize(x, how)
 
 
-@pytest.mark.parametrize(
-    ("qtype", "channelwise", "tiled", "method"),
-    [
-        ("int4", (1,), {0: 16}, "absmax"),
-        ("int4", (0,), {1: 16}, "minmax"),
-        ("uint4", (1,), {}, "absmax"),
-        ("nf4", (1,), {0: 32}, "absmax,0.9"),
-        ("int8", (0,), {}, "rms,3"),
-        ("float8_e4m3fn", (1,), {}, "absmax"),
-    ],
-)
+_BYTES_CASES = [
+    ("int4", (1,), {0: 16}, "absmax"),
+    ("int4", (0,), {1: 16}, "minmax"),
+    ("uint4", (1,), {}, "absmax"),
+    ("int2", (0,), {}, "absmax"),
+    ("nf4", (1,), {0: 32}, "absmax,0.9"),
+    ("int8", (0,), {}, "rms,3"),
+    ("float8_e4m3fn", (1,), {}, "absmax"),
+]
+
+
+@pytest.mark.parametrize(("qtype", "channelwise", "tiled", "method"), _BYTES_CASES)
 def test_quantize_bytes_equals_quantize(qtype, channelwise, tiled, method) -> None:
     x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 96)), jnp.bfloat16)
     how = qarray.HowToQuantize(
@@ -135,3 +136,35 @@ def test_quantize_bytes_equals_quantize(qtype, channelwise, tiled, method) -> No
         np.testing.assert_array_equal(np.asarray(zero_point), np.asarray(q.zero_point))
     deq = qarray.dequantize_bytes(codes, qtype, scale, zero_point)
     np.testing.assert_array_equal(np.asarray(deq), np.asarray(qarray.dequantize(q)))
+
+
+@pytest.mark.parametrize(("qtype", "channelwise", "tiled", "method"), _BYTES_CASES)
+def test_eager_quantize_equals_traced_quantize(qtype, channelwise, tiled, method) -> None:
+    # Eagerly on the CPU, 4-bit codes are packed by numpy (qarray._packs_on_host); under a trace
+    # XLA packs them, and a concrete array closed over in jit takes the eager entry but traced.
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 96)), jnp.float32)
+    how = qarray.HowToQuantize(
+        qtype=qtype, channelwise_axes=channelwise, tiled_axes=tiled, calibration_method=method
+    )
+    eager = qarray.quantize(x, how)
+    traced = jax.jit(lambda a: qarray.quantize(a, how))(x)
+    others = [traced]
+    if not method.startswith("rms"):
+        # A closed-over array is a constant: XLA folds the whole quantization at compile time
+        # with its HLO evaluator, whose sums (rms) add in another order than compiled code.
+        others.append(jax.jit(lambda: qarray.quantize(x, how))())
+    for other in others:
+        assert eager.qvalue.dtype == other.qvalue.dtype == qtypes.get(qtype).storage
+        np.testing.assert_array_equal(
+            np.asarray(eager.qvalue).view(np.uint8), np.asarray(other.qvalue).view(np.uint8)
+        )
+        np.testing.assert_array_equal(np.asarray(eager.scale), np.asarray(other.scale))
+        assert (eager.zero_point is None) == (other.zero_point is None)
+        if eager.zero_point is not None:
+            np.testing.assert_array_equal(eager.zero_point, other.zero_point)
+    assert eager.qvalue.sharding == x.sharding
+    assert eager.qvalue.committed == x.committed == traced.qvalue.committed
+    on_cpu0 = jax.device_put(x, jax.devices("cpu")[0])
+    assert qarray.quantize(on_cpu0, how).qvalue.committed
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        qarray.quantize(x.at[3, 5].set(jnp.nan), how)
