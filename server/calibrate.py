@@ -135,6 +135,14 @@ class Session:
             array = array.astype(want)
         if array.shape[0] == 0:
             raise ValueError("empty batch: send at least one example")
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            # Stats are sums kept across calls: one NaN would spoil the calibration id for good,
+            # or vanish in a max reduction that drops it (XLA:CPU does for some shapes).
+            bad = np.flatnonzero(~np.isfinite(array).reshape(len(array), -1).all(axis=1))
+            raise ValueError(
+                f"batch has NaN or Inf values in {len(bad)} example(s) (first: example "
+                f"{int(bad[0])}); clean or drop them"
+            )
         return array
 
     def add_batch(self, array: np.ndarray) -> None:

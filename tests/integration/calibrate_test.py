@@ -104,6 +104,24 @@ def test_a_batch_of_the_wrong_shape_is_invalid_argument(setup):
     assert info.value.code == "INVALID_ARGUMENT"
 
 
+def test_a_batch_with_nan_is_refused_and_leaves_the_calibration_as_it_was(setup):
+    channel, uid, x = setup
+    batches = np.split(x, 4)
+    one = client_calibrate.calibrate(channel, _start(uid), batches)
+    cid = client_calibrate.calibrate(channel, _start(uid), batches[:2]).summary.calibration_id
+    spoiled = batches[2].copy()
+    spoiled[5, 3, 4, 0] = np.nan
+    with pytest.raises(
+        errors.QmillError, match=r"NaN or Inf .* 1 example\(s\) \(first: example 5\)"
+    ) as info:
+        client_calibrate.calibrate(channel, _start(uid, calibration_id=cid), [batches[2], spoiled])
+    assert info.value.code == "INVALID_ARGUMENT"
+    after = client_calibrate.calibrate(channel, _start(uid, calibration_id=cid), batches[2:])
+    assert after.summary.batches_total == 4
+    for path, value in one.stats.items():
+        np.testing.assert_array_equal(value, after.stats[path], err_msg=path)
+
+
 def test_capabilities_list_the_models(setup):
     channel, _, _ = setup
     caps = pb_grpc.QuantizerStub(channel).GetCapabilities(pb.GetCapabilitiesRequest())
