@@ -42,7 +42,7 @@ _NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
 #
 # Same bits on every backend. XLA:GPU lowers float32 division to `div.full.f32` (within 2 ulp,
 # not correctly rounded) where XLA:CPU, on which the reference was measured, divides exactly. So
-# off the CPU every array division and square root is done in float64 and rounded to float32
+# on a GPU every array division and square root is done in float64 and rounded to float32
 # (`_correctly_rounded`): float64's are IEEE on every backend, and rounding a float64 quotient or
 # root of float32 operands to float32 gives the correctly rounded float32 result (double rounding
 # is innocuous for ÷ and √ since 53 ≥ 2·24 + 2). These are per-scale ops (a reciprocal per
@@ -50,7 +50,7 @@ _NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
 # float32: XLA:CPU fuses the float64→float32 convert into the elementwise loop, which made bf16
 # int8 quantization ~45 % slower for no change in bits.
 
-# None: float64 ÷ and √ off the CPU only; True/False forces it (float64_arithmetic()).
+# None: float64 ÷ and √ on GPUs only; True/False forces it (float64_arithmetic()).
 _FLOAT64_ARITHMETIC: bool | None = None
 
 
@@ -74,7 +74,8 @@ def float64_arithmetic(enabled: bool | None) -> Iterator[None]:
 def _use_float64() -> bool:
     if _FLOAT64_ARITHMETIC is not None:
         return _FLOAT64_ARITHMETIC
-    return jax.default_backend() != "cpu"
+    # TPUs are left out: whether XLA:TPU's f64 (emulated, if at all) is IEEE is not known here.
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def wide_dtype(dtype: jnp.dtype) -> np.dtype:

@@ -6,7 +6,7 @@ itself no longer matches its CPU fixtures. This script runs the reference (Qwix 
 oracle, never a dependency) and qmill side by side on the default device, for every golden case,
 and prints where qmill differs from the reference on that device and where either differs from
 the CPU fixtures. qmill's promise is the CPU fixtures' bits on every device (numerics, "Same bits
-on every backend": ÷ and √ go through float64 off the CPU), so "qmill-vs-cpu" is the column to
+on every backend": ÷ and √ go through float64 on GPUs), so "qmill-vs-cpu" is the column to
 watch; "qmill-vs-ref" on a GPU only shows where the reference itself drifts. Run by hand where
 qwix is importable:
 

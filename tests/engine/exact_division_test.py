@@ -3,7 +3,7 @@
 XLA:CPU divides float32 exactly, so on CPU the golden tests cannot tell an exact division from an
 approximate one; XLA:GPU's float32 division is not correctly rounded. What makes the GPU agree
 is where the arithmetic happens, so these tests check that in the compiled program: with the
-float64 route forced (the default off the CPU), every divide and sqrt of the quantization runs in
+float64 route forced (the default on GPUs), every divide and sqrt of the quantization runs in
 float64 and nothing float64 leaks into the outputs. They also check the float64 route gives
 numpy's correctly rounded float32 results on hard operands. golden_test.py runs every reference
 case through it too.
@@ -113,5 +113,5 @@ def test_the_cpu_default_divides_in_float32() -> None:
     x = jnp.ones((8, 8), jnp.float32)
     with numerics.float64_arithmetic(None):
         ops = _arith_dtypes(lambda a: qarray.quantize(a, how), x)
-    expected = "f32" if jax.default_backend() == "cpu" else "f64"
+    expected = "f64" if jax.default_backend() in ("gpu", "cuda", "rocm") else "f32"
     assert ops and {d for d, _ in ops} == {expected}, ops

@@ -1,7 +1,7 @@
 """Bit-for-bit agreement with the reference (Qwix 0.1.8) on the fixtures of make_golden.py.
 
 Each case runs twice: with the backend's default arithmetic and with ÷ and √ forced through
-float64, the route taken off the CPU (numerics, "Same bits on every backend"), so CI on a CPU
+float64, the route taken on GPUs (numerics, "Same bits on every backend"), so CI on a CPU
 checks the bits a GPU server computes.
 """
 
