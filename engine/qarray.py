@@ -295,8 +295,7 @@ def _packs_on_host(array: jax.Array, qtype: str) -> bool:
     codes as bytes, viewing them as the storage dtype on the host and putting them back costs a
     host round trip, which on the CPU is a memcpy. Accelerators pack fine and keep the codes.
     """
-    storage = np.dtype(qtypes.get(qtype).storage)
-    if storage not in (np.dtype(jnp.int4), np.dtype(jnp.uint4)):
+    if numerics.byte_dtype(qtype) == np.dtype(qtypes.get(qtype).storage):  # not 4-bit
         return False
     return all(d.platform == "cpu" for d in array.devices())
 

@@ -135,10 +135,10 @@ class Session:
             array = array.astype(want)
         if array.shape[0] == 0:
             raise ValueError("empty batch: send at least one example")
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            # Stats are sums kept across calls: one NaN would spoil the calibration id for good,
-            # or vanish in a max reduction that drops it (XLA:CPU does for some shapes).
-            bad = np.flatnonzero(~np.isfinite(array).reshape(len(array), -1).all(axis=1))
+        # Stats are sums kept across calls: one NaN would spoil the calibration id for good, or
+        # vanish in a max reduction that drops it (XLA:CPU does for some shapes).
+        bad = np.flatnonzero(~np.isfinite(array).reshape(len(array), -1).all(axis=1))
+        if bad.size:
             raise ValueError(
                 f"batch has NaN or Inf values in {len(bad)} example(s) (first: example "
                 f"{int(bad[0])}); clean or drop them"
