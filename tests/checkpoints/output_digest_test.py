@@ -1,0 +1,77 @@
+"""Outputs stay byte for byte what they were: every refactor must keep these digests.
+
+The example checkpoint in each source format is quantized with each preset into each output
+format with the in-process engine; safetensors and npz files are hashed as written. Orbax
+directories name their data files at random and stamp times in their metadata, so for them the
+digest covers what a reader gets back: every tensor's path, dtype, shape and bytes.
+
+Quantized codes and scales are exact on every x86-64 CPU (NUMERICS.md), so the digests are too.
+The expected values were recorded before the "one house" refactor (tests/checkpoints/digests.json);
+regenerate them only for a deliberate change of the output format, never to make this pass.
+"""
+
+import hashlib
+import json
+import pathlib
+
+import pytest
+
+from qmill.client import embedded, job, recipes
+from qmill.client.checkpoints import examples, formats
+
+EXPECTED = json.loads((pathlib.Path(__file__).parent / "digests.json").read_text())
+SOURCES = {"orbax": "src_orbax", "safetensors": "src.safetensors", "npz": "src.npz"}
+
+
+def _tensor_digest(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with formats.open_source(path) as source:
+        for entry in source.entries():
+            array = source.read(entry.path)
+            digest.update(f"{entry.path}\0{array.dtype.name}\0{array.shape}\0".encode())
+            digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _digest(path: pathlib.Path, fmt: str) -> str:
+    if fmt == "orbax":
+        return _tensor_digest(path)
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    for f in files:
+        digest.update(f.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def digests(root: pathlib.Path) -> dict[str, str]:
+    found = {}
+    for source_format, name in SOURCES.items():
+        source = root / name
+        examples.write_example_checkpoint(source, source_format)
+        for recipe in sorted(recipes.PRESETS):
+            for fmt in ("orbax", "safetensors", "npz"):
+                out = root / f"{source_format}-{recipe}-{fmt}"
+                job.quantize_checkpoint(
+                    source,
+                    out,
+                    recipes.load(recipe),
+                    backend=embedded.EmbeddedClient(),
+                    output_format=fmt,
+                )
+                found[f"{source_format}/{recipe}/{fmt}"] = _digest(out, fmt)
+    return found
+
+
+@pytest.mark.slow
+def test_outputs_are_byte_identical_to_the_recorded_digests(tmp_path):
+    assert digests(tmp_path) == EXPECTED
+
+
+if __name__ == "__main__":  # python tests/checkpoints/output_digest_test.py > digests.json
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        json.dump(digests(pathlib.Path(tmp)), sys.stdout, indent=1, sort_keys=True)
+        print()
