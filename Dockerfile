@@ -21,8 +21,10 @@ RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb')
     && if [ -n "$JAX_EXTRA" ]; then pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}"; fi
 COPY proto ./proto
 COPY engine ./engine
+COPY checkpoints ./checkpoints
 COPY server ./server
 COPY client ./client
+COPY cli ./cli
 RUN pip install --no-deps .
 
 FROM python:${PYTHON_VERSION}-slim

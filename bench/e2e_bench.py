@@ -42,15 +42,15 @@ import grpc
 import numpy as np
 import safetensors.numpy
 
-from qmill.client.checkpoints import safetensors_header
+from qmill.checkpoints import safetensors_header
 
 CHUNK = 4 * 1024 * 1024
 RAW_METHOD = "/bench.Raw/Push"
-QMILL = [sys.executable, "-m", "qmill.client.cli"]
+QMILL = [sys.executable, "-m", "qmill.cli"]
 # The CLI in a process that writes its own peak RSS (VmHWM) to $QMILL_BENCH_HWM as it exits.
 CLIENT = r"""
 import atexit, os, sys
-from qmill.client import cli
+from qmill.cli import main as cli
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):

@@ -24,7 +24,7 @@ def server_info(channel: grpc.Channel, *, timeout: float | None = None) -> pb.Se
     try:
         return pb_grpc.AdminStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
     except grpc.RpcError as e:
-        raise errors.QmillError.from_rpc_error(e) from None
+        raise errors.from_rpc_error(e) from None
 
 
 def as_dict(info: pb.ServerInfo) -> dict[str, Any]:

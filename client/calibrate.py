@@ -110,7 +110,7 @@ def calibrate(
                 target, key, assembler = pending.pop(0)
                 target[key] = np.array(assembler.finish())
     except grpc.RpcError as exc:
-        raise errors.QmillError.from_rpc_error(exc) from exc
+        raise errors.from_rpc_error(exc) from exc
     except wire.WireError as exc:
         raise errors.QmillError("DATA_LOSS", str(exc)) from exc
     if summary is None or pending:
@@ -206,7 +206,7 @@ def load_batches(path: str | os.PathLike[str], batch_size: int) -> Iterator[np.n
 def write_ptq(result: CalibrateResult, destination: str, *, overwrite: bool = False) -> int:
     """Writes the PTQ params as a checkpoint (.safetensors / .npz by suffix, else an Orbax
     directory) in the Qwix PTQ layout (P/array/qvalue, P/array/scale); returns the tensor count."""
-    from qmill.client import checkpoints  # lazy: Orbax writing imports jax
+    from qmill import checkpoints  # lazy: Orbax writing imports jax
 
     if not result.params:
         raise ValueError("the server sent no PTQ params (ask for them with return_ptq_params)")

@@ -1,20 +1,14 @@
-"""One exception for everything that goes wrong talking to qmill."""
+"""One exception for everything that goes wrong talking to qmill, and the one map to it."""
 
 from __future__ import annotations
 
 import grpc
 
+from qmill.checkpoints.errors import QmillError as QmillError
 
-class QmillError(Exception):
-    """A failed call or job. `code` is the gRPC status name (e.g. "INVALID_ARGUMENT")."""
 
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
-
-    @classmethod
-    def from_rpc_error(cls, error: grpc.RpcError) -> QmillError:
-        code = error.code() if hasattr(error, "code") else None
-        details = error.details() if hasattr(error, "details") else str(error)
-        return cls(code.name if code is not None else "UNKNOWN", details or "")
+def from_rpc_error(error: grpc.RpcError) -> QmillError:
+    """The QmillError of a failed RPC: its status name and details."""
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    return QmillError(code.name if code is not None else "UNKNOWN", details or "")

@@ -75,7 +75,7 @@ def export_odml(
             raise errors.QmillError("DATA_LOSS", "the .tflite bytes fail their crc32c check")
         os.replace(partial, out)
     except grpc.RpcError as e:
-        raise errors.QmillError.from_rpc_error(e) from None
+        raise errors.from_rpc_error(e) from None
     finally:
         partial.unlink(missing_ok=True)
     return ExportResult(path=out, info=info)

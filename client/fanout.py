@@ -9,7 +9,7 @@ the front of the feed for the others; a status that describes the request (INVAL
 UNAUTHENTICATED, …) would fail on every replica and is raised at once. When every replica has
 failed, the last error is raised: the CLI's retry (retry.call) then starts again, resuming.
 
-Outcomes are yielded as they complete, NOT in input order: job.quantize_checkpoint records each
+Outcomes are yielded as they complete, NOT in input order: pipeline.quantize_checkpoint records each
 one under its entry number and writes the checkpoint in checkpoint order afterwards, so the
 checkpoint is byte for byte the one a single server gives.
 """
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from qmill.checkpoints import outcome as outcome_lib
 from qmill.client import credentials as credentials_lib
-from qmill.client import errors, remote, streaming
+from qmill.client import errors, remote
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 
 # Statuses that say "this replica is gone or broke the stream", not "this request is wrong".
@@ -216,7 +217,7 @@ class _Feed:
             self._unanswered.pop(path, None)
             self._cv.notify_all()
 
-    def taken_by_caller(self, lane: _Lane, outcome: streaming.TensorOutcome) -> None:
+    def taken_by_caller(self, lane: _Lane, outcome: outcome_lib.TensorOutcome) -> None:
         with self._cv:
             lane.held.pop(outcome.path, None)
             self._cv.notify_all()
@@ -295,7 +296,7 @@ class FanoutClient:
         tensors: Iterable[tuple[str, np.ndarray]],
         *,
         window_bytes: int = remote.DEFAULT_WINDOW_BYTES,
-    ) -> Iterator[streaming.TensorOutcome]:
+    ) -> Iterator[outcome_lib.TensorOutcome]:
         """Quantizes `tensors` (path, array) on all replicas; yields outcomes as they complete.
 
         `window_bytes` bounds the tensor bytes in flight over all replicas together.
@@ -307,7 +308,7 @@ class FanoutClient:
         self.answered_by, self.lost, self.resent = {}, {}, 0
         window = max(1, window_bytes // len(self.replicas))
         feed = _Feed(iter(tensors), self._depth, window)
-        events: queue.Queue[tuple[_Lane, streaming.TensorOutcome | None]] = queue.Queue()
+        events: queue.Queue[tuple[_Lane, outcome_lib.TensorOutcome | None]] = queue.Queue()
         lanes = [_Lane(r, _connect(r, self.timeout, self._credentials)) for r in self.replicas]
         threads = [
             threading.Thread(
@@ -371,7 +372,7 @@ class FanoutClient:
         lane: _Lane,
         recipe: dict[str, Any],
         feed: _Feed,
-        events: queue.Queue[tuple[_Lane, streaming.TensorOutcome | None]],
+        events: queue.Queue[tuple[_Lane, outcome_lib.TensorOutcome | None]],
         window: int,
     ) -> None:
         try:

@@ -87,13 +87,13 @@ class JobsClient:
         try:
             yield from self._stub.WatchJob(pb.GetJobRequest(job_id=job_id))
         except grpc.RpcError as e:
-            raise errors.QmillError.from_rpc_error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     def _call(self, method: Any, request: Any) -> Any:
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise errors.QmillError.from_rpc_error(e) from None
+            raise errors.from_rpc_error(e) from None
 
 
 def describe(job: pb.Job) -> str:

@@ -60,10 +60,3 @@ def load(spec: str) -> dict[str, Any]:
     recipe_proto.from_mapping(fields)  # checks the keys now rather than at the server
     return fields
 
-
-def with_default_convention(recipe: dict[str, Any], source_format: str) -> dict[str, Any]:
-    """Fills in the convention from the checkpoint format when the recipe does not set one:
-    safetensors checkpoints come from PyTorch, Orbax and npz from Flax."""
-    if "convention" in recipe:
-        return recipe
-    return {**recipe, "convention": "torch" if source_format == "safetensors" else "flax"}

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from qmill.checkpoints import outcome as outcome_lib
 from qmill.client import credentials as credentials_lib
 from qmill.client import errors, streaming
 from qmill.proto import recipe as recipe_proto
@@ -98,7 +99,7 @@ class Client:
         try:
             return self._stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise errors.QmillError.from_rpc_error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     def quantize(
         self,
@@ -106,7 +107,7 @@ class Client:
         tensors: Iterable[tuple[str, np.ndarray]],
         *,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
-    ) -> Iterator[streaming.TensorOutcome]:
+    ) -> Iterator[outcome_lib.TensorOutcome]:
         """Quantizes `tensors` (path, array) as `recipe` says; yields outcomes in input order."""
         window = _Window(window_bytes)
         sent: dict[str, np.ndarray] = {}
@@ -130,7 +131,7 @@ class Client:
                     window.release(outcome.input_bytes)
             decoder.check_finished()
         except grpc.RpcError as e:
-            raise errors.QmillError.from_rpc_error(e) from None
+            raise errors.from_rpc_error(e) from None
         except wire.WireError as e:
             raise errors.QmillError(e.code, str(e)) from None
         finally:
@@ -169,7 +170,7 @@ class AsyncClient:
                 pb.GetCapabilitiesRequest(), timeout=self.timeout
             )
         except grpc.RpcError as e:
-            raise errors.QmillError.from_rpc_error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     async def quantize(
         self,
@@ -177,7 +178,7 @@ class AsyncClient:
         tensors: Iterable[tuple[str, np.ndarray]] | AsyncIterable[tuple[str, np.ndarray]],
         *,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
-    ) -> AsyncIterator[streaming.TensorOutcome]:
+    ) -> AsyncIterator[outcome_lib.TensorOutcome]:
         """Quantizes `tensors` as `recipe` says; yields outcomes in input order."""
         used = 0
         room = asyncio.Condition()
@@ -216,7 +217,7 @@ class AsyncClient:
                         room.notify_all()
             decoder.check_finished()
         except grpc.RpcError as e:
-            raise errors.QmillError.from_rpc_error(e) from None
+            raise errors.from_rpc_error(e) from None
         except wire.WireError as e:
             raise errors.QmillError(e.code, str(e)) from None
         finally:

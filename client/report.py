@@ -19,7 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qmill.client import job
+from qmill.checkpoints import pipeline
 
 
 class ProgressBar:
@@ -72,7 +72,7 @@ def _db(value: float) -> str:
     return "exact" if math.isinf(value) else f"{value:.1f}"
 
 
-def quality_table(rows: Sequence[job.ReportRow]) -> Table:
+def quality_table(rows: Sequence[pipeline.ReportRow]) -> Table:
     table = Table(title="qmill: per-tensor quality", show_lines=False)
     for name, justify in (
         ("path", "left"),
@@ -96,7 +96,7 @@ def quality_table(rows: Sequence[job.ReportRow]) -> Table:
     return table
 
 
-def totals_line(rows: Sequence[job.ReportRow], seconds: float) -> str:
+def totals_line(rows: Sequence[pipeline.ReportRow], seconds: float) -> str:
     before = sum(r.bytes_before for r in rows)
     after = sum(r.bytes_after for r in rows)
     quantized = sum(r.qtype != "kept" for r in rows)
@@ -107,7 +107,7 @@ def totals_line(rows: Sequence[job.ReportRow], seconds: float) -> str:
     )
 
 
-def write_json(rows: Sequence[job.ReportRow], path: str | os.PathLike) -> None:
+def write_json(rows: Sequence[pipeline.ReportRow], path: str | os.PathLike) -> None:
     def clean(v: object) -> object:
         return None if isinstance(v, float) and not math.isfinite(v) else v
 

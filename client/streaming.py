@@ -6,40 +6,14 @@ hand the caller the same `TensorOutcome` records.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from qmill.checkpoints import outcome
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorOutcome:
-    """What became of one tensor sent for quantization."""
-
-    path: str
-    # True: quantized, `parts` holds qvalue, scale (and zero_point). False: kept as `array`.
-    quantized: bool
-    parts: dict[str, np.ndarray]
-    # The input tensor, for kept tensors (so the caller can write it without reading it again).
-    array: np.ndarray | None = None
-    reason: str = ""
-    # qtype, channelwise_axes, tiled_axes, calibration_method.
-    how: dict[str, Any] = dataclasses.field(default_factory=dict)
-    sqnr_db: float = float("nan")
-    mean_relative_error: float = float("nan")
-    input_bytes: int = 0
-
-    @property
-    def output_bytes(self) -> int:
-        if not self.quantized:
-            return self.input_bytes
-        return sum(
-            wire.byte_length(wire.to_wire_dtype(p.dtype), p.shape) for p in self.parts.values()
-        )
 
 
 def tensor_requests(path: str, array: np.ndarray) -> Iterator[pb.QuantizeParamsRequest]:
@@ -74,7 +48,7 @@ class ResponseDecoder:
         self._pending_headers: list[pb.TensorHeader] = []
         self.summary: pb.Summary | None = None
 
-    def feed(self, response: pb.QuantizeParamsResponse) -> TensorOutcome | None:
+    def feed(self, response: pb.QuantizeParamsResponse) -> outcome.TensorOutcome | None:
         kind = response.WhichOneof("item")
         if kind == "summary":
             self.summary = response.summary
@@ -100,7 +74,7 @@ class ResponseDecoder:
             return None
         raise wire.WireError(f"unexpected response {kind!r}", "DATA_LOSS")
 
-    def _next_part(self) -> TensorOutcome | None:
+    def _next_part(self) -> outcome.TensorOutcome | None:
         while self._pending_headers:
             self._assembler = wire.Assembler(self._pending_headers.pop(0))
             if not self._assembler.complete:
@@ -110,9 +84,9 @@ class ResponseDecoder:
             self._assembler = None
         result, self._result = self._result, None
         assert result is not None
-        array = self._sent.pop(result.path, None)
+        self._sent.pop(result.path, None)
         if result.kind == pb.RESULT_KIND_QUANTIZED:
-            return TensorOutcome(
+            return outcome.TensorOutcome(
                 path=result.path,
                 quantized=True,
                 parts=self._parts,
@@ -122,14 +96,11 @@ class ResponseDecoder:
                 mean_relative_error=result.quality.mean_relative_error,
                 input_bytes=result.input_bytes,
             )
-        if result.kind == pb.RESULT_KIND_FLOAT:
-            # A float tensor the server made or holds: its bytes came as the part "value".
-            array = self._parts.get("value")
-        return TensorOutcome(
+        # A float tensor the server made or holds (RESULT_KIND_FLOAT) came as the part "value".
+        return outcome.TensorOutcome(
             path=result.path,
             quantized=False,
-            parts={},
-            array=array,
+            parts=self._parts if result.kind == pb.RESULT_KIND_FLOAT else {},
             reason=result.reason,
             input_bytes=result.input_bytes,
         )

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from qmill.client.checkpoints import formats, protocols, safetensors_header
+from qmill.checkpoints import formats, protocols, safetensors_header
 
 # The reference implementation's dtype order (safetensors' Dtype enum); it writes the tensors of
 # the last one first.

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from qmill.checkpoints import outcome as outcome_lib
 from qmill.client import credentials, errors, streaming, upload_content
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
@@ -82,7 +83,7 @@ def upload(
                 timeout=timeout,
             )
     except grpc.RpcError as exc:
-        raise errors.QmillError.from_rpc_error(exc) from exc
+        raise errors.from_rpc_error(exc) from exc
     for attempt in range(retries + 1):
         if status.complete:
             return status
@@ -93,7 +94,7 @@ def upload(
                 timeout=timeout,
             )
         except grpc.RpcError as exc:
-            error = errors.QmillError.from_rpc_error(exc)
+            error = errors.from_rpc_error(exc)
             if error.code not in _RETRYABLE or attempt == retries:
                 raise error from exc
         try:
@@ -103,7 +104,7 @@ def upload(
                 timeout=timeout,
             )
         except grpc.RpcError as exc:
-            raise errors.QmillError.from_rpc_error(exc) from exc
+            raise errors.from_rpc_error(exc) from exc
     return status
 
 
@@ -130,7 +131,7 @@ def quantize_upload(
     *,
     metadata: Sequence[tuple[str, str]] | None = None,
     timeout: float | None = None,
-) -> Iterator[streaming.TensorOutcome]:
+) -> Iterator[outcome_lib.TensorOutcome]:
     """QuantizeParams on a completed upload: the server reads the tensors, nothing is streamed up.
 
     Kept tensors come back without an array (the caller has the file it uploaded).
@@ -150,7 +151,7 @@ def quantize_upload(
                 yield outcome
         decoder.check_finished()
     except grpc.RpcError as exc:
-        raise errors.QmillError.from_rpc_error(exc) from None
+        raise errors.from_rpc_error(exc) from None
     except wire.WireError as exc:
         raise errors.QmillError(exc.code, str(exc)) from None
     finally:

@@ -7,8 +7,10 @@ numpy and ml_dtypes (for bfloat16, float8 and int4 dtypes) besides protobuf; it 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 import google_crc32c
 import ml_dtypes
@@ -17,6 +19,8 @@ import numpy as np
 from qmill.proto.v1 import qmill_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+M = TypeVar("M")
 
 _NUMPY_BY_WIRE: dict[int, np.dtype] = {
     pb.DTYPE_F64: np.dtype(np.float64),
@@ -228,3 +232,69 @@ class Assembler:
                 code="DATA_LOSS",
             )
         return from_bytes(self._buffer, self.header.dtype, tuple(self.header.shape))
+
+
+def send(
+    message: Callable[..., M], header_field: str, path: str, array: np.ndarray
+) -> Iterator[M]:
+    """The one tensor sender: `array` as a header then its chunks, each wrapped in the RPC's own
+    message (`message(**{header_field: header})`, then `message(chunk=chunk)`)."""
+    data = to_bytes(array)
+    yield message(**{header_field: header_for(path, array, data)})
+    for chunk in chunks(data):
+        yield message(chunk=chunk)
+
+
+def encode_parts(
+    parts: Mapping[str, np.ndarray],
+) -> tuple[list[pb.TensorHeader], Iterator[pb.TensorChunk]]:
+    """Several tensors announced at once (a result's parts): their headers, and every chunk of
+    the first, then of the second, and so on."""
+    encoded = [(name, array, to_bytes(array)) for name, array in parts.items()]
+    headers = [header_for(name, array, data) for name, array, data in encoded]
+    return headers, (chunk for _, _, data in encoded for chunk in chunks(data))
+
+
+class Receiver:
+    """The one tensor receiver: reassembles announced tensors from the chunks that follow.
+
+    Headers may be announced one at a time (a tensor stream) or several at once (a result's
+    parts); chunks fill them in announcement order. `take()` hands over what is complete.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self._max_bytes = max_bytes
+        self._pending: collections.deque[Assembler] = collections.deque()
+        self._done: list[tuple[str, np.ndarray]] = []
+
+    def announce(self, *headers: pb.TensorHeader) -> None:
+        """Expects these tensors next. Raises WireError for a header that breaks the contract."""
+        for header in headers:
+            self.start(Assembler(header, max_bytes=self._max_bytes))
+
+    def start(self, assembler: Assembler) -> None:
+        """Expects the tensor of an assembler made by the caller (e.g. after reserving memory)."""
+        self._pending.append(assembler)
+        self._finish_complete()
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        if not self._pending:
+            raise WireError("a chunk arrived outside any announced tensor", code="DATA_LOSS")
+        self._pending[0].add(chunk)
+        self._finish_complete()
+
+    @property
+    def receiving(self) -> bool:
+        """True while an announced tensor still lacks bytes."""
+        return bool(self._pending)
+
+    def take(self) -> list[tuple[str, np.ndarray]]:
+        """The tensors completed since the last call, as (path, array), in order."""
+        done, self._done = self._done, []
+        return done
+
+    def _finish_complete(self) -> None:
+        # A zero-byte tensor has no chunks: it is complete as soon as it is announced.
+        while self._pending and self._pending[0].complete:
+            assembler = self._pending.popleft()
+            self._done.append((assembler.header.path, assembler.finish()))

@@ -29,6 +29,7 @@ from qmill.server import (
 )
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.jobs import peers as jobs_peers
 from qmill.server.jobs import servicer as jobs_servicer
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Quantizer"].full_name
 class Server:
     """A started server: its port, its health service, and an orderly stop."""
 
-    def __init__(self, config: config_lib.ServerConfig) -> None:
+    def __init__(
+        self,
+        config: config_lib.ServerConfig,
+        *,
+        job_peer_backends: jobs_peers.JobPeerBackends | None = None,
+    ) -> None:
+        """`job_peer_backends` makes the fan-out backend of batch jobs under --job-peers; the
+        composition root (qmill.cli.serve) supplies it, as the server does not import clients."""
         self.config = config
         for warning in tls.check_transport(config):
             log.warning("%s", warning)
@@ -122,7 +130,9 @@ class Server:
         pb_grpc.add_OdmlExporterServicer_to_server(
             odml_servicer.OdmlExporterServicer(self._executor, backends=backends), self._grpc
         )
-        self.jobs = jobs_servicer.add_to_server(self._grpc, config, self.metrics)
+        self.jobs = jobs_servicer.add_to_server(
+            self._grpc, config, self.metrics, job_peer_backends
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         if config.reflection:
@@ -162,16 +172,24 @@ class Server:
         await self._grpc.wait_for_termination()
 
 
-async def create_server(config: config_lib.ServerConfig) -> Server:
+async def create_server(
+    config: config_lib.ServerConfig,
+    *,
+    job_peer_backends: jobs_peers.JobPeerBackends | None = None,
+) -> Server:
     """A started server; `server.port` is the bound port (useful with port 0)."""
-    server = Server(config)
+    server = Server(config, job_peer_backends=job_peer_backends)
     await server.start()
     return server
 
 
-async def serve(config: config_lib.ServerConfig) -> None:
+async def serve(
+    config: config_lib.ServerConfig,
+    *,
+    job_peer_backends: jobs_peers.JobPeerBackends | None = None,
+) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
-    server = await create_server(config)
+    server = await create_server(config, job_peer_backends=job_peer_backends)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,6 +17,7 @@ import pytest
 
 class RunningServer:
     def __init__(self, **config_fields) -> None:
+        from qmill.cli import serve
         from qmill.server import app, config
 
         # TemporaryDirectory also cleans up at interpreter exit when stop() is never reached.
@@ -28,9 +29,9 @@ class RunningServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         cfg = config.ServerConfig(host="127.0.0.1", port=0, grace_seconds=1.0, **config_fields)
-        self.server = asyncio.run_coroutine_threadsafe(app.create_server(cfg), self._loop).result(
-            60
-        )
+        self.server = asyncio.run_coroutine_threadsafe(
+            app.create_server(cfg, job_peer_backends=serve.job_peer_backends), self._loop
+        ).result(60)
         self.address = f"127.0.0.1:{self.server.port}"
 
     def stop(self, grace: float = 0.5) -> None:

@@ -34,9 +34,12 @@ THIRD_PARTY = {
 }
 ALLOWED = {
     "engine": {"jax", "flax", "numpy", "ml_dtypes", "qmill.engine"},
+    "proto": {"google", "grpc", "qmill.proto", "numpy", "ml_dtypes"},
+    "checkpoints": {"qmill.checkpoints", "numpy", "ml_dtypes", "safetensors"},
     "server": {
         "qmill.engine",
         "qmill.proto",
+        "qmill.checkpoints",
         "qmill.server",
         "grpc",
         "grpc_health",
@@ -45,21 +48,29 @@ ALLOWED = {
         "jax",
         "numpy",
         "prometheus_client",
-        # Batch jobs (server/jobs/runner.py) run the CLI's own quantize_checkpoint with the
-        # embedded backend: one implementation of reading, resuming and writing checkpoints, so a
-        # job's output is byte for byte the CLI's.
-        "qmill.client",
         # Jobs on object-store URLs copy through etils.epath, Orbax's own storage layer (so no
         # new dependency; its gs:// and s3:// filesystems are the optional objectstore extra).
         "etils",
     },
-    "client": {"qmill.proto", "qmill.client", "grpc", "numpy", "ml_dtypes", "safetensors", "rich"},
-    "proto": {"google", "grpc", "qmill.proto", "numpy", "ml_dtypes"},
+    "client": {
+        "qmill.proto",
+        "qmill.checkpoints",
+        "qmill.client",
+        "grpc",
+        "numpy",
+        "ml_dtypes",
+        "safetensors",
+        "rich",
+    },
+    # The composition root: the only part that sees both client and server (the server lazily).
+    "cli": {"qmill.cli", "qmill.client", "qmill.checkpoints", "rich"},
 }
-# Imported inside functions only, on use (checked below): the embedded engine, Orbax, the server
-# for `qmill serve`.
+# Imported inside functions only, on use (checked below).
 LAZY = {
-    "client": {"qmill.engine", "orbax", "jax", "qmill.server"},
+    # The in-process engine and Orbax's reader and writer.
+    "checkpoints": {"qmill.engine", "orbax", "jax"},
+    "client": {"orbax", "jax"},
+    "cli": {"qmill.server"},
     # The LiteRT converter and schema for ExportOdml: large, from the optional qmill[odml] extra,
     # so imported on use and a server without them still serves everything else.
     "server": {"litert_converter", "ai_edge_litert"},
@@ -71,6 +82,8 @@ def _imports(path: pathlib.Path):
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "qmill":
+            names = [f"qmill.{a.name}" for a in node.names]  # from qmill import checkpoints
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         else:
@@ -108,8 +121,8 @@ def test_parts_import_only_what_architecture_allows(part):
 
 def test_importing_the_client_does_not_import_jax():
     code = (
-        "import sys, qmill.client, qmill.client.cli, qmill.client.remote, qmill.client.job; "
-        "import qmill.client.checkpoints; "
+        "import sys, qmill.client, qmill.cli.main, qmill.client.commands, qmill.client.remote; "
+        "import qmill.checkpoints, qmill.checkpoints.pipeline, qmill.checkpoints.embedded; "
         "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

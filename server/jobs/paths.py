@@ -33,7 +33,7 @@ import dataclasses
 import os
 import pathlib
 
-from qmill.client.checkpoints import staging
+from qmill.checkpoints import staging
 from qmill.proto import wire
 from qmill.server import config as config_lib
 from qmill.server.jobs import urls

@@ -1,53 +1,41 @@
-"""Batch jobs spread over replicas: the backend a job quantizes with when --job-peers is set.
+"""Batch jobs spread over replicas: which backend a job quantizes with, and how it went.
 
-A job then does what `qmill quantize --server a,b,c` does (client/fanout.py): this server reads
-the source and writes the destination, and the tensors go to every peer that has room; a peer
-that dies mid-job is dropped and its unanswered tensors go to the others. The checkpoint is the
-one a lone server writes, byte for byte (job.quantize_checkpoint writes in checkpoint order
-whatever order the answers come in). When every peer has failed the job fails with the last
-error; its partial output stays, so submitting it again resumes.
-
-Peers are resolved when each job starts (a `dns:` name follows a Deployment's scaling); the
-option's syntax is checked when the server starts.
+With --job-peers the backend is a fan-out client over the peers, made by the composition root
+(qmill.cli.serve) and handed to the server: the server never imports the client. The checkpoint
+is the one a lone server writes, byte for byte (pipeline.quantize_checkpoint writes in checkpoint
+order whatever order the answers come in). When every peer has failed the job fails with the
+last error; its partial output stays, so submitting it again resumes.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Callable
 
-from qmill.client import credentials, embedded, errors, fanout, job
+from qmill.checkpoints import embedded, pipeline
 from qmill.server import config as config_lib
 
-log = logging.getLogger(__name__)
+# Made in the composition root (qmill.cli.serve): config → a maker of fan-out backends.
+JobPeerBackends = Callable[[config_lib.ServerConfig], Callable[[], pipeline.Backend]]
 
 
-def backend_factory(config: config_lib.ServerConfig) -> Callable[[], job.Backend]:
-    """What makes each job's backend: the in-process engine, or a FanoutClient over the peers.
+def backend_factory(
+    config: config_lib.ServerConfig, job_peer_backends: JobPeerBackends | None = None
+) -> Callable[[], pipeline.Backend]:
+    """What makes each job's backend: the in-process engine, or `job_peer_backends`' fan-out
+    client when --job-peers is set.
 
     Raises:
-        ValueError: --job-peers names no server, or a `dns:` entry has no port.
+        ValueError: --job-peers is set but no fan-out client was given, or its syntax is wrong.
     """
-    spec = config.job_peers
-    if not spec:
+    if not config.job_peers:
         return embedded.EmbeddedClient
-    # Syntax only: names are resolved per job, when the replicas behind them may have changed.
-    fanout.parse_targets(spec, resolve=lambda host, port: [host])
-    creds = credentials.Credentials.from_files(
-        tls=config.job_peer_tls_ca is not None,
-        tls_ca=config.job_peer_tls_ca,
-        token=config.job_peer_token,
-        environ={},  # not the server's own QMILL_TOKEN: peers get job_peer_token or nothing
-    )
-
-    def lost(address: str, error: errors.QmillError) -> None:
-        log.warning("job peer %s failed (%s); its tensors go to the others", address, error.code)
-
-    def make() -> job.Backend:
-        return fanout.FanoutClient(spec, credentials=creds, on_replica_lost=lost)
-
-    return make
+    if job_peer_backends is None:
+        raise ValueError(
+            "--job-peers needs the fan-out client, which `qmill serve` provides; "
+            "a server built in Python must pass job_peer_backends=qmill.cli.serve.job_peer_backends"
+        )
+    return job_peer_backends(config)
 
 
 def describe_spread(backend: object) -> str:

@@ -1,9 +1,9 @@
 """Runs batch jobs in a background thread, one at a time, with the CLI's own code.
 
-A job is `qmill quantize` run by the server: `client/job.py`'s quantize_checkpoint with the
-embedded engine as backend, reading the source and writing the destination from the server's
-filesystem. Sharing that code (a server → client import, see tests/imports_test.py) is what makes
-a job's output byte for byte the CLI's, and makes jobs resumable the same way: finished tensors
+A job is `qmill quantize` run by the server: the shared checkpoint pipeline
+(qmill.checkpoints.pipeline) with the embedded engine as backend, reading the source and writing
+the destination from the server's filesystem. Sharing that code with the CLI is what makes a
+job's output byte for byte the CLI's, and makes jobs resumable the same way: finished tensors
 are kept in `<destination>.qmill-partial/`, so a job that was RUNNING when the server died is
 queued again on start and continues where it stopped.
 
@@ -25,8 +25,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from qmill.client import embedded, errors, job
-from qmill.client.checkpoints import staging
+from qmill.checkpoints import embedded, errors, pipeline, staging
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
@@ -45,7 +44,7 @@ class _Stop(Exception):
 
 
 class _Progress:
-    """job.Progress that writes the counters to the store (and so to watchers)."""
+    """pipeline.Progress that writes the counters to the store (and so to watchers)."""
 
     def __init__(self, runner: JobRunner, job_id: str) -> None:
         self._runner, self._job_id = runner, job_id
@@ -82,7 +81,7 @@ class JobRunner:
         *,
         paths: paths_lib.PathPolicy,
         on_change: Callable[[], None] | None = None,
-        new_backend: Callable[[], job.Backend] = embedded.EmbeddedClient,
+        new_backend: Callable[[], pipeline.Backend] = embedded.EmbeddedClient,
         scratch: scratch_lib.Scratch | None = None,
     ) -> None:
         self.store = store
@@ -171,7 +170,7 @@ class JobRunner:
             )
             source, destination = staged.source, staged.destination
             with self._new_backend() as backend:
-                job.quantize_checkpoint(
+                pipeline.quantize_checkpoint(
                     source,
                     destination,
                     record.recipe,

@@ -161,13 +161,16 @@ def jobs_db_path(config: config_lib.ServerConfig) -> str:
 
 
 def add_to_server(
-    server: grpc.aio.Server, config: config_lib.ServerConfig, metrics: metrics_lib.Metrics
+    server: grpc.aio.Server,
+    config: config_lib.ServerConfig,
+    metrics: metrics_lib.Metrics,
+    job_peer_backends: peers_lib.JobPeerBackends | None = None,
 ) -> runner_lib.JobRunner:
     """Registers the Jobs service; returns its runner, for the server to start and stop."""
     policy = paths_lib.PathPolicy.from_config(config)
     log.info("jobs: %s", policy.describe())
     store = store_lib.JobStore(jobs_db_path(config))
-    new_backend = peers_lib.backend_factory(config)
+    new_backend = peers_lib.backend_factory(config, job_peer_backends)
     if config.job_peers:
         log.info("jobs: tensors spread over --job-peers %s", config.job_peers)
     scratch = scratch_lib.Scratch.in_data_dir(config.data_dir)

@@ -16,8 +16,8 @@ import pathlib
 
 import pytest
 
-from qmill.client import embedded, job, recipes
-from qmill.client.checkpoints import examples, formats
+from qmill.checkpoints import embedded, examples, formats, pipeline
+from qmill.client import recipes
 
 EXPECTED = json.loads((pathlib.Path(__file__).parent / "digests.json").read_text())
 SOURCES = {"orbax": "src_orbax", "safetensors": "src.safetensors", "npz": "src.npz"}
@@ -52,7 +52,7 @@ def digests(root: pathlib.Path) -> dict[str, str]:
         for recipe in sorted(recipes.PRESETS):
             for fmt in ("orbax", "safetensors", "npz"):
                 out = root / f"{source_format}-{recipe}-{fmt}"
-                job.quantize_checkpoint(
+                pipeline.quantize_checkpoint(
                     source,
                     out,
                     recipes.load(recipe),

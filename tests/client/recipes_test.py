@@ -37,12 +37,3 @@ def test_bad_recipe_files_are_named(tmp_path):
     unknown.write_text('[[rules]]\nqtype = "int8"\nbits = 4\n')
     with pytest.raises(ValueError, match="bits"):
         recipes.load(str(unknown))
-
-
-def test_default_convention_follows_the_format():
-    assert recipes.with_default_convention({"rules": []}, "safetensors")["convention"] == "torch"
-    assert recipes.with_default_convention({"rules": []}, "orbax")["convention"] == "flax"
-    assert (
-        recipes.with_default_convention({"convention": "flax"}, "safetensors")["convention"]
-        == "flax"
-    )

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.client import checkpoints, cli, upload_content
+from qmill import checkpoints
+from qmill.cli import main as cli
+from qmill.client import upload_content
 
 MiB = 2**20
 

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from qmill.client import cli
+from qmill.cli import main as cli
 
 DEPLOY = pathlib.Path(__file__).parents[2] / "deploy"
 K8S_VERSION = kubernetes_validate.latest_version()

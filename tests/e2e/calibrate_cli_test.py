@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
+from qmill import checkpoints
 from qmill.client import calibrate as client_calibrate
-from qmill.client import checkpoints
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
 

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from qmill.client import checkpoints
+from qmill import checkpoints
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-QMILL = [sys.executable, "-m", "qmill.client.cli"]
+QMILL = [sys.executable, "-m", "qmill.cli"]
 
 
 def _qmill_bin() -> list[str]:

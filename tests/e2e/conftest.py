@@ -15,7 +15,7 @@ import pytest
 def run_qmill() -> Callable[..., subprocess.CompletedProcess]:
     """`run_qmill(*args)`: the CLI in a child process (5 min at most), output captured."""
     exe = shutil.which("qmill", path=os.path.dirname(sys.executable))
-    command = [exe] if exe else [sys.executable, "-m", "qmill.client.cli"]
+    command = [exe] if exe else [sys.executable, "-m", "qmill.cli"]
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(

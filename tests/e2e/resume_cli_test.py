@@ -16,7 +16,7 @@ SOURCE = ROOT / "examples" / "tiny-mlp"  # 5 float tensors and one int32
 
 def _qmill() -> list[str]:
     exe = shutil.which("qmill", path=os.path.dirname(sys.executable))
-    return [exe] if exe else [sys.executable, "-m", "qmill.client.cli"]
+    return [exe] if exe else [sys.executable, "-m", "qmill.cli"]
 
 
 def _free_port() -> int:

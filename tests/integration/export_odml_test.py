@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import qmill.engine as qe
-from qmill.client import cli, errors
+from qmill.cli import main as cli
+from qmill.client import errors
 from qmill.client import export_odml as client_export
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from qmill.client import credentials, errors, fanout, job, remote
+from qmill.checkpoints import pipeline
+from qmill.client import credentials, errors, fanout, remote
 from qmill.proto.v1 import qmill_pb2 as pb
 
 RECIPE = {
@@ -61,14 +62,14 @@ def reference(source, servers, tmp_path_factory):
     """The checkpoint one server writes."""
     out = tmp_path_factory.mktemp("reference") / "one-server.safetensors"
     with remote.Client(servers[0].address, timeout=120) as client:
-        job.quantize_checkpoint(source, out, RECIPE, backend=client)
+        pipeline.quantize_checkpoint(source, out, RECIPE, backend=client)
     return out.read_bytes()
 
 
 def _qmill_serve(port):
     """`qmill serve` in a process of its own (so it can be killed), once it answers."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "qmill.client.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "qmill.cli", "serve", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -107,7 +108,7 @@ def test_three_replicas_write_the_checkpoint_one_server_writes(
     out = tmp_path / "three.safetensors"
     # One tensor per replica at a time: every replica gets a share of the 11 floats.
     client = fanout.FanoutClient(",".join(s.address for s in servers), tensors_per_replica=1)
-    rows = job.quantize_checkpoint(source, out, RECIPE, backend=client)
+    rows = pipeline.quantize_checkpoint(source, out, RECIPE, backend=client)
     assert out.read_bytes() == reference
     assert set(client.answered_by.values()) == {s.address for s in servers}
     assert len(client.answered_by) == 11 and not client.lost and client.resent == 0
@@ -122,7 +123,7 @@ def test_a_replica_killed_mid_run_costs_nothing(source, servers, reference, tmp_
         # The victim alone writes the reference too (and compiles every shape before the run).
         alone = tmp_path / "victim-alone.safetensors"
         with remote.Client(victim_address, timeout=120) as client:
-            job.quantize_checkpoint(source, alone, RECIPE, backend=client)
+            pipeline.quantize_checkpoint(source, alone, RECIPE, backend=client)
         assert alone.read_bytes() == reference
         # Slow reads keep the run going well past the kill.
         monkeypatch.setenv("QMILL_TEST_TENSOR_DELAY", "0.05")
@@ -131,7 +132,7 @@ def test_a_replica_killed_mid_run_costs_nothing(source, servers, reference, tmp_
         )
         out = tmp_path / "survived.safetensors"
         backend = _KillAfterFirstAnswer(client, victim_address, victim)
-        job.quantize_checkpoint(source, out, RECIPE, backend=backend)
+        pipeline.quantize_checkpoint(source, out, RECIPE, backend=backend)
     finally:
         victim.kill()
         victim.wait(30)
@@ -187,7 +188,7 @@ def test_tensors_a_dead_replica_took_are_sent_to_the_others(
         on_replica_lost=lambda a, e: lost.append((a, e.code)),
     )
     out = tmp_path / "resent.safetensors"
-    job.quantize_checkpoint(source, out, RECIPE, backend=client)
+    pipeline.quantize_checkpoint(source, out, RECIPE, backend=client)
     assert out.read_bytes() == reference
     assert lost == [(address, "UNAVAILABLE")] and len(taken) == 1
     assert client.resent >= 1
@@ -197,7 +198,7 @@ def test_tensors_a_dead_replica_took_are_sent_to_the_others(
 def test_every_replica_down_is_unavailable(source, tmp_path):
     dead = f"127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}"
     with pytest.raises(errors.QmillError) as e:
-        job.quantize_checkpoint(
+        pipeline.quantize_checkpoint(
             source, tmp_path / "none.safetensors", RECIPE, backend=fanout.FanoutClient(dead)
         )
     assert e.value.code == "UNAVAILABLE" and "all 2 replicas failed" in e.value.details

@@ -10,7 +10,8 @@ import re
 import pytest
 from etils import epath
 
-from qmill.client import cli, credentials, errors, jobs
+from qmill.cli import main as cli
+from qmill.client import credentials, errors, jobs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth
 from qmill.server.jobs import object_store
@@ -106,7 +107,7 @@ def test_orbax_directory_to_url_and_url_to_local_directory(url_server, bucket, t
 
 
 def _tensors(path: pathlib.Path) -> dict[str, bytes]:
-    from qmill.client import checkpoints
+    from qmill import checkpoints
 
     with checkpoints.open_source(path) as source:
         return {e.path: source.read(e.path).tobytes() for e in source.entries()}

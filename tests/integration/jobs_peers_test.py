@@ -9,7 +9,9 @@ import socket
 import numpy as np
 import pytest
 
-from qmill.client import cli, jobs
+from qmill.cli import main as cli
+from qmill.cli import serve
+from qmill.client import jobs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib
 from qmill.server.jobs import peers
@@ -94,16 +96,27 @@ def test_with_every_peer_dead_the_job_fails_and_names_the_cause(make_server, sou
 )
 def test_a_malformed_peer_list_stops_the_server_at_start(spec, message):
     with pytest.raises(ValueError, match=message):
-        peers.backend_factory(config_lib.ServerConfig(job_peers=spec))
+        peers.backend_factory(config_lib.ServerConfig(job_peers=spec), serve.job_peer_backends)
+
+
+def test_a_server_built_without_the_fan_out_client_refuses_job_peers():
+    # The server never imports the client: --job-peers works only when the composition root
+    # (qmill serve, qmill.cli.serve) hands it the fan-out client, and says so otherwise.
+    with pytest.raises(ValueError, match="job_peer_backends"):
+        peers.backend_factory(config_lib.ServerConfig(job_peers="127.0.0.1:1"))
 
 
 def test_peers_get_the_peer_token_never_the_servers_own(monkeypatch):
     monkeypatch.setenv("QMILL_TOKEN", "the-servers-own-client-token")
     monkeypatch.delenv(config_lib.JOB_PEER_TOKEN_ENV, raising=False)
-    make = peers.backend_factory(config_lib.ServerConfig(job_peers="127.0.0.1:1"))
+    make = peers.backend_factory(
+        config_lib.ServerConfig(job_peers="127.0.0.1:1"), serve.job_peer_backends
+    )
     assert make()._credentials.token is None
     monkeypatch.setenv(config_lib.JOB_PEER_TOKEN_ENV, "peer-token")
-    make = peers.backend_factory(config_lib.ServerConfig(job_peers="127.0.0.1:1"))
+    make = peers.backend_factory(
+        config_lib.ServerConfig(job_peers="127.0.0.1:1"), serve.job_peer_backends
+    )
     assert make()._credentials.token == "peer-token"
 
 

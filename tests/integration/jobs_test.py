@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from qmill.client import cli, credentials, errors, jobs
+from qmill.cli import main as cli
+from qmill.client import credentials, errors, jobs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth
 
@@ -257,7 +258,7 @@ def test_without_auth_jobs_use_any_path(make_server, tmp_path):
 
 def _qmill() -> list[str]:
     exe = shutil.which("qmill", path=os.path.dirname(sys.executable))
-    return [exe] if exe else [sys.executable, "-m", "qmill.client.cli"]
+    return [exe] if exe else [sys.executable, "-m", "qmill.cli"]
 
 
 def _serve(db: pathlib.Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Popen, str]:

@@ -7,8 +7,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qmill.client import checkpoints, embedded, errors, job, remote, streaming
-from qmill.client.checkpoints import examples
+from qmill import checkpoints
+from qmill.checkpoints import embedded, examples, pipeline
+from qmill.client import errors, remote, streaming
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -64,7 +65,8 @@ def test_remote_outcomes_equal_embedded_outcomes(server):
     assert kernel.parts["qvalue"].dtype == np.int8 and "zero_point" in kernel.parts
     assert remote_out[2].parts["qvalue"].dtype == ml_dtypes.int4
     assert remote_out[2].parts["scale"].shape == (2, 16)
-    assert not remote_out[1].quantized and remote_out[1].array is not None
+    # A kept tensor comes back as a reason and no bytes: the caller still has it.
+    assert not remote_out[1].quantized and remote_out[1].parts == {} and remote_out[1].reason
 
 
 def test_each_result_streams_back_before_the_next_tensor_is_sent(server):
@@ -86,8 +88,10 @@ def test_checkpoint_through_server_is_bit_identical_to_in_process(server, tmp_pa
         "rules": [{"path_regex": ".*", "qtype": "int4", "tile_size": 32, "tile_if_divisible": True}]
     }
     with remote.Client(server.address) as client:
-        rows = job.quantize_checkpoint(source, tmp_path / "remote", recipe, backend=client)
-    job.quantize_checkpoint(source, tmp_path / "local", recipe, backend=embedded.EmbeddedClient())
+        rows = pipeline.quantize_checkpoint(source, tmp_path / "remote", recipe, backend=client)
+    pipeline.quantize_checkpoint(
+        source, tmp_path / "local", recipe, backend=embedded.EmbeddedClient()
+    )
     remote_tree, local_tree = _read_all(tmp_path / "remote"), _read_all(tmp_path / "local")
     assert remote_tree.keys() == local_tree.keys()
     for key in remote_tree:

@@ -121,7 +121,7 @@ def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running):
 
 @pytest.mark.parametrize("fmt", ["orbax", "npz"])
 def test_a_checkpoint_is_streamed_once_and_a_second_upload_sends_nothing(running, tmp_path, fmt):
-    from qmill.client import checkpoints
+    from qmill import checkpoints
 
     server, channel = running
     rng = np.random.default_rng(["orbax", "npz"].index(fmt) + 2)  # content new to the server

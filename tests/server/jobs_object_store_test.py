@@ -11,7 +11,7 @@ import pytest
 from etils import epath
 from etils.epath import backend
 
-from qmill.client import cli
+from qmill.cli import main as cli
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import app
@@ -119,7 +119,7 @@ def test_url_roots_from_config_are_checked(tmp_path):
 def test_serve_takes_url_roots_from_flags_or_the_environment(monkeypatch):
     seen = []
 
-    async def serve(config):
+    async def serve(config, **_):  # job_peer_backends, from the composition root
         seen.append(config.jobs_url_roots)
 
     monkeypatch.setattr(app, "serve", serve)

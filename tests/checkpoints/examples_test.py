@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-from qmill.client import checkpoints
-from qmill.client.checkpoints import examples
+from qmill import checkpoints
+from qmill.checkpoints import examples
 
 LAYOUT = {
     "params/Conv_0/kernel": ((3, 3, 8, 16), np.float32),

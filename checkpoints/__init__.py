@@ -22,17 +22,17 @@ of their width. The logical dtype is recorded beside the data -- safetensors:
 dtype name, and the readers give the original dtype back. bfloat16 and float8_e4m3fn/e5m2 are
 native in Orbax and safetensors; int4 is native in Orbax.
 
-`import qmill.client.checkpoints` does not import jax or Orbax; opening or writing an Orbax
+`import qmill.checkpoints` does not import jax or Orbax; opening or writing an Orbax
 checkpoint imports them.
 """
 
-from qmill.client.checkpoints.formats import FORMATS as FORMATS
-from qmill.client.checkpoints.formats import create_writer as create_writer
-from qmill.client.checkpoints.formats import format_for_destination as format_for_destination
-from qmill.client.checkpoints.formats import open_source as open_source
-from qmill.client.checkpoints.protocols import CheckpointWriter as CheckpointWriter
-from qmill.client.checkpoints.protocols import TensorEntry as TensorEntry
-from qmill.client.checkpoints.protocols import TensorSource as TensorSource
+from qmill.checkpoints.formats import FORMATS as FORMATS
+from qmill.checkpoints.formats import create_writer as create_writer
+from qmill.checkpoints.formats import format_for_destination as format_for_destination
+from qmill.checkpoints.formats import open_source as open_source
+from qmill.checkpoints.protocols import CheckpointWriter as CheckpointWriter
+from qmill.checkpoints.protocols import TensorEntry as TensorEntry
+from qmill.checkpoints.protocols import TensorSource as TensorSource
 
 __all__ = [
     "FORMATS",

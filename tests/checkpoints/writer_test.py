@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qmill.client import checkpoints
+from qmill import checkpoints
 
 
 def _write_some(writer, value=1.0):

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from qmill.client import checkpoints
-from qmill.client.checkpoints import examples
+from qmill import checkpoints
+from qmill.checkpoints import examples
 
 ACCEPTED = "Orbax PyTree checkpoint directory, a .safetensors file, a sharded safetensors set"
 
@@ -73,7 +73,7 @@ def test_entries_describe_tensors_without_reading_them(tmp_path):
 
 def test_importing_checkpoints_does_not_import_jax_or_orbax():
     code = (
-        "import sys; import qmill.client.checkpoints, qmill.client.checkpoints.examples; "
+        "import sys; import qmill.checkpoints, qmill.checkpoints.examples; "
         "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,6 +1,7 @@
-"""The engine in-process: the same calls and outcomes as Client, without a server.
+"""The engine in-process: the same calls and outcomes as a server, without one.
 
-JAX and the engine are imported on first use, so `import qmill.client` stays light.
+The CLI's default backend and the server's batch jobs both quantize through it. JAX and the
+engine are imported on first use, so `import qmill.checkpoints` stays light.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.client import errors, streaming
-from qmill.proto import wire
+from qmill.checkpoints import dtypes, errors, outcome
 
 
 class EmbeddedClient:
@@ -30,7 +30,7 @@ class EmbeddedClient:
 
     def quantize(
         self, recipe: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]], **_: Any
-    ) -> Iterator[streaming.TensorOutcome]:
+    ) -> Iterator[outcome.TensorOutcome]:
         from qmill.engine import layout, leaf, recipes  # lazy: pulls in jax
 
         try:
@@ -38,15 +38,14 @@ class EmbeddedClient:
         except ValueError as e:
             raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
         for path, array in tensors:
-            nbytes = wire.byte_length(wire.to_wire_dtype(array.dtype), array.shape)
+            nbytes = dtypes.packed_nbytes(array.dtype, array.shape)
             try:
                 plan = layout.plan_leaf(path, array.shape, array.dtype, engine_recipe)
                 if not plan.quantize:
-                    yield streaming.TensorOutcome(
+                    yield outcome.TensorOutcome(
                         path=path,
                         quantized=False,
                         parts={},
-                        array=array,
                         reason=plan.reason,
                         input_bytes=nbytes,
                     )
@@ -57,7 +56,7 @@ class EmbeddedClient:
             parts = {"qvalue": result.qvalue, "scale": result.scale}
             if result.zero_point is not None:
                 parts["zero_point"] = result.zero_point
-            yield streaming.TensorOutcome(
+            yield outcome.TensorOutcome(
                 path=path,
                 quantized=True,
                 parts=parts,

@@ -8,8 +8,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from qmill.client import errors, job, retry, streaming
-from qmill.client.checkpoints import formats, staging
+from qmill.checkpoints import formats, pipeline, staging
+from qmill.checkpoints import outcome as outcome_lib
+from qmill.client import errors, retry
 
 RECIPE = {"rules": [{"qtype": "int8"}]}
 SOURCES = {"orbax": "src", "safetensors": "src.safetensors", "npz": "src.npz"}
@@ -33,7 +34,7 @@ class FakeBackend:
                 raise Interrupted(f"stopped before {path}")
             self.sent.append(path)
             if array.ndim < 2:
-                yield streaming.TensorOutcome(path, False, {}, array=array, reason="vector")
+                yield outcome_lib.TensorOutcome(path, False, {}, reason="vector")
                 continue
             x = np.asarray(array, np.float32)
             scale = np.max(np.abs(x), axis=0, keepdims=True) / 127 + 1e-6
@@ -41,7 +42,7 @@ class FakeBackend:
                 "qvalue": np.round(x / scale).astype(np.int8),
                 "scale": scale.astype(np.float32),
             }
-            yield streaming.TensorOutcome(path, True, parts, how={"qtype": "int8"}, sqnr_db=40.0)
+            yield outcome_lib.TensorOutcome(path, True, parts, how={"qtype": "int8"}, sqnr_db=40.0)
 
 
 def _make_source(tmp_path: pathlib.Path, fmt: str, sample) -> pathlib.Path:
@@ -81,16 +82,16 @@ def _partial(dest: pathlib.Path) -> pathlib.Path:
 def test_resume_skips_finished_tensors_and_writes_identical_bytes(tmp_path, fmt, dest, sample):
     source = _make_source(tmp_path, fmt, sample)
     one_shot = tmp_path / ("one-shot-" + dest.name)
-    job.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
+    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
 
     with pytest.raises(Interrupted):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=4))
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=4))
     assert not dest.exists()
     log = (_partial(dest) / "tensors.jsonl").read_text().splitlines()
     assert len(log) == 4
 
     resumed = FakeBackend()
-    rows = job.quantize_checkpoint(source, dest, RECIPE, backend=resumed)
+    rows = pipeline.quantize_checkpoint(source, dest, RECIPE, backend=resumed)
     # 10 float tensors were to be sent; 4 were finished before the interruption.
     assert len(resumed.sent) == 6
     assert not {json.loads(line)["path"] for line in log} & set(resumed.sent)
@@ -98,7 +99,7 @@ def test_resume_skips_finished_tensors_and_writes_identical_bytes(tmp_path, fmt,
     assert not _partial(dest).exists()
     assert [r.path for r in rows] == [
         r.path
-        for r in job.quantize_checkpoint(
+        for r in pipeline.quantize_checkpoint(
             source, tmp_path / ("again-" + dest.name), RECIPE, backend=FakeBackend()
         )
     ]
@@ -108,12 +109,12 @@ def test_resume_skips_finished_tensors_and_writes_identical_bytes(tmp_path, fmt,
 def test_several_interruptions(tmp_path, sample):
     source = _make_source(tmp_path, "npz", sample)
     one_shot, dest = tmp_path / "a.npz", tmp_path / "b.npz"
-    job.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
+    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
     for _ in range(3):
         with pytest.raises(Interrupted):
-            job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
+            pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
     last = FakeBackend()
-    job.quantize_checkpoint(source, dest, RECIPE, backend=last)
+    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=last)
     assert len(last.sent) == 1
     assert dest.read_bytes() == one_shot.read_bytes()
 
@@ -122,15 +123,17 @@ def test_different_recipe_or_format_needs_restart(tmp_path, sample):
     source = _make_source(tmp_path, "safetensors", sample)
     dest = tmp_path / "out.safetensors"
     with pytest.raises(Interrupted):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=2))
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=2))
     other = {"rules": [{"qtype": "int4"}]}
     with pytest.raises(staging.FingerprintMismatch, match=r"recipe.*--restart"):
-        job.quantize_checkpoint(source, dest, other, backend=FakeBackend())
+        pipeline.quantize_checkpoint(source, dest, other, backend=FakeBackend())
     with pytest.raises(staging.FingerprintMismatch, match="format"):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(), output_format="npz")
+        pipeline.quantize_checkpoint(
+            source, dest, RECIPE, backend=FakeBackend(), output_format="npz"
+        )
     # --restart discards the partial output and starts over.
     fresh = FakeBackend()
-    job.quantize_checkpoint(source, dest, other, backend=fresh, restart=True)
+    pipeline.quantize_checkpoint(source, dest, other, backend=fresh, restart=True)
     assert len(fresh.sent) == 10
     assert dest.exists() and not _partial(dest).exists()
 
@@ -139,26 +142,26 @@ def test_changed_source_needs_restart(tmp_path, sample):
     source = _make_source(tmp_path, "npz", sample)
     dest = tmp_path / "out.npz"
     with pytest.raises(Interrupted):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=2))
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=2))
     source.unlink()
     with formats.create_writer(source, "npz") as writer:
         writer.write("other/kernel", sample(np.float32, (4, 4)))
     with pytest.raises(staging.FingerprintMismatch, match="source"):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend())
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend())
 
 
 def test_torn_manifest_line_means_that_tensor_is_sent_again(tmp_path, sample):
     source = _make_source(tmp_path, "npz", sample)
     one_shot, dest = tmp_path / "a.npz", tmp_path / "b.npz"
-    job.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
+    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
     with pytest.raises(Interrupted):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
     log = _partial(dest) / "tensors.jsonl"
     lines = log.read_text().splitlines(keepends=True)
     # A kill in the middle of the third append: half a line, no newline.
     log.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
     resumed = FakeBackend()
-    job.quantize_checkpoint(source, dest, RECIPE, backend=resumed)
+    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=resumed)
     assert len(resumed.sent) == 8
     assert dest.read_bytes() == one_shot.read_bytes()
 
@@ -167,13 +170,13 @@ def test_corrupted_part_is_reported_with_the_fix(tmp_path, sample):
     source = _make_source(tmp_path, "npz", sample)
     dest = tmp_path / "b.npz"
     with pytest.raises(Interrupted):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
     part = next((_partial(dest) / "parts").glob("*-qvalue.bin"))
     data = bytearray(part.read_bytes())
     data[0] ^= 0xFF
     part.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"crc32c.*--restart"):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend())
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend())
     assert not dest.exists()
 
 
@@ -183,9 +186,9 @@ def test_existing_destination_is_refused_before_any_work(tmp_path, sample):
     dest.write_bytes(b"keep me")
     backend = FakeBackend()
     with pytest.raises(FileExistsError, match="--overwrite"):
-        job.quantize_checkpoint(source, dest, RECIPE, backend=backend)
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=backend)
     assert backend.sent == [] and not _partial(dest).exists()
-    job.quantize_checkpoint(source, dest, RECIPE, backend=backend, overwrite=True)
+    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=backend, overwrite=True)
     assert dest.read_bytes() != b"keep me"
 
 
@@ -209,11 +212,11 @@ class FlakyServer(FakeBackend):
 def test_retries_while_unavailable_resume_the_job(tmp_path, sample):
     source = _make_source(tmp_path, "npz", sample)
     one_shot, dest = tmp_path / "a.npz", tmp_path / "b.npz"
-    job.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
+    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
     server, lines, waits = FlakyServer(fail_after=3, outages=2), [], []
     backoff = retry.Backoff(retries=4, initial_seconds=0.5, max_seconds=1.0)
     retry.call(
-        lambda: job.quantize_checkpoint(source, dest, RECIPE, backend=server),
+        lambda: pipeline.quantize_checkpoint(source, dest, RECIPE, backend=server),
         backoff,
         on_retry=lines.append,
         sleep=waits.append,

@@ -9,8 +9,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from qmill.client.checkpoints import dtypes, protocols
-from qmill.client.checkpoints import safetensors_header as header_lib
+from qmill.checkpoints import dtypes, protocols
+from qmill.checkpoints import safetensors_header as header_lib
 
 
 class _Location:

@@ -6,7 +6,7 @@ import os
 import pathlib
 from typing import Any
 
-from qmill.client.checkpoints import (
+from qmill.checkpoints import (
     npz_source,
     npz_writer,
     orbax_layout,

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.client.checkpoints import dtypes, orbax_layout, staging, writer_base
+from qmill.checkpoints import dtypes, orbax_layout, staging, writer_base
 
 # Bytes buffered before a group is saved. Each save costs ~25 ms of fixed overhead, so groups
 # much smaller than this slow writing down; larger ones only raise peak memory.

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qmill.client import checkpoints
-from qmill.client.checkpoints import dtypes
+from qmill import checkpoints
+from qmill.checkpoints import dtypes
 
 NUMPY_DTYPES = [
     np.bool_,

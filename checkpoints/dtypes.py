@@ -11,6 +11,7 @@ The writer records {path: logical dtype name} beside the data and the reader app
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container
 
 import ml_dtypes
@@ -88,3 +89,15 @@ def from_carrier(array: np.ndarray, logical: str | None) -> np.ndarray:
 def carried_dtype(stored: np.dtype, logical: str | None) -> np.dtype:
     """The logical dtype of a stored dtype, from metadata alone (for listing entries)."""
     return np.dtype(stored) if logical is None else logical_dtype(logical)
+
+
+# 4-bit types travel (and are counted) two codes per byte, low nibble first.
+PACKED_4BIT = frozenset({"int4", "uint4", "float4_e2m1fn"})
+
+
+def packed_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor with 4-bit codes packed two per byte, as the wire carries it."""
+    count = math.prod(shape)
+    if np.dtype(dtype).name in PACKED_4BIT:
+        return (count + 1) // 2
+    return count * np.dtype(dtype).itemsize

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from qmill.client.checkpoints import dtypes
+from qmill.checkpoints import dtypes
 
 PYTREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"

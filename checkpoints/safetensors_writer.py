@@ -24,9 +24,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from qmill.client.checkpoints import dtypes, staging, writer_base
-from qmill.client.checkpoints import safetensors_header as header_lib
-from qmill.client.checkpoints import safetensors_source as source_lib
+from qmill.checkpoints import dtypes, staging, writer_base
+from qmill.checkpoints import safetensors_header as header_lib
+from qmill.checkpoints import safetensors_source as source_lib
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -12,8 +12,8 @@ import zipfile
 
 import numpy as np
 
-from qmill.client.checkpoints import dtypes, staging, writer_base
-from qmill.client.checkpoints.npz_source import DTYPES_MEMBER
+from qmill.checkpoints import dtypes, staging, writer_base
+from qmill.checkpoints.npz_source import DTYPES_MEMBER
 
 # numpy's own dtypes only; ml_dtypes types need a carrier (npy cannot name them).
 _NATIVE = dtypes.NUMPY_NATIVE

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qmill.client import checkpoints
+from qmill import checkpoints
 
 
 def test_output_loads_with_numpy_without_pickle(tmp_path, sample):

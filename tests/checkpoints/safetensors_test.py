@@ -10,8 +10,8 @@ import pytest
 import safetensors
 import safetensors.numpy
 
-from qmill.client import checkpoints
-from qmill.client.checkpoints import safetensors_writer
+from qmill import checkpoints
+from qmill.checkpoints import safetensors_writer
 
 
 def _hf_sharded(tmp_path, sample, shards=3, per_shard=2):

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from qmill.client import checkpoints, recipes, streaming
-from qmill.client.checkpoints import staging
+from qmill.checkpoints import formats, protocols, staging
+from qmill.checkpoints import outcome as outcome_lib
 
 # The engine quantizes only these; every other dtype is copied without a round trip.
 QUANTIZABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -28,7 +28,7 @@ QUANTIZABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
 class Backend(Protocol):
     def quantize(
         self, recipe: dict[str, Any], tensors: Any, **kwargs: Any
-    ) -> Iterator[streaming.TensorOutcome]: ...
+    ) -> Iterator[outcome_lib.TensorOutcome]: ...
 
 
 class Progress(Protocol):
@@ -83,10 +83,10 @@ def quantize_checkpoint(
     dest = pathlib.Path(destination)
     if not overwrite and (dest.exists() or dest.is_symlink()):
         raise FileExistsError(f"{dest} already exists; pass --overwrite to replace it")
-    with checkpoints.open_source(source_path) as source:
+    with formats.open_source(source_path) as source:
         entries = source.entries()
-        recipe = recipes.with_default_convention(recipe, source.format)
-        fmt = output_format or checkpoints.format_for_destination(dest, source.format)
+        recipe = with_default_convention(recipe, source.format)
+        fmt = output_format or formats.format_for_destination(dest, source.format)
         fingerprint = {
             "recipe": recipe,
             "format": fmt,
@@ -103,8 +103,8 @@ def quantize_checkpoint(
 
 
 def _run(
-    source: checkpoints.TensorSource,
-    entries: list[checkpoints.TensorEntry],
+    source: protocols.TensorSource,
+    entries: list[protocols.TensorEntry],
     recipe: dict[str, Any],
     backend: Backend,
     partial: staging.PartialOutput,
@@ -160,8 +160,8 @@ def _run(
 
 
 def _assemble(
-    source: checkpoints.TensorSource,
-    entries: list[checkpoints.TensorEntry],
+    source: protocols.TensorSource,
+    entries: list[protocols.TensorEntry],
     partial: staging.PartialOutput,
     destination: pathlib.Path,
     fmt: str,
@@ -169,7 +169,7 @@ def _assemble(
     check: Callable[[], None] | None,
 ) -> None:
     """Writes the checkpoint in entry order, one tensor in memory at a time."""
-    with checkpoints.create_writer(destination, fmt, like=source, overwrite=overwrite) as writer:
+    with formats.create_writer(destination, fmt, like=source, overwrite=overwrite) as writer:
         for entry in entries:
             if check is not None:
                 check()
@@ -180,8 +180,16 @@ def _assemble(
                 writer.write(entry.path, source.read(entry.path))
 
 
+def with_default_convention(recipe: dict[str, Any], source_format: str) -> dict[str, Any]:
+    """Fills in the convention from the checkpoint format when the recipe does not set one:
+    safetensors checkpoints come from PyTorch, Orbax and npz from Flax."""
+    if "convention" in recipe:
+        return recipe
+    return {**recipe, "convention": "torch" if source_format == "safetensors" else "flax"}
+
+
 def _source_fingerprint(
-    source_path: str | os.PathLike, fmt: str, entries: list[checkpoints.TensorEntry]
+    source_path: str | os.PathLike, fmt: str, entries: list[protocols.TensorEntry]
 ) -> dict[str, Any]:
     """What identifies the source without reading its data: its tensors, and its files' sizes
     and modification times."""
@@ -206,7 +214,7 @@ def _sendable(dtype: np.dtype) -> bool:
     return np.dtype(dtype).name in QUANTIZABLE
 
 
-def _kept_row(entry: checkpoints.TensorEntry, reason: str) -> ReportRow:
+def _kept_row(entry: protocols.TensorEntry, reason: str) -> ReportRow:
     return ReportRow(
         path=entry.path,
         shape=tuple(entry.shape),
@@ -220,7 +228,7 @@ def _kept_row(entry: checkpoints.TensorEntry, reason: str) -> ReportRow:
     )
 
 
-def _quantized_row(entry: checkpoints.TensorEntry, outcome: streaming.TensorOutcome) -> ReportRow:
+def _quantized_row(entry: protocols.TensorEntry, outcome: outcome_lib.TensorOutcome) -> ReportRow:
     tiles = outcome.how.get("tiled_axes") or {}
     return ReportRow(
         path=entry.path,

@@ -7,7 +7,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from qmill.client.checkpoints import formats
+from qmill.checkpoints import formats
 
 
 def example_tree(seed: int = 0) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.client.checkpoints import dtypes, orbax_layout, protocols
+from qmill.checkpoints import dtypes, orbax_layout, protocols
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import zipfile
 
 import numpy as np
 
-from qmill.client.checkpoints import dtypes, protocols
+from qmill.checkpoints import dtypes, protocols
 
 # A 0-d unicode array holding JSON {path: logical dtype}; plain np.load reads it without pickle.
 DTYPES_MEMBER = "__qmill_dtypes__"

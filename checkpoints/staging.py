@@ -18,7 +18,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from qmill.client.checkpoints import dtypes
+from qmill.checkpoints import dtypes
 
 
 class StagedOutput:

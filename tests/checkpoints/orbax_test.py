@@ -8,8 +8,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from qmill.client import checkpoints
-from qmill.client.checkpoints import orbax_writer
+from qmill import checkpoints
+from qmill.checkpoints import orbax_writer
 
 
 def _bytes_read() -> int:

@@ -1,0 +1,37 @@
+"""What became of one tensor sent for quantization: the record every backend hands back.
+
+The embedded engine, one server and a fan-out over several all yield TensorOutcome, so the
+checkpoint pipeline (pipeline.py) writes the same checkpoint whichever did the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from qmill.checkpoints import dtypes
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorOutcome:
+    """What became of one tensor sent for quantization."""
+
+    path: str
+    # True: quantized, `parts` holds qvalue, scale (and zero_point). False: kept; `parts` is
+    # empty, or holds "value" when a server sent a float tensor the caller does not have.
+    quantized: bool
+    parts: dict[str, np.ndarray]
+    reason: str = ""
+    # qtype, channelwise_axes, tiled_axes, calibration_method.
+    how: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sqnr_db: float = float("nan")
+    mean_relative_error: float = float("nan")
+    input_bytes: int = 0
+
+    @property
+    def output_bytes(self) -> int:
+        if not self.quantized:
+            return self.input_bytes
+        return sum(dtypes.packed_nbytes(p.dtype, p.shape) for p in self.parts.values())

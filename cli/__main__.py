@@ -1,0 +1,5 @@
+import sys
+
+from qmill.cli import main
+
+sys.exit(main.main())

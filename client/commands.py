@@ -1,0 +1,213 @@
+"""The client's `qmill` commands: quantize, inspect, capabilities, and those of the other
+client modules (upload, calibrate, export-odml, submit/jobs, admin).
+
+The `qmill` dispatcher (qmill.cli) adds these to its parser and runs them; `serve` is the
+server's (qmill.server.command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import threading
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from qmill import checkpoints
+from qmill.checkpoints import pipeline
+from qmill.client import (
+    admin,
+    calibrate,
+    credentials,
+    errors,
+    export_odml,
+    fanout,
+    jobs,
+    recipes,
+    report,
+    retry,
+    uploads,
+)
+
+# Raised for what a user can fix: printed in one line, exit status 1.
+USER_ERRORS = (
+    errors.QmillError,
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Adds the client's subcommands to the `qmill` parser."""
+    q = sub.add_parser("quantize", help="quantize a checkpoint (Orbax, safetensors, npz)")
+    q.add_argument("source", help="checkpoint: Orbax directory, .safetensors file/set, or .npz")
+    q.add_argument("-o", "--output", required=True, help="where to write the quantized checkpoint")
+    q.add_argument(
+        "--recipe",
+        default="int8",
+        help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file (default: int8)",
+    )
+    q.add_argument(
+        "--server",
+        help="HOST:PORT of a qmill server; without it the engine runs in-process. Several "
+        "(a:1,b:2,...) or dns:///NAME:PORT (every address NAME resolves to) spread the "
+        "tensors over all of them",
+    )
+    q.add_argument(
+        "--format",
+        choices=("orbax", "safetensors", "npz"),
+        help="output format (default: the output's suffix, .npz or .safetensors; else the input's)",
+    )
+    q.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    q.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard the partial output of an interrupted run instead of resuming it",
+    )
+    q.add_argument(
+        "--retries",
+        type=int,
+        default=retry.Backoff().retries,
+        help="times to retry, with exponential backoff, while the server is unavailable "
+        "(default %(default)s; each retry resumes where the last attempt stopped)",
+    )
+    q.add_argument("--report-json", help="also write the per-tensor report as JSON to this file")
+    q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
+    credentials.add_arguments(q)
+
+    jobs.add_commands(
+        sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
+    )
+
+    uploads.add_command(sub)
+    admin.add_command(sub)
+    calibrate.add_command(sub)
+
+    i = sub.add_parser("inspect", help="list a checkpoint's tensors")
+    i.add_argument("checkpoint")
+
+    c = sub.add_parser("capabilities", help="what a server supports")
+    c.add_argument("--server", required=True, help="HOST:PORT")
+    credentials.add_arguments(c)
+
+    export_odml.add_command(sub)
+
+
+def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
+    recipe = recipes.load(args.recipe)
+    started = time.monotonic()
+    quiet = args.quiet or not err.is_terminal
+
+    def attempt(restart: bool) -> list[pipeline.ReportRow]:
+        if args.server and fanout.is_fanout(args.server):
+            backend = fanout.FanoutClient(
+                args.server,
+                timeout=args.timeout,
+                credentials=credentials.from_args(args),
+                on_replica_lost=lambda address, e: print(
+                    f"qmill: replica {address} failed ({e.code}); its tensors go to the others",
+                    file=sys.stderr,
+                    flush=True,
+                ),
+            )
+        elif args.server:
+            from qmill.client import remote
+
+            backend = remote.Client(
+                args.server, timeout=args.timeout, credentials=credentials.from_args(args)
+            )
+        else:
+            from qmill.checkpoints import embedded
+
+            backend = embedded.EmbeddedClient()
+        with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
+            return pipeline.quantize_checkpoint(
+                args.source,
+                args.output,
+                recipe,
+                backend=retry.NoticeAnswers(backend, answered),
+                output_format=args.format,
+                overwrite=args.overwrite,
+                progress=bar,
+                restart=restart,
+            )
+
+    # Only the first attempt may discard a partial output; retries resume it. A server that
+    # never answered is more likely a wrong address than a restart: that fails at once.
+    attempts = iter([args.restart])
+    answered = threading.Event()
+    rows = retry.call(
+        lambda: attempt(next(attempts, False)),
+        retry.Backoff(retries=max(0, args.retries) if args.server else 0),
+        on_retry=lambda line: print(f"qmill: {line}", file=sys.stderr, flush=True),
+        retry_if=lambda _: answered.is_set(),
+    )
+    seconds = time.monotonic() - started
+    if not args.quiet:
+        out.print(report.quality_table(rows))
+    out.print(report.totals_line(rows, seconds) + f" → {args.output}")
+    if args.report_json:
+        report.write_json(rows, args.report_json)
+    return 0
+
+
+def _inspect(args: argparse.Namespace, out: Console) -> int:
+    with checkpoints.open_source(args.checkpoint) as source:
+        entries = source.entries()
+        table = Table(title=f"{args.checkpoint} ({source.format})")
+        for name in ("path", "dtype", "shape", "bytes"):
+            table.add_column(name, justify="right" if name == "bytes" else "left")
+        for e in entries:
+            table.add_row(
+                e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{e.nbytes:,}"
+            )
+    out.print(table)
+    out.print(f"{len(entries)} tensors, {sum(e.nbytes for e in entries):,} bytes")
+    return 0
+
+
+def _capabilities(args: argparse.Namespace, out: Console) -> int:
+    from qmill.client import remote
+
+    with remote.Client(args.server, credentials=credentials.from_args(args)) as client:
+        caps = client.capabilities()
+    out.print(
+        f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {caps.device_kind}: "
+        f"{caps.device_description}"
+    )
+    out.print("qtypes: " + ", ".join(caps.qtypes))
+    out.print("calibration methods: " + ", ".join(caps.calibration_methods))
+    out.print(f"max tensor bytes: {caps.max_tensor_bytes:,}")
+    for m in caps.models:  # for `qmill calibrate --model NAME --config '{...}'`
+        fields = ", ".join(f"{f.name}: {f.type} = {f.default_json}" for f in m.config_fields)
+        out.print(f"model {m.name} ({m.origin}): {m.description} {{{fields}}}", markup=False)
+    return 0
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Runs the client command `args.command`; returns the exit status."""
+
+    def line(text: str) -> None:
+        out.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    if args.command == "quantize":
+        return _quantize(args, out, err)
+    if args.command == "inspect":
+        return _inspect(args, out)
+    if args.command == "capabilities":
+        return _capabilities(args, out)
+    modules = {
+        "export-odml": export_odml,
+        "admin": admin,
+        "upload": uploads,
+        "calibrate": calibrate,
+        "submit": jobs,
+        "jobs": jobs,
+    }
+    return modules[args.command].run_command(args, line)

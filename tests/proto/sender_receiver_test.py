@@ -1,0 +1,52 @@
+"""The one tensor sender / receiver pair every RPC uses (proto/wire.py)."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qmill.proto import wire
+from qmill.proto.v1 import qmill_pb2 as pb
+
+
+def test_send_wraps_header_and_chunks_in_the_rpcs_message_and_receiver_restores_the_tensor():
+    array = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(1024, -1)  # 12 MiB: 3 chunks
+    messages = list(wire.send(pb.QuantizeParamsRequest, "header", "w/kernel", array))
+    assert [m.WhichOneof("item") for m in messages] == ["header", "chunk", "chunk", "chunk"]
+    receiver = wire.Receiver()
+    receiver.announce(messages[0].header)
+    for message in messages[1:-1]:
+        receiver.add(message.chunk)
+        assert receiver.receiving and receiver.take() == []
+    receiver.add(messages[-1].chunk)
+    ((path, back),) = receiver.take()
+    assert path == "w/kernel" and not receiver.receiving
+    np.testing.assert_array_equal(back, array)
+
+
+def test_parts_announced_together_complete_in_order_zero_byte_ones_at_once():
+    parts = {
+        "qvalue": np.array([-8, 7, 3], ml_dtypes.int4),
+        "empty": np.zeros((0, 4), np.float32),
+        "scale": np.array([0.5], np.float32),
+    }
+    headers, body = wire.encode_parts(parts)
+    assert [h.path for h in headers] == list(parts)
+    receiver = wire.Receiver()
+    receiver.announce(*headers)
+    for chunk in body:
+        receiver.add(chunk)
+    done = receiver.take()
+    assert [p for p, _ in done] == list(parts)
+    for (_, got), want in zip(done, parts.values(), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+
+
+def test_a_chunk_outside_any_tensor_and_an_oversized_header_are_wire_errors():
+    with pytest.raises(wire.WireError, match="outside") as lost:
+        wire.Receiver().add(pb.TensorChunk(offset=0, data=b"x"))
+    assert lost.value.code == "DATA_LOSS"
+    header = wire.header_for("big", np.zeros(1024, np.float32))
+    with pytest.raises(wire.WireError, match="limit") as big:
+        wire.Receiver(max_bytes=1000).announce(header)
+    assert big.value.code == "RESOURCE_EXHAUSTED"
