@@ -62,22 +62,18 @@ def _plan(einsum_str: str, lhs_ndim: int, rhs_ndim: int) -> _Plan:
 
 
 def get_how_to_quantize(
-    *,
-    einsum_str: str,
-    ndims: tuple[int, int],
-    for_lhs: bool,
-    qtype: Any,
-    tile_size: int | float | None = None,
-    calibration_method: str = "absmax",
+    *, einsum_str: str, ndims: tuple[int, int], **how: Any
 ) -> qarray.HowToQuantize:
-    """As dot_general.get_how_to_quantize, for the dot_general this einsum lowers to."""
+    """As dot_general.get_how_to_quantize, for the dot_general this einsum lowers to.
+
+    Args:
+      einsum_str: the two-operand einsum ("bij,bjk->bik").
+      ndims: the ranks of its operands.
+      **how: for_lhs, qtype, tile_size and calibration_method, as dot_general takes them.
+    """
+    dimension_numbers = _plan(einsum_str, *ndims).dimension_numbers
     return dot_general_lib.get_how_to_quantize(
-        dimension_numbers=_plan(einsum_str, *ndims).dimension_numbers,
-        ndims=ndims,
-        for_lhs=for_lhs,
-        qtype=qtype,
-        tile_size=tile_size,
-        calibration_method=calibration_method,
+        dimension_numbers=dimension_numbers, ndims=ndims, **how
     )
 
 

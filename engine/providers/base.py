@@ -80,6 +80,30 @@ class QuantizationProvider:
         }
 
 
+class OpsProvider(QuantizationProvider):
+    """A provider with a handler for every op qmill quantizes (PTQ, QT and the modes built on
+    them): subclasses define ``dot_general``, ``einsum``, ``conv_general_dilated`` and
+    ``ragged_dot``; jnp.dot and matmuls are routed to them here."""
+
+    def dot(self, a: Any, b: Any, precision: Any = None, preferred_element_type: Any = None, **kw):
+        """jnp.dot, routed through dot_general (rules match it as "dot_general")."""
+        if a.ndim == 0 or b.ndim == 0:
+            return jnp.dot(a, b, precision=precision, preferred_element_type=None, **kw)
+        rhs_contract = 0 if b.ndim == 1 else b.ndim - 2
+        dn = (((a.ndim - 1,), (rhs_contract,)), ((), ()))
+        return self.dot_general(a, b, dn, precision, preferred_element_type)
+
+    def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
+        return super().get_intercept_map() | {
+            "jax.lax.conv_general_dilated": self.conv_general_dilated,
+            "jax.lax.dot_general": self.dot_general,
+            "jax.numpy.dot": self.dot,
+            **matmul_targets(self.dot),
+            "jax.numpy.einsum": self.einsum,
+            "jax.lax.ragged_dot": self.ragged_dot,
+        }
+
+
 def is_quantized(x: Any) -> bool:
     """Whether x is a quantized operand (QArray, or a container of one such as WithAux)."""
     return isinstance(x, qarray.QArray) or isinstance(getattr(x, "array", None), qarray.QArray)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -147,11 +147,23 @@ def _output_how(rule: rules.QuantizationRule) -> qarray.HowToQuantize:
     )
 
 
-def _output_names(out: Any) -> list[str]:
-    leaves = jax.tree.leaves(out)
-    return (
+def _map_outputs(
+    rules_: Sequence[rules.QuantizationRule],
+    module: Any,
+    out: Any,
+    fn: Callable[[rules.QuantizationRule, str, Any], Any],
+) -> Any:
+    """The model output with each leaf y replaced by fn(rule, name, y): rule the one quantizing
+    outputs, name "model_output" (or "model_output_<i>" for several leaves). The output as is
+    when no rule quantizes it or the model is not a module."""
+    rule = _static_rule(rules_)
+    if rule is None or module is None:
+        return out
+    leaves, tree = jax.tree.flatten(out)
+    names = (
         [MODEL_OUTPUT] if len(leaves) == 1 else [f"{MODEL_OUTPUT}_{i}" for i in range(len(leaves))]
     )
+    return jax.tree.unflatten(tree, [fn(rule, n, y) for n, y in zip(names, leaves, strict=True)])
 
 
 def _check_static(rule: rules.QuantizationRule, where: str) -> None:
@@ -189,11 +201,7 @@ class OdmlQatProvider(qt.QtProvider):
         for side, x in (("lhs", lhs), ("rhs", rhs)):
             for_lhs = side == "lhs"
             if flax_util.find_param(x, module) is not None:
-                h = how(
-                    for_lhs=for_lhs,
-                    qtype=rule.weight_qtype,
-                    calibration_method=rule.weight_calibration_method,
-                )
+                h = how.weight(for_lhs)
                 h = _per_tensor(h) if self._per_tensor_weights else h
                 if self._strict:
                     litert_dtype(h.qtype)
@@ -203,11 +211,7 @@ class OdmlQatProvider(qt.QtProvider):
                 if self._strict:
                     litert_dtype(rule.act_qtype)
                     _check_static(rule, where)
-                h = how(
-                    for_lhs=for_lhs,
-                    qtype=rule.act_qtype,
-                    calibration_method=rule.resolved_act_calibration_method,
-                )
+                h = how.act(for_lhs)
                 name = None if op_id is None else f"{op_id}_{side}"
                 x = x + jax.lax.stop_gradient(self.fake_quant_act(module, x, h, rule, name) - x)
             operands.append(x)
@@ -215,19 +219,15 @@ class OdmlQatProvider(qt.QtProvider):
 
     def model_output(self, module: Any, out: Any) -> Any:
         """Hook of quantize_model: fake-quantizes the model output with its running statistic."""
-        rule = _static_rule(self.rules)
-        if rule is None or module is None:
-            return out
-        leaves, tree = jax.tree.flatten(out)
-        names = _output_names(out)
-        done = []
-        for name, y in zip(names, leaves, strict=True):
-            if isinstance(y, jax.Array) and jnp.issubdtype(y.dtype, jnp.floating):
-                with _variables_allowed(module):
-                    fq = self.fake_quant_act(module, y, _output_how(rule), rule, name)
-                y = y + jax.lax.stop_gradient(fq - y)
-            done.append(y)
-        return jax.tree.unflatten(tree, done)
+
+        def fake_quant(rule: rules.QuantizationRule, name: str, y: Any) -> Any:
+            if not (isinstance(y, jax.Array) and jnp.issubdtype(y.dtype, jnp.floating)):
+                return y
+            with _variables_allowed(module):
+                fq = self.fake_quant_act(module, y, _output_how(rule), rule, name)
+            return y + jax.lax.stop_gradient(fq - y)
+
+        return _map_outputs(self.rules, module, out, fake_quant)
 
 
 class OdmlConversionProvider(qt.QtProvider):
@@ -267,12 +267,7 @@ class OdmlConversionProvider(qt.QtProvider):
             for_lhs = side == "lhs"
             ref = flax_util.find_param(x, module)
             if ref is not None:
-                h = how(
-                    for_lhs=for_lhs,
-                    qtype=rule.weight_qtype,
-                    calibration_method=rule.weight_calibration_method,
-                )
-                x = self._weight(module, ref, x, h, _join(path, ref.name))
+                x = self._weight(module, ref, x, how.weight(for_lhs), _join(path, ref.name))
             elif rule.act_qtype is not None:
                 name = _join(path, f"{op_id}_{side}")
                 _check_static(rule, name)
@@ -282,17 +277,14 @@ class OdmlConversionProvider(qt.QtProvider):
 
     def model_output(self, module: Any, out: Any) -> Any:
         """Hook of quantize_model: the output's composite, when quant_stats has its statistic."""
-        rule = _static_rule(self.rules)
-        if rule is None or module is None:
-            return out
-        leaves, tree = jax.tree.flatten(out)
-        done = []
-        for name, y in zip(_output_names(out), leaves, strict=True):
+
+        def composite(rule: rules.QuantizationRule, name: str, y: Any) -> Any:
             stat = self._stat(module, name, required=False)
-            if stat is not None and jnp.issubdtype(y.dtype, jnp.floating):
-                y = self._activation(y, rule, stat, name, kind="output")
-            done.append(y)
-        return jax.tree.unflatten(tree, done)
+            if stat is None or not jnp.issubdtype(y.dtype, jnp.floating):
+                return y
+            return self._activation(y, rule, stat, name, kind="output")
+
+        return _map_outputs(self.rules, module, out, composite)
 
     # ---- weights and activations ----------------------------------------------------------
 

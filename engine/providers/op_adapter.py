@@ -1,50 +1,72 @@
 """The providers' single door to the quantized ops of ``qmill.engine.ops``.
 
-Keyword-only wrappers, so the providers call every op and its how-to-quantize the same way.
+Each ``*_how`` binds what an op call and its rule fix (dimension numbers, operand ranks, tile
+size) and returns a ``HowFor``, which the providers then ask, keyword-only, how to quantize each
+operand (``for_lhs=``, ``qtype=``, ``calibration_method=``): the same way for every op.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
-from qmill.engine import ops, qarray
+from qmill.engine import ops, qarray, rules
 
 
-def dot_general_how(
-    *, dimension_numbers, ndims, for_lhs, qtype, tile_size, calibration_method
-) -> qarray.HowToQuantize:
-    return ops.dot_general.get_how_to_quantize(
-        dimension_numbers=dimension_numbers,
-        ndims=ndims,
-        for_lhs=for_lhs,
-        qtype=qtype,
-        tile_size=tile_size,
-        calibration_method=calibration_method,
+@dataclasses.dataclass(frozen=True)
+class HowFor:
+    """How to quantize either operand of one op call under its rule.
+
+    Ask it keyword-only (``how(for_lhs=, qtype=, calibration_method=)``), or for the rule's own
+    weight or activation settings (``how.weight(for_lhs)``, ``how.act(for_lhs)``).
+    """
+
+    get: Callable[..., qarray.HowToQuantize]
+    rule: rules.QuantizationRule
+
+    def __call__(self, **kwargs: Any) -> qarray.HowToQuantize:
+        return self.get(**kwargs)
+
+    def weight(self, for_lhs: bool) -> qarray.HowToQuantize:
+        """How to quantize the operand as a weight: the rule's weight qtype and calibration."""
+        qtype, method = self.rule.weight_qtype, self.rule.weight_calibration_method
+        return self.get(for_lhs=for_lhs, qtype=qtype, calibration_method=method)
+
+    def act(self, for_lhs: bool) -> qarray.HowToQuantize:
+        """How to quantize the operand as an activation: the rule's act qtype and calibration."""
+        qtype, method = self.rule.act_qtype, self.rule.resolved_act_calibration_method
+        return self.get(for_lhs=for_lhs, qtype=qtype, calibration_method=method)
+
+
+def dot_general_how(rule: rules.QuantizationRule, lhs, rhs, dimension_numbers) -> HowFor:
+    """How to quantize either operand of this dot_general under ``rule``."""
+    return _bind(
+        ops.dot_general.get_how_to_quantize, rule, lhs, rhs, dimension_numbers=dimension_numbers
     )
 
 
-def einsum_how(
-    *, einsum_str, ndims, for_lhs, qtype, tile_size, calibration_method
-) -> qarray.HowToQuantize:
-    return ops.einsum.get_how_to_quantize(
-        einsum_str=einsum_str,
-        ndims=ndims,
-        for_lhs=for_lhs,
-        qtype=qtype,
-        tile_size=tile_size,
-        calibration_method=calibration_method,
+def einsum_how(rule: rules.QuantizationRule, lhs, rhs, einsum_str: str) -> HowFor:
+    """How to quantize either operand of this two-operand einsum under ``rule``."""
+    return _bind(ops.einsum.get_how_to_quantize, rule, lhs, rhs, einsum_str=einsum_str)
+
+
+def _bind(get_how, rule, lhs, rhs, **op_args) -> HowFor:
+    ndims = (len(lhs.shape), len(rhs.shape))
+    return HowFor(
+        functools.partial(get_how, ndims=ndims, tile_size=rule.tile_size, **op_args), rule
     )
 
 
-def conv_how(*, dimension_numbers, for_lhs, qtype, calibration_method) -> qarray.HowToQuantize:
-    return ops.conv_general.get_how_to_quantize(
-        dimension_numbers=dimension_numbers,
-        for_lhs=for_lhs,
-        qtype=qtype,
-        calibration_method=calibration_method,
-    )
+def conv_how(
+    rule: rules.QuantizationRule, dimension_numbers: jax.lax.ConvDimensionNumbers
+) -> HowFor:
+    """How to quantize either operand of a conv (per batch item / output feature, never tiled)."""
+    get = ops.conv_general.get_how_to_quantize
+    return HowFor(functools.partial(get, dimension_numbers=dimension_numbers), rule)
 
 
 def dot_general(lhs, rhs, dimension_numbers, **kwargs) -> jax.Array:
@@ -62,8 +84,12 @@ def conv_general_dilated(lhs, rhs, *args, **kwargs) -> jax.Array:
 # ---- ragged_dot (lhs [m, k], rhs [groups, k, n], out [m, n]; rows grouped by group_sizes) ------
 
 
-def ragged_dot_how(*, for_lhs, qtype, tile_size, calibration_method) -> qarray.HowToQuantize:
+def ragged_dot_how(rule: rules.QuantizationRule) -> HowFor:
     """lhs: a scale per row (m); rhs: a scale per (group, output column); k optionally tiled."""
+    return HowFor(functools.partial(_ragged_dot_how, tile_size=rule.tile_size), rule)
+
+
+def _ragged_dot_how(*, for_lhs, qtype, tile_size, calibration_method) -> qarray.HowToQuantize:
     contracting = 1
     tiled = {contracting: tile_size} if tile_size else {}
     return qarray.HowToQuantize(
@@ -74,14 +100,14 @@ def ragged_dot_how(*, for_lhs, qtype, tile_size, calibration_method) -> qarray.H
     )
 
 
-def ragged_dot(lhs, rhs, group_sizes, **kwargs) -> jax.Array:
+def ragged_dot(lhs, rhs, group_sizes, *args, **kwargs) -> jax.Array:
     """jax.lax.ragged_dot on QArrays, computed on the dequantized values.
 
     A rhs scale varies by group, i.e. by the row of the output, so it can't be applied after an
     integer matmul as one broadcast; the weight is stored quantized and dequantized here.
     """
     lhs, rhs = (qarray.dequantize(x) if isinstance(x, qarray.QArray) else x for x in (lhs, rhs))
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kwargs)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
 
 
 # ---- gradient layouts (for the quantized backward pass of QT) -----------------------------------

@@ -13,8 +13,7 @@ activation scale ``<op_id>_{lhs,rhs}_scale/array`` (+ ``..._zero_point``) in the
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import flax.struct
@@ -65,7 +64,7 @@ class WithAux(Generic[A]):
         return self
 
 
-class PtqProvider(base.QuantizationProvider):
+class PtqProvider(base.OpsProvider):
     """Quantized weights (replaced in the model on first use) and quantized compute."""
 
     def __init__(self, rules_: Sequence[rules.QuantizationRule]) -> None:
@@ -90,12 +89,7 @@ class PtqProvider(base.QuantizationProvider):
         return self.quantized_dot_general(rule, op_id, module, lhs, rhs, dimension_numbers)
 
     def quantized_dot_general(self, rule, op_id, module, lhs, rhs, dimension_numbers) -> jax.Array:
-        how = functools.partial(
-            op_adapter.dot_general_how,
-            dimension_numbers=dimension_numbers,
-            ndims=(len(lhs.shape), len(rhs.shape)),
-            tile_size=rule.tile_size,
-        )
+        how = op_adapter.dot_general_how(rule, lhs, rhs, dimension_numbers)
         lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
         return op_adapter.dot_general(lhs, rhs, dimension_numbers)
 
@@ -111,12 +105,7 @@ class PtqProvider(base.QuantizationProvider):
         return self.quantized_einsum(rule, op_id, module, einsum_str, *operands)
 
     def quantized_einsum(self, rule, op_id, module, einsum_str, lhs, rhs) -> jax.Array:
-        how = functools.partial(
-            op_adapter.einsum_how,
-            einsum_str=einsum_str,
-            ndims=(len(lhs.shape), len(rhs.shape)),
-            tile_size=rule.tile_size,
-        )
+        how = op_adapter.einsum_how(rule, lhs, rhs, einsum_str)
         lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
         return op_adapter.einsum(einsum_str, lhs, rhs)
 
@@ -136,46 +125,18 @@ class PtqProvider(base.QuantizationProvider):
                 f"None); got {rule.act_qtype=} {rule.weight_qtype=}"
             )
         dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, call.dimension_numbers)
-        how = functools.partial(op_adapter.conv_how, dimension_numbers=dn)
+        how = op_adapter.conv_how(rule, dn)
         lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
         return op_adapter.conv_general_dilated(lhs, rhs, **call.quantized_kwargs(dn))
 
-    def ragged_dot(
-        self,
-        lhs: Any,
-        rhs: Any,
-        group_sizes: Any,
-        precision: Any = None,
-        preferred_element_type: Any = None,
-        group_offset: Any = None,
-        **kwargs: Any,
-    ) -> jax.Array:
+    def ragged_dot(self, lhs: Any, rhs: Any, group_sizes: Any, *args: Any, **kwargs: Any):
         """jax.lax.ragged_dot (lhs [m, k], rhs [groups, k, n]): the usual MoE expert weights."""
-        if group_offset is not None:
-            kwargs["group_offset"] = group_offset
         rule, op_id, module = self.current_rule_and_op_id("ragged_dot")
         if rule is None or rule.weight_qtype is None:
-            return jax.lax.ragged_dot(
-                lhs, rhs, group_sizes, precision, preferred_element_type, **kwargs
-            )
-        how = functools.partial(op_adapter.ragged_dot_how, tile_size=rule.tile_size)
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
+        how = op_adapter.ragged_dot_how(rule)
         lhs, rhs = self._prepare_operands(lhs, rhs, how, rule, op_id, module)
-        return op_adapter.ragged_dot(
-            lhs,
-            rhs,
-            group_sizes,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            **kwargs,
-        )
-
-    def dot(self, a: Any, b: Any, precision: Any = None, preferred_element_type: Any = None, **kw):
-        """jnp.dot, routed through dot_general (rules match it as "dot_general")."""
-        if a.ndim == 0 or b.ndim == 0:
-            return jax.numpy.dot(a, b, precision=precision, preferred_element_type=None, **kw)
-        rhs_contract = 0 if b.ndim == 1 else b.ndim - 2
-        dn = (((a.ndim - 1,), (rhs_contract,)), ((), ()))
-        return self.dot_general(a, b, dn, precision, preferred_element_type)
+        return op_adapter.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
 
     def nn_param(self, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
         """Linen Module.param: an already-quantized param is returned as is (no shape check)."""
@@ -183,16 +144,6 @@ class PtqProvider(base.QuantizationProvider):
         if isinstance(existing, WithAux):
             return nn.unbox(existing)
         return super().nn_param(module, name, *args, **kwargs)
-
-    def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
-        return super().get_intercept_map() | {
-            "jax.lax.conv_general_dilated": self.conv_general_dilated,
-            "jax.lax.dot_general": self.dot_general,
-            "jax.numpy.dot": self.dot,
-            **base.matmul_targets(self.dot),
-            "jax.numpy.einsum": self.einsum,
-            "jax.lax.ragged_dot": self.ragged_dot,
-        }
 
     # ---- operands ----------------------------------------------------------------------------
 
@@ -204,20 +155,10 @@ class PtqProvider(base.QuantizationProvider):
             if isinstance(x, WithAux):
                 x = x.array
             elif ref is not None:
-                w_how = how(
-                    for_lhs=for_lhs,
-                    qtype=rule.weight_qtype,
-                    calibration_method=rule.weight_calibration_method,
-                )
-                x = self.quantize_weight(module, ref, x, w_how).array
+                x = self.quantize_weight(module, ref, x, how.weight(for_lhs)).array
             elif rule.act_qtype is not None:
-                a_how = how(
-                    for_lhs=for_lhs,
-                    qtype=rule.act_qtype,
-                    calibration_method=rule.resolved_act_calibration_method,
-                )
                 name = None if op_id is None else f"{op_id}_{side}"
-                x = self.quantize_act(module, x, a_how, rule, name)
+                x = self.quantize_act(module, x, how.act(for_lhs), rule, name)
             out.append(x)
         return out[0], out[1]
 

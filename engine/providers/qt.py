@@ -14,7 +14,6 @@ NNX PtqProvider turn them into static scales.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,7 +46,7 @@ def _ste(x: jax.Array, fq: jax.Array) -> jax.Array:
     return x + jax.lax.stop_gradient(fq - x)
 
 
-class QtProvider(base.QuantizationProvider):
+class QtProvider(base.OpsProvider):
     """Fake-quantized forward (and optionally backward) for quantization-aware training."""
 
     def __init__(self, rules_: Sequence[rules.QuantizationRule]) -> None:
@@ -64,12 +63,7 @@ class QtProvider(base.QuantizationProvider):
             return jax.lax.dot_general(
                 lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs
             )
-        how = functools.partial(
-            op_adapter.dot_general_how,
-            dimension_numbers=dimension_numbers,
-            ndims=(lhs.ndim, rhs.ndim),
-            tile_size=rule.tile_size,
-        )
+        how = op_adapter.dot_general_how(rule, lhs, rhs, dimension_numbers)
         layout = op_adapter.dot_general_grad_layout(dimension_numbers, (lhs.ndim, rhs.ndim))
         return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
 
@@ -78,12 +72,7 @@ class QtProvider(base.QuantizationProvider):
         if rule is None or rule.weight_qtype is None or len(operands) != 2:
             return jnp.einsum(einsum_str, *operands, **kwargs)
         lhs, rhs = operands
-        how = functools.partial(
-            op_adapter.einsum_how,
-            einsum_str=einsum_str,
-            ndims=(lhs.ndim, rhs.ndim),
-            tile_size=rule.tile_size,
-        )
+        how = op_adapter.einsum_how(rule, lhs, rhs, einsum_str)
         kwargs.pop("_dot_general", None)
         layout = op_adapter.einsum_grad_layout(einsum_str)
         if layout is None and _qt_setting(rule, "bwd_qtype") is not None:
@@ -103,16 +92,8 @@ class QtProvider(base.QuantizationProvider):
             return compute(lhs, rhs)
         dn_arg = kwargs.get("dimension_numbers", args[2] if len(args) > 2 else None)
         dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dn_arg)
-        how = functools.partial(op_adapter.conv_how, dimension_numbers=dn)
-        return self._run(
-            rule,
-            op_id,
-            module,
-            lhs,
-            rhs,
-            lambda tile_size=None, **kw: how(**kw),
-            _Op(compute, op_adapter.conv_grad_layout(dn)),
-        )
+        how, layout = op_adapter.conv_how(rule, dn), op_adapter.conv_grad_layout(dn)
+        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
 
     def ragged_dot(
         self,
@@ -133,25 +114,9 @@ class QtProvider(base.QuantizationProvider):
         rule, op_id, module = self.current_rule_and_op_id("ragged_dot")
         if rule is None or rule.weight_qtype is None:
             return compute(lhs, rhs)
-        how = functools.partial(op_adapter.ragged_dot_how, tile_size=rule.tile_size)
+        how = op_adapter.ragged_dot_how(rule)
         layout = op_adapter.RAGGED_DOT_GRAD_LAYOUT
         return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
-
-    def dot(self, a, b, precision=None, preferred_element_type=None, **kwargs) -> jax.Array:
-        if a.ndim == 0 or b.ndim == 0:
-            return jnp.dot(a, b, precision=precision, preferred_element_type=None, **kwargs)
-        dn = (((a.ndim - 1,), (0 if b.ndim == 1 else b.ndim - 2,)), ((), ()))
-        return self.dot_general(a, b, dn, precision, preferred_element_type)
-
-    def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
-        return super().get_intercept_map() | {
-            "jax.lax.conv_general_dilated": self.conv_general_dilated,
-            "jax.lax.dot_general": self.dot_general,
-            "jax.numpy.dot": self.dot,
-            **base.matmul_targets(self.dot),
-            "jax.numpy.einsum": self.einsum,
-            "jax.lax.ragged_dot": self.ragged_dot,
-        }
 
     # ---- the fake-quantized op ----------------------------------------------------------------
 
@@ -159,20 +124,12 @@ class QtProvider(base.QuantizationProvider):
         operands = []
         weight_side = None
         for side, x in (("lhs", lhs), ("rhs", rhs)):
-            kw = {"for_lhs": side == "lhs"}
+            for_lhs = side == "lhs"
             if flax_util.find_param(x, module) is not None:
                 weight_side = side
-                h = how(
-                    **kw, qtype=rule.weight_qtype, calibration_method=rule.weight_calibration_method
-                )
-                x = _ste(x, _fake_quant(x, self._maybe_per_tensor(rule, h)))
+                x = _ste(x, _fake_quant(x, self._maybe_per_tensor(rule, how.weight(for_lhs))))
             elif rule.act_qtype is not None:
-                h = how(
-                    **kw,
-                    qtype=rule.act_qtype,
-                    calibration_method=rule.resolved_act_calibration_method,
-                )
-                h = self._maybe_per_tensor(rule, h)
+                h = self._maybe_per_tensor(rule, how.act(for_lhs))
                 name = None if op_id is None else f"{op_id}_{side}"
                 x = _ste(x, self.fake_quant_act(module, x, h, rule, name))
             operands.append(x)
