@@ -9,6 +9,7 @@ maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]} plus a
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import struct
@@ -83,7 +84,7 @@ def _check_tensor(path: pathlib.Path, name: str, info: Any, data_bytes: int) -> 
             f"{path}: tensor {name} has dtype {code}, which qmill does not read "
             f"(it reads {', '.join(CODES)})"
         )
-    expected = int(np.prod(shape, dtype=np.int64)) * CODES[code].itemsize
+    expected = math.prod(int(d) for d in shape) * CODES[code].itemsize  # exact, never wraps
     if not 0 <= begin <= end <= data_bytes or end - begin != expected:
         raise ValueError(
             f"{path}: tensor {name} has data_offsets {[begin, end]} for shape {shape} "

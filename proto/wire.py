@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
@@ -90,7 +91,7 @@ def _valid_names() -> str:
 
 def byte_length(wire: int, shape: tuple[int, ...]) -> int:
     """Bytes that a tensor of this dtype and shape occupies on the wire."""
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(int(d) for d in shape)  # exact: a 64-bit product can wrap
     if wire in _PACKED:
         return (count + 1) // 2
     return count * to_numpy_dtype(wire).itemsize
@@ -123,7 +124,7 @@ def from_bytes(
     dtype = to_numpy_dtype(wire)
     raw = np.frombuffer(data, dtype=np.uint8)
     if wire in _PACKED:
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(int(d) for d in shape)  # exact: a 64-bit product can wrap
         nibbles = np.empty(raw.size * 2, np.uint8)
         nibbles[0::2] = raw & 0x0F
         nibbles[1::2] = raw >> 4

@@ -196,3 +196,14 @@ def test_header_space_reserved_from_like_is_used_or_outgrown(
         got = f.get_tensor("layer.1.weight.array.qvalue")
         assert got.tobytes() == tensors["layer.1.weight"].astype(np.int8).tobytes()
         assert len(f.keys()) == 6
+
+
+def test_a_shape_whose_byte_count_wraps_64_bits_is_refused(tmp_path):
+    # 2^32 x 2^32 float32 is 2^66 bytes: a 64-bit product wraps to 0 and matched offsets [0, 0].
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [2**32, 2**32], "data_offsets": [0, 0]}}
+    ).encode()
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        checkpoints.open_source(path).entries()

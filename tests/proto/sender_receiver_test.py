@@ -50,3 +50,12 @@ def test_a_chunk_outside_any_tensor_and_an_oversized_header_are_wire_errors():
     with pytest.raises(wire.WireError, match="limit") as big:
         wire.Receiver(max_bytes=1000).announce(header)
     assert big.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_shape_whose_byte_count_wraps_64_bits_is_refused_at_the_header():
+    # 2^32 x 2^32 float32 is 2^66 bytes; a 64-bit product wraps to 0 and matched byte_length=0.
+    header = pb.TensorHeader(path="huge", dtype=pb.DTYPE_F32, shape=[2**32, 2**32], byte_length=0)
+    with pytest.raises(wire.WireError, match="does not match") as refused:
+        wire.Receiver().announce(header)
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert wire.byte_length(pb.DTYPE_F32, (2**32, 2**32)) == 2**66
