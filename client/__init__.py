@@ -1,1 +1,20 @@
-"""qmill.client."""
+"""qmill.client: the thin client of a qmill server.
+
+    from qmill.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        for outcome in client.quantize("int8", [("w/kernel", array)]):
+            print(outcome.path, outcome.sqnr_db)
+
+`Client` (and `AsyncClient`, for asyncio) owns one channel and has a method per service:
+capabilities, quantize, upload, quantize_upload, calibrate, export_odml, server_info (admin),
+and `jobs` (submit, get, list, watch, cancel). Every failed call raises `QmillError`.
+Importing this package does not import jax.
+"""
+
+from qmill.client.client import AsyncClient as AsyncClient
+from qmill.client.client import Client as Client
+from qmill.client.credentials import Credentials as Credentials
+from qmill.client.errors import QmillError as QmillError
+
+__all__ = ["AsyncClient", "Client", "Credentials", "QmillError"]

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from qmill.client import credentials, errors
+from qmill.client import credentials
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 
-
-def server_info(channel: grpc.Channel, *, timeout: float | None = None) -> pb.ServerInfo:
-    """The server's live load and limits.
-
-    Raises:
-        errors.QmillError: PERMISSION_DENIED for a user token, or any failed call.
-    """
-    try:
-        return pb_grpc.AdminStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
-    except grpc.RpcError as e:
-        raise errors.from_rpc_error(e) from None
+if TYPE_CHECKING:
+    from qmill.client import client as client_lib
 
 
 def as_dict(info: pb.ServerInfo) -> dict[str, Any]:
@@ -70,11 +57,11 @@ def add_command(sub: Any) -> None:
     credentials.add_arguments(i)
 
 
-def run_command(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
-    """Runs `qmill admin info`."""
-    creds = credentials.from_args(args)
-    with contextlib.closing(credentials.channel(args.server, creds, [])) as channel:
-        info = server_info(channel, timeout=args.timeout)
+def run_command(
+    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
+) -> int:
+    """Runs `qmill admin info` on `client`."""
+    info = client.server_info()
     if args.json:
         print_line(json.dumps(as_dict(info), sort_keys=True))
     else:

@@ -7,21 +7,23 @@ params from a checkpoint (uploaded, once) and the PTQ params written as a checkp
 from __future__ import annotations
 
 import argparse
-import contextlib
+import collections
 import dataclasses
 import os
 import pathlib
 import tomllib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 
+from qmill import checkpoints
 from qmill.client import credentials, errors, uploads
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from qmill.client import client as client_lib
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -35,14 +37,15 @@ class CalibrateResult:
     summary: pb.CalibrateSummary
 
 
-def _requests(start: pb.CalibrateStart, batches: Iterable[np.ndarray]) -> Iterator:
+def requests(
+    start: pb.CalibrateStart, batches: Iterable[np.ndarray]
+) -> Iterator[pb.CalibrateRequest]:
+    """The start message, then each batch (header and chunks)."""
     yield pb.CalibrateRequest(start=start)
     for i, batch in enumerate(batches):
-        array = np.ascontiguousarray(batch)
-        data = wire.to_bytes(array)
-        yield pb.CalibrateRequest(batch=wire.header_for(f"batch_{i}", array, data))
-        for chunk in wire.chunks(data):
-            yield pb.CalibrateRequest(chunk=chunk)
+        yield from wire.send(
+            pb.CalibrateRequest, "batch", f"batch_{i}", np.ascontiguousarray(batch)
+        )
 
 
 def _check_param(param: pb.TensorResult) -> None:
@@ -66,56 +69,50 @@ def _check_param(param: pb.TensorResult) -> None:
         )
 
 
-def calibrate(
-    channel: grpc.Channel,
-    start: pb.CalibrateStart,
-    batches: Iterable[np.ndarray],
-    *,
-    metadata: Sequence[tuple[str, str]] | None = None,
-    timeout: float | None = None,
-    on_progress: Callable[[pb.CalibrateProgress], None] | None = None,
-) -> CalibrateResult:
-    """Runs one Calibrate call; every tensor of ``batches`` is one batch of the model input.
+class Collector:
+    """Feeds on Calibrate responses; `result()` once the stream has ended.
 
     ``on_progress`` sees the running totals (over the whole calibration) after each batch.
     """
-    stub = pb_grpc.CalibratorStub(channel)
-    stats: dict[str, np.ndarray] = {}
-    params: dict[str, dict[str, np.ndarray]] = {}
-    results: dict[str, pb.TensorResult] = {}
-    pending: list[tuple[dict, str, wire.Assembler]] = []
-    summary = None
-    try:
-        for response in stub.Calibrate(
-            _requests(start, batches), metadata=metadata, timeout=timeout
-        ):
-            kind = response.WhichOneof("item")
-            if kind == "progress" and on_progress is not None:
-                on_progress(response.progress)
-            elif kind == "stat":
-                pending.append((stats, response.stat.path, wire.Assembler(response.stat)))
-            elif kind == "param":
-                _check_param(response.param)
-                results[response.param.path] = response.param
-                target = params.setdefault(response.param.path, {})
-                pending.extend((target, h.path, wire.Assembler(h)) for h in response.param.parts)
-            elif kind == "chunk":
-                if not pending:
-                    raise errors.QmillError("DATA_LOSS", "a chunk arrived for no tensor")
-                pending[0][2].add(response.chunk)
-            elif kind == "summary":
-                summary = response.summary
-            # Zero-length tensors have no chunks: settle every finished one in order.
-            while pending and pending[0][2].complete:
-                target, key, assembler = pending.pop(0)
-                target[key] = np.array(assembler.finish())
-    except grpc.RpcError as exc:
-        raise errors.from_rpc_error(exc) from exc
-    except wire.WireError as exc:
-        raise errors.QmillError("DATA_LOSS", str(exc)) from exc
-    if summary is None or pending:
-        raise errors.QmillError("DATA_LOSS", "the Calibrate stream ended early")
-    return CalibrateResult(stats=stats, params=params, results=results, summary=summary)
+
+    def __init__(self, on_progress: Callable[[pb.CalibrateProgress], None] | None = None) -> None:
+        self._on_progress = on_progress
+        self._receiver = wire.Receiver()
+        # Where each announced tensor goes, in announcement order: (mapping, key).
+        self._targets: collections.deque[tuple[dict[str, np.ndarray], str]] = collections.deque()
+        self._stats: dict[str, np.ndarray] = {}
+        self._params: dict[str, dict[str, np.ndarray]] = {}
+        self._results: dict[str, pb.TensorResult] = {}
+        self._summary: pb.CalibrateSummary | None = None
+
+    def feed(self, response: pb.CalibrateResponse) -> None:
+        kind = response.WhichOneof("item")
+        if kind == "progress" and self._on_progress is not None:
+            self._on_progress(response.progress)
+        elif kind == "stat":
+            self._targets.append((self._stats, response.stat.path))
+            self._receiver.announce(response.stat)
+        elif kind == "param":
+            param = response.param
+            _check_param(param)
+            self._results[param.path] = param
+            target = self._params.setdefault(param.path, {})
+            self._targets.extend((target, h.path) for h in param.parts)
+            self._receiver.announce(*param.parts)
+        elif kind == "chunk":
+            self._receiver.add(response.chunk)
+        elif kind == "summary":
+            self._summary = response.summary
+        for _, array in self._receiver.take():
+            target, key = self._targets.popleft()
+            target[key] = array
+
+    def result(self) -> CalibrateResult:
+        if self._summary is None or self._receiver.receiving:
+            raise errors.QmillError("DATA_LOSS", "the Calibrate stream ended early")
+        return CalibrateResult(
+            stats=self._stats, params=self._params, results=self._results, summary=self._summary
+        )
 
 
 # ------------------------------------------------------------------------------------ rules
@@ -206,8 +203,6 @@ def load_batches(path: str | os.PathLike[str], batch_size: int) -> Iterator[np.n
 def write_ptq(result: CalibrateResult, destination: str, *, overwrite: bool = False) -> int:
     """Writes the PTQ params as a checkpoint (.safetensors / .npz by suffix, else an Orbax
     directory) in the Qwix PTQ layout (P/array/qvalue, P/array/scale); returns the tensor count."""
-    from qmill import checkpoints  # lazy: Orbax writing imports jax
-
     if not result.params:
         raise ValueError("the server sent no PTQ params (ask for them with return_ptq_params)")
     suffix = pathlib.Path(destination).suffix
@@ -249,21 +244,20 @@ def add_command(sub: Any) -> None:
     credentials.add_arguments(c)
 
 
-def run_command(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
-    """Runs `qmill calibrate`; returns the exit code."""
+def run_command(
+    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
+) -> int:
+    """Runs `qmill calibrate` on `client`; returns the exit code."""
     rules = load_rules(args.rules)
     batches = load_batches(args.batches, args.batch_size)
-    creds = credentials.from_args(args)
-    with contextlib.closing(uploads.open_channel(args.server, creds)) as channel:
-        upload_id = uploads.params_upload_id(channel, args, print_line)
-        start = pb.CalibrateStart(
-            model=pb.ModelSpec(name=args.model, config_json=args.config),
-            params_upload_id=upload_id,
-            rules=rules,
-            calibration_id=args.calibration_id,
-            return_ptq_params=bool(args.ptq_output),
-        )
-        result = calibrate(channel, start, batches, timeout=args.timeout)
+    start = pb.CalibrateStart(
+        model=pb.ModelSpec(name=args.model, config_json=args.config),
+        params_upload_id=uploads.params_upload_id(client, args, print_line),
+        rules=rules,
+        calibration_id=args.calibration_id,
+        return_ptq_params=bool(args.ptq_output),
+    )
+    result = client.calibrate(start, batches)
     s = result.summary
     print_line(
         f"calibration {s.calibration_id}: {s.batches_total} batches, {s.examples_total} "

@@ -31,6 +31,7 @@ from qmill.client import (
     retry,
     uploads,
 )
+from qmill.client import client as client_lib
 
 # Raised for what a user can fix: printed in one line, exit status 1.
 USER_ERRORS = (
@@ -117,11 +118,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
                 ),
             )
         elif args.server:
-            from qmill.client import remote
-
-            backend = remote.Client(
-                args.server, timeout=args.timeout, credentials=credentials.from_args(args)
-            )
+            backend = _client(args)
         else:
             from qmill.checkpoints import embedded
 
@@ -172,11 +169,17 @@ def _inspect(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def _capabilities(args: argparse.Namespace, out: Console) -> int:
-    from qmill.client import remote
+def _client(args: argparse.Namespace) -> client_lib.Client:
+    """The one Client of a command that talks to `--server`, with its connection flags."""
+    return client_lib.Client(
+        args.server,
+        credentials=credentials.from_args(args),
+        timeout=getattr(args, "timeout", None),
+    )
 
-    with remote.Client(args.server, credentials=credentials.from_args(args)) as client:
-        caps = client.capabilities()
+
+def _capabilities(client: client_lib.Client, out: Console) -> int:
+    caps = client.capabilities()
     out.print(
         f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {caps.device_kind}: "
         f"{caps.device_description}"
@@ -200,8 +203,6 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         return _quantize(args, out, err)
     if args.command == "inspect":
         return _inspect(args, out)
-    if args.command == "capabilities":
-        return _capabilities(args, out)
     modules = {
         "export-odml": export_odml,
         "admin": admin,
@@ -210,4 +211,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         "submit": jobs,
         "jobs": jobs,
     }
-    return modules[args.command].run_command(args, line)
+    with _client(args) as client:
+        if args.command == "capabilities":
+            return _capabilities(client, out)
+        return modules[args.command].run_command(client, args, line)

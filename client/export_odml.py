@@ -6,19 +6,20 @@ Also the `qmill export-odml` command: params from a checkpoint (uploaded, once) 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import pathlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import grpc
+import numpy as np
 
-from qmill.client import credentials, errors, uploads
+from qmill.client import credentials, uploads
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from qmill.client import client as client_lib
 
 # Named rule sets for the CLI: weight-only int8 / int4, and static-range int8 (needs a calibration).
 PRESETS: dict[str, list[pb.ModelRule]] = {
@@ -36,49 +37,54 @@ class ExportResult:
     info: pb.OdmlModelInfo
 
 
-def export_odml(
-    channel: grpc.Channel,
-    request: pb.ExportOdmlRequest,
-    output: str | os.PathLike[str],
-    *,
-    metadata: Sequence[tuple[str, str]] | None = None,
-    timeout: float | None = None,
-) -> ExportResult:
-    """Streams the .tflite of ``request`` into ``output`` (written under its name only if whole).
+class ModelReceiver:
+    """Feeds on ExportOdml responses; `write()` puts the checked model under its name.
 
-    Raises:
-      errors.QmillError: the call failed, or the bytes do not match the announced length / crc32c.
+    The model's bytes arrive as one tensor would (the info announces their length and crc32c,
+    chunks follow), so the one wire.Receiver checks offsets, length and checksum.
     """
-    out = pathlib.Path(output)
-    partial = out.with_name(out.name + ".partial")
-    stub = pb_grpc.OdmlExporterStub(channel)
-    info: pb.OdmlModelInfo | None = None
-    received = 0
-    try:
-        with partial.open("wb") as f:
-            for response in stub.ExportOdml(request, metadata=metadata, timeout=timeout):
-                if response.HasField("info"):
-                    info = response.info
-                    continue
-                chunk = response.chunk
-                if info is None or chunk.offset != received:
-                    raise errors.QmillError("DATA_LOSS", f"unexpected chunk at offset {received}")
-                f.write(chunk.data)
-                received += len(chunk.data)
-        if info is None or received != info.byte_length:
-            raise errors.QmillError(
-                "DATA_LOSS",
-                f"got {received} bytes, the server announced "
-                f"{None if info is None else info.byte_length}",
+
+    def __init__(self) -> None:
+        self._receiver = wire.Receiver()
+        self._info: pb.OdmlModelInfo | None = None
+        self._model: np.ndarray | None = None
+
+    def feed(self, response: pb.ExportOdmlResponse) -> None:
+        if response.HasField("info"):
+            if self._info is not None:
+                raise wire.WireError("the server announced the model twice", "DATA_LOSS")
+            self._info = response.info
+            length = self._info.byte_length
+            self._receiver.announce(
+                pb.TensorHeader(
+                    path="model.tflite",
+                    dtype=pb.DTYPE_UINT8,
+                    shape=[length],
+                    byte_length=length,
+                    crc32c=self._info.crc32c,
+                )
             )
-        if wire.crc32c(partial.read_bytes()) != info.crc32c:
-            raise errors.QmillError("DATA_LOSS", "the .tflite bytes fail their crc32c check")
-        os.replace(partial, out)
-    except grpc.RpcError as e:
-        raise errors.from_rpc_error(e) from None
-    finally:
-        partial.unlink(missing_ok=True)
-    return ExportResult(path=out, info=info)
+        else:
+            self._receiver.add(response.chunk)
+        for _, model in self._receiver.take():  # one tensor: the whole model, checked
+            self._model = model
+
+    def check_finished(self) -> None:
+        """Raises DATA_LOSS if the stream ended before the announced bytes arrived."""
+        if self._info is None or self._model is None:
+            raise wire.WireError("the ExportOdml stream ended before the whole model", "DATA_LOSS")
+
+    def write(self, output: str | os.PathLike[str]) -> ExportResult:
+        """Writes the model to ``output`` atomically (a ``.partial`` file renamed once whole)."""
+        assert self._info is not None and self._model is not None, "check_finished first"
+        out = pathlib.Path(output)
+        partial = out.with_name(out.name + ".partial")
+        try:
+            partial.write_bytes(memoryview(self._model))
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)
+        return ExportResult(path=out, info=self._info)
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -107,25 +113,25 @@ def add_command(sub: Any) -> None:
     credentials.add_arguments(e)
 
 
-def run_command(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
-    """Runs `qmill export-odml`; returns the exit code."""
+def run_command(
+    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
+) -> int:
+    """Runs `qmill export-odml` on `client`; returns the exit code."""
     try:
         shape = [int(d) for d in args.input_shape.split(",") if d.strip()]
     except ValueError:
         raise ValueError(
             f"--input-shape {args.input_shape!r}: give integers, batch first, e.g. 1,8,8,1"
         ) from None
-    creds = credentials.from_args(args)
-    with contextlib.closing(uploads.open_channel(args.server, creds)) as channel:
-        request = pb.ExportOdmlRequest(
-            model=pb.ModelSpec(name=args.model, config_json=args.model_config),
-            params_upload_id=uploads.params_upload_id(channel, args, print_line),
-            rules=PRESETS[args.rules],
-            calibration_id=args.calibration_id,
-            input_shape=shape,
-            input_dtype=pb.DTYPE_F32,
-        )
-        result = export_odml(channel, request, args.output, timeout=args.timeout)
+    request = pb.ExportOdmlRequest(
+        model=pb.ModelSpec(name=args.model, config_json=args.model_config),
+        params_upload_id=uploads.params_upload_id(client, args, print_line),
+        rules=PRESETS[args.rules],
+        calibration_id=args.calibration_id,
+        input_shape=shape,
+        input_dtype=pb.DTYPE_F32,
+    )
+    result = client.export_odml(request, args.output)
     weights = ", ".join(f"{k} {v}" for k, v in sorted(result.info.quantized_weights.items()))
     print_line(f"wrote {result.path} ({result.info.byte_length:,} bytes; weights: {weights})")
     print_line("ops: " + " ".join(result.info.ops))

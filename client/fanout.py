@@ -1,13 +1,14 @@
 """FanoutClient: the tensors of one checkpoint spread over several qmill replicas.
 
-Each replica gets one QuantizeParams stream (a remote.Client of its own). Replicas pull tensors
-from one shared feed when they have room (at most `tensors_per_replica` tensors, and a share of
-the byte window, sent or answered but not yet taken by the caller), so a faster replica simply
-takes more. A replica whose stream fails with a transport-like status (UNAVAILABLE, INTERNAL,
-CANCELLED, …) is dropped for the rest of the call and the tensors it had not answered go back to
-the front of the feed for the others; a status that describes the request (INVALID_ARGUMENT,
-UNAUTHENTICATED, …) would fail on every replica and is raised at once. When every replica has
-failed, the last error is raised: the CLI's retry (retry.call) then starts again, resuming.
+Each replica gets one QuantizeParams stream (a client.Client of its own, opened for the call).
+Replicas pull tensors from one shared feed when they have room (at most `tensors_per_replica`
+tensors, and a share of the byte window, sent or answered but not yet taken by the caller), so a
+faster replica simply takes more. A replica whose stream fails with a transport-like status
+(UNAVAILABLE, INTERNAL, CANCELLED, …) is dropped for the rest of the call and the tensors it had
+not answered go back to the front of the feed for the others; a status that describes the request
+(INVALID_ARGUMENT, UNAUTHENTICATED, …) would fail on every replica and is raised at once. When
+every replica has failed, the last error is raised: the CLI's retry (retry.call) then starts again,
+resuming.
 
 Outcomes are yielded as they complete, NOT in input order: pipeline.quantize_checkpoint records each
 one under its entry number and writes the checkpoint in checkpoint order afterwards, so the
@@ -28,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from qmill.checkpoints import outcome as outcome_lib
+from qmill.client import client as client_lib
 from qmill.client import credentials as credentials_lib
-from qmill.client import errors, remote
-from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+from qmill.client import errors, recipes, streaming
 
 # Statuses that say "this replica is gone or broke the stream", not "this request is wrong".
 RETRY_ON_ANOTHER = frozenset(
@@ -97,35 +98,21 @@ def parse_targets(spec: str, *, resolve: Resolver = _resolve) -> list[Replica]:
     return list(dict.fromkeys(replicas))
 
 
-class _NamedClient(remote.Client):
-    """A remote.Client to one resolved address whose TLS check uses the resolved name.
-
-    remote.Client has no way to pass channel options, so this sets up the same channel itself
-    (its options plus the name override); everything else is remote.Client's.
-    """
-
-    def __init__(
-        self, replica: Replica, *, timeout: float | None, credentials: credentials_lib.Credentials
-    ) -> None:
-        self.target = replica.address
-        self.timeout = timeout
-        options = [*remote._OPTIONS, ("grpc.ssl_target_name_override", replica.name)]
-        self._channel = credentials_lib.channel(replica.address, credentials, options)
-        self._stub = pb_grpc.QuantizerStub(self._channel)
-
-
 def _connect(
     replica: Replica, timeout: float | None, creds: credentials_lib.Credentials
-) -> remote.Client:
+) -> client_lib.Client:
+    """A Client to one replica; a resolved address checks the server's TLS certificate against
+    the name it was resolved from."""
+    options = []
     if replica.name and creds.tls:
-        return _NamedClient(replica, timeout=timeout, credentials=creds)
-    return remote.Client(replica.address, timeout=timeout, credentials=creds)
+        options.append(("grpc.ssl_target_name_override", replica.name))
+    return client_lib.Client(replica.address, timeout=timeout, credentials=creds, options=options)
 
 
 class _Lane:
     """One replica's share of a call: its client and what it holds."""
 
-    def __init__(self, replica: Replica, client: remote.Client) -> None:
+    def __init__(self, replica: Replica, client: client_lib.Client) -> None:
         self.replica = replica
         self.client = client
         # Tensors taken and not yet handed to the caller: path -> bytes.
@@ -292,19 +279,21 @@ class FanoutClient:
 
     def quantize(
         self,
-        recipe: dict[str, Any],
+        recipe: recipes.Recipe,
         tensors: Iterable[tuple[str, np.ndarray]],
         *,
-        window_bytes: int = remote.DEFAULT_WINDOW_BYTES,
+        window_bytes: int = streaming.DEFAULT_WINDOW_BYTES,
     ) -> Iterator[outcome_lib.TensorOutcome]:
         """Quantizes `tensors` (path, array) on all replicas; yields outcomes as they complete.
 
-        `window_bytes` bounds the tensor bytes in flight over all replicas together.
+        `recipe`: a preset name, a TOML recipe file or a mapping. `window_bytes` bounds the
+        tensor bytes in flight over all replicas together.
 
         Raises:
             errors.QmillError: a request error from any replica, or the last replica's error
                 once every replica has failed.
         """
+        recipe = recipes.load(recipe)  # read once, not by every replica's stream
         self.answered_by, self.lost, self.resent = {}, {}, 0
         window = max(1, window_bytes // len(self.replicas))
         feed = _Feed(iter(tensors), self._depth, window)

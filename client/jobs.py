@@ -9,15 +9,14 @@ server restart, and can be watched again by id.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from qmill.client import credentials as credentials_lib
-from qmill.client import errors
-from qmill.proto import recipe as recipe_proto
+from qmill.client import errors, recipes
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from qmill.client import client as client_lib
 
 FINAL_STATES = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 
@@ -27,73 +26,62 @@ def state_name(state: int) -> str:
     return pb.JobState.Name(state).removeprefix("JOB_STATE_").lower()
 
 
-class JobsClient:
-    """One channel to a server's Jobs service; every RPC failure is raised as QmillError."""
+class Jobs:
+    """The Jobs service of a Client (`client.jobs`); every failure is raised as QmillError.
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float | None = None,
-        credentials: credentials_lib.Credentials | None = None,
-    ) -> None:
-        self.timeout = timeout
-        creds = credentials if credentials is not None else credentials_lib.default()
-        self._channel = credentials_lib.channel(target, creds, [])
-        self._stub = pb_grpc.JobsStub(self._channel)
+    On an AsyncClient each method returns an awaitable, and `watch` an async iterator.
+    """
 
-    def __enter__(self) -> JobsClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._channel.close()
+    def __init__(self, connection: Any) -> None:
+        """`connection`: the client's connection.Connection or connection.AsyncConnection."""
+        self._connection = connection
 
     def submit(
         self,
         source: str,
         destination: str,
-        recipe: dict[str, Any],
+        recipe: recipes.Recipe,
         *,
         request_id: str = "",
         output_format: str = "",
         overwrite: bool = False,
     ) -> pb.Job:
-        """Starts a job (paths are the server's), or returns the one with this request_id."""
+        """Starts a job (paths are the server's), or returns the one with this request_id.
+
+        `recipe`: a preset name, a TOML recipe file or a mapping.
+        """
         request = pb.SubmitJobRequest(
             source=source,
             destination=destination,
-            recipe=recipe_proto.from_mapping(recipe),
+            recipe=recipes.message(recipe),
             request_id=request_id,
             output_format=output_format,
             overwrite=overwrite,
         )
-        return self._call(self._stub.SubmitJob, request)
+        return self._connection.unary("Jobs", "SubmitJob", request)
 
     def get(self, job_id: str) -> pb.Job:
-        return self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id))
+        return self._connection.unary("Jobs", "GetJob", pb.GetJobRequest(job_id=job_id))
 
     def cancel(self, job_id: str) -> pb.Job:
-        return self._call(self._stub.CancelJob, pb.GetJobRequest(job_id=job_id))
+        return self._connection.unary("Jobs", "CancelJob", pb.GetJobRequest(job_id=job_id))
 
     def list(self, *, states: list[int] | None = None, all_tenants: bool = False) -> list[pb.Job]:
         request = pb.ListJobsRequest(states=states or [], all_tenants=all_tenants)
-        return list(self._call(self._stub.ListJobs, request).jobs)
+        return self._connection.unary("Jobs", "ListJobs", request, then=_jobs)
 
     def watch(self, job_id: str) -> Iterator[pb.JobEvent]:
         """The job now, then an event per change until it ends (no timeout: jobs take long)."""
-        try:
-            yield from self._stub.WatchJob(pb.GetJobRequest(job_id=job_id))
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e) from None
+        request = pb.GetJobRequest(job_id=job_id)
+        return self._connection.stream("Jobs", "WatchJob", request, _same, timeout=None)
 
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e) from None
+
+def _jobs(response: pb.ListJobsResponse) -> list[pb.Job]:
+    return list(response.jobs)
+
+
+def _same(event: pb.JobEvent) -> pb.JobEvent:
+    return event
 
 
 def describe(job: pb.Job) -> str:
@@ -135,36 +123,33 @@ def add_commands(sub: Any, recipe_help: str) -> None:
         credentials_lib.add_arguments(p)
 
 
-def run_command(args: Any, print_line: Any) -> int:
+def run_command(client: client_lib.Client, args: Any, print_line: Any) -> int:
     """Runs `submit` or `jobs ...`; returns the exit code (1 when a watched job did not succeed)."""
-    from qmill.client import recipes
-
-    creds = credentials_lib.from_args(args)
-    with JobsClient(args.server, credentials=creds) as client:
-        if args.command == "submit":
-            job = client.submit(
-                args.source,
-                args.destination,
-                recipes.load(args.recipe),
-                request_id=args.request_id or "",
-                output_format=args.format or "",
-                overwrite=args.overwrite,
-            )
+    jobs = client.jobs
+    if args.command == "submit":
+        job = jobs.submit(
+            args.source,
+            args.destination,
+            args.recipe,
+            request_id=args.request_id or "",
+            output_format=args.format or "",
+            overwrite=args.overwrite,
+        )
+        print_line(describe(job))
+        return _watch(jobs, job.job_id, print_line) if args.watch else 0
+    if args.jobs_command == "list":
+        for job in jobs.list(all_tenants=args.all_tenants):
             print_line(describe(job))
-            return _watch(client, job.job_id, print_line) if args.watch else 0
-        if args.jobs_command == "list":
-            for job in client.list(all_tenants=args.all_tenants):
-                print_line(describe(job))
-            return 0
-        if args.jobs_command == "cancel":
-            print_line(describe(client.cancel(args.job_id)))
-            return 0
-        return _watch(client, args.job_id, print_line)
+        return 0
+    if args.jobs_command == "cancel":
+        print_line(describe(jobs.cancel(args.job_id)))
+        return 0
+    return _watch(jobs, args.job_id, print_line)
 
 
-def _watch(client: JobsClient, job_id: str, print_line: Any) -> int:
+def _watch(jobs: Jobs, job_id: str, print_line: Any) -> int:
     job = None
-    for event in client.watch(job_id):
+    for event in jobs.watch(job_id):
         job = event.job
         print_line(
             f"{state_name(job.state)}: {event.message} "

@@ -21,11 +21,14 @@ calibration_method, contracting_axes, channel_axes, skip, include_vectors, scale
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 import tomllib
+from collections.abc import Mapping
 from typing import Any
 
 from qmill.proto import recipe as recipe_proto
+from qmill.proto.v1 import qmill_pb2 as pb
 
 PRESETS: dict[str, dict[str, Any]] = {
     "int8": {"rules": [{"path_regex": ".*", "qtype": "int8"}]},
@@ -42,13 +45,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def load(spec: str) -> dict[str, Any]:
-    """A preset name or the path of a TOML recipe file, as a mapping.
+# What every call that takes a recipe accepts: a preset name, a TOML file's path or a mapping.
+Recipe = str | os.PathLike[str] | Mapping[str, Any]
+
+
+def load(spec: Recipe) -> dict[str, Any]:
+    """A preset name, the path of a TOML recipe file or a mapping, as a mapping (a copy).
 
     Raises:
       ValueError: neither a preset nor a readable, well-formed recipe file.
     """
-    if spec in PRESETS:
+    if isinstance(spec, Mapping):
+        return copy.deepcopy(dict(spec))
+    if isinstance(spec, str) and spec in PRESETS:
         return copy.deepcopy(PRESETS[spec])
     path = pathlib.Path(spec)
     if not path.is_file():
@@ -60,3 +69,11 @@ def load(spec: str) -> dict[str, Any]:
     recipe_proto.from_mapping(fields)  # checks the keys now rather than at the server
     return fields
 
+
+def message(spec: Recipe) -> pb.Recipe:
+    """The Recipe message of a preset name, a TOML recipe file or a mapping.
+
+    Raises:
+      ValueError: not a preset or a recipe file, or a recipe with unknown keys or bad values.
+    """
+    return recipe_proto.from_mapping(spec if isinstance(spec, Mapping) else load(spec))

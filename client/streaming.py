@@ -1,12 +1,17 @@
 """The QuantizeParams conversation without transport: requests out, outcomes in.
 
-Shared by the sync and async clients, and by the embedded backend's outcomes type, so all three
-hand the caller the same `TensorOutcome` records.
+Shared by the sync and async clients, so both hand the caller the same `TensorOutcome` records.
+
+Tensors are sent within a window of in-flight bytes: a tensor is sent only when the bytes of the
+tensors sent but not yet answered leave room for it (one tensor always fits). Memory on the client
+stays bounded by the window plus the tensor being written, whatever the checkpoint's size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -15,13 +20,17 @@ from qmill.checkpoints import outcome
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
+DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
+
 
 def tensor_requests(path: str, array: np.ndarray) -> Iterator[pb.QuantizeParamsRequest]:
     """Header and chunk requests for one tensor."""
-    data = wire.to_bytes(array)
-    yield pb.QuantizeParamsRequest(header=wire.header_for(path, array, data))
-    for chunk in wire.chunks(data):
-        yield pb.QuantizeParamsRequest(chunk=chunk)
+    return wire.send(pb.QuantizeParamsRequest, "header", path, array)
+
+
+def wire_bytes(array: np.ndarray) -> int:
+    # The unit the server reports back as input_bytes, so acquire and release always balance.
+    return wire.byte_length(wire.to_wire_dtype(array.dtype), array.shape)
 
 
 def how_from_proto(how: pb.HowToQuantize) -> dict[str, Any]:
@@ -33,19 +42,102 @@ def how_from_proto(how: pb.HowToQuantize) -> dict[str, Any]:
     }
 
 
+class Window:
+    """In-flight byte budget shared by the request generator and the response loop (threads)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._closed = False
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> bool:
+        with self._cv:
+            self._cv.wait_for(
+                lambda: self._closed or not self._used or self._used + n <= self._limit
+            )
+            self._used += n
+            return not self._closed
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self._used -= n
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+def requests(
+    recipe: pb.Recipe,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    window: Window,
+    sent: dict[str, np.ndarray],
+) -> Iterator[pb.QuantizeParamsRequest]:
+    """The recipe, then each tensor once the window has room for it (until it closes)."""
+    yield pb.QuantizeParamsRequest(recipe=recipe)
+    for path, array in tensors:
+        if not window.acquire(wire_bytes(array)):
+            return
+        sent[path] = array
+        yield from tensor_requests(path, array)
+
+
+class AsyncWindow:
+    """Window for asyncio: the request generator and the response loop share one event loop."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._room = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self._room:
+            await self._room.wait_for(lambda: not self._used or self._used + n <= self._limit)
+            self._used += n
+
+    async def release(self, n: int) -> None:
+        async with self._room:
+            self._used -= n
+            self._room.notify_all()
+
+
+async def async_requests(
+    recipe: pb.Recipe,
+    tensors: Iterable[tuple[str, np.ndarray]] | AsyncIterable[tuple[str, np.ndarray]],
+    window: AsyncWindow,
+    sent: dict[str, np.ndarray],
+) -> AsyncIterator[pb.QuantizeParamsRequest]:
+    yield pb.QuantizeParamsRequest(recipe=recipe)
+    async for path, array in _each(tensors):
+        await window.acquire(wire_bytes(array))
+        sent[path] = array
+        for request in tensor_requests(path, array):
+            yield request
+
+
+async def _each(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
 class ResponseDecoder:
     """Feeds on responses; returns a TensorOutcome each time a tensor is complete.
 
     `sent` maps paths of tensors sent but not yet answered to their arrays; the decoder removes
-    each path when its answer is complete and attaches the array to kept outcomes.
+    each path when its answer is complete.
     """
 
     def __init__(self, sent: dict[str, np.ndarray]) -> None:
         self._sent = sent
         self._result: pb.TensorResult | None = None
-        self._parts: dict[str, np.ndarray] = {}
-        self._assembler: wire.Assembler | None = None
-        self._pending_headers: list[pb.TensorHeader] = []
+        self._receiver = wire.Receiver()
         self.summary: pb.Summary | None = None
 
     def feed(self, response: pb.QuantizeParamsResponse) -> outcome.TensorOutcome | None:
@@ -60,28 +152,16 @@ class ResponseDecoder:
                     "DATA_LOSS",
                 )
             self._result = response.result
-            self._parts = {}
-            self._pending_headers = list(response.result.parts)
-            return self._next_part()
-        if kind == "chunk":
-            if self._assembler is None:
-                raise wire.WireError("server sent a chunk outside any tensor part", "DATA_LOSS")
-            self._assembler.add(response.chunk)
-            if self._assembler.complete:
-                self._parts[self._assembler.header.path] = self._assembler.finish()
-                self._assembler = None
-                return self._next_part()
+            self._receiver.announce(*response.result.parts)
+        elif kind == "chunk":
+            self._receiver.add(response.chunk)
+        else:
+            raise wire.WireError(f"unexpected response {kind!r}", "DATA_LOSS")
+        if self._result is None or self._receiver.receiving:
             return None
-        raise wire.WireError(f"unexpected response {kind!r}", "DATA_LOSS")
+        return self._outcome(dict(self._receiver.take()))
 
-    def _next_part(self) -> outcome.TensorOutcome | None:
-        while self._pending_headers:
-            self._assembler = wire.Assembler(self._pending_headers.pop(0))
-            if not self._assembler.complete:
-                return None
-            # A zero-byte part has no chunks.
-            self._parts[self._assembler.header.path] = self._assembler.finish()
-            self._assembler = None
+    def _outcome(self, parts: dict[str, np.ndarray]) -> outcome.TensorOutcome:
         result, self._result = self._result, None
         assert result is not None
         self._sent.pop(result.path, None)
@@ -89,7 +169,7 @@ class ResponseDecoder:
             return outcome.TensorOutcome(
                 path=result.path,
                 quantized=True,
-                parts=self._parts,
+                parts=parts,
                 reason=result.reason,
                 how=how_from_proto(result.how),
                 sqnr_db=result.quality.sqnr_db,
@@ -100,7 +180,7 @@ class ResponseDecoder:
         return outcome.TensorOutcome(
             path=result.path,
             quantized=False,
-            parts=self._parts if result.kind == pb.RESULT_KIND_FLOAT else {},
+            parts=parts if result.kind == pb.RESULT_KIND_FLOAT else {},
             reason=result.reason,
             input_bytes=result.input_bytes,
         )

@@ -4,6 +4,8 @@ A checkpoint that is not already a safetensors file (an Orbax directory, an .npz
 safetensors bytes made one tensor at a time (upload_content), keys '/'-joined tree paths, which
 is what the server reads. Uploads are named by their sha256: content the server already holds
 is not sent again (StartUpload answers complete).
+
+Also the `qmill upload` command, and the --params flags of `qmill calibrate` / `export-odml`.
 """
 
 from __future__ import annotations
@@ -11,26 +13,37 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from qmill.checkpoints import outcome as outcome_lib
-from qmill.client import credentials, errors, streaming, upload_content
-from qmill.proto import recipe as recipe_proto
+from qmill.client import connection, credentials, errors, upload_content
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from qmill.client import client as client_lib
 
 CHUNK_BYTES = 1024 * 1024
-# Responses carry chunks of up to 4 MiB plus framing: twice that, as the remote client allows.
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 2 * wire.MAX_CHUNK_BYTES),
-    ("grpc.max_send_message_length", 2 * wire.MAX_CHUNK_BYTES),
-]
 # Status codes after which resuming from QueryUpload's offset can succeed.
 _RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "OUT_OF_RANGE", "CANCELLED", "ABORTED"})
+# What Client.upload takes: a checkpoint's path, bytes held in memory, or a Content.
+Source = str | os.PathLike[str] | bytes | upload_content.Content
+
+
+@contextlib.contextmanager
+def conversation_of(
+    source: Source, name: str = "", **options: Any
+) -> Iterator[connection.Conversation[pb.UploadStatus]]:
+    """The conversation uploading `source`: bytes as they are (safetensors bytes, labelled
+    `name`), a checkpoint (safetensors file, npz or Orbax directory) as safetensors bytes read
+    one tensor at a time while the context lasts. `options`: those of `conversation`."""
+    if isinstance(source, upload_content.Content):
+        yield conversation(source, **options)
+    elif isinstance(source, bytes):
+        yield conversation(upload_content.of_bytes(source, name), **options)
+    else:
+        with upload_content.open_checkpoint(source) as content:
+            yield conversation(content, **options)
 
 
 def _requests(
@@ -48,119 +61,52 @@ def _requests(
             on_sent(len(piece))
 
 
-def upload(
-    channel: grpc.Channel,
+def conversation(
     content: upload_content.Content,
     *,
-    metadata: Sequence[tuple[str, str]] | None = None,
-    timeout: float | None = None,
+    upload_id: str = "",
     chunk_bytes: int = CHUNK_BYTES,
     retries: int = 5,
-    upload_id: str = "",
     on_sent: Callable[[int], None] | None = None,
-) -> pb.UploadStatus:
-    """Uploads ``content`` (safetensors bytes); after a failed stream, asks QueryUpload where to
-    resume and goes on from there, up to ``retries`` times. Pass ``upload_id`` to resume one.
+) -> connection.Conversation[pb.UploadStatus]:
+    """The calls of one upload (run by Connection.drive): start it (or look up ``upload_id`` to
+    resume one), send the bytes, and after a failed stream ask QueryUpload where to resume and go
+    on from there, up to ``retries`` times.
 
     A new upload reads the content twice (its sha256 first, which lets the server answer that
     it holds the bytes already, then the bytes); ``on_sent`` sees the size of each chunk sent.
     """
-    stub = pb_grpc.UploadsStub(channel)
-    try:
-        if upload_id:
-            status = stub.QueryUpload(
-                pb.QueryUploadRequest(upload_id=upload_id), metadata=metadata, timeout=timeout
-            )
-        else:
-            status = stub.StartUpload(
-                pb.StartUploadRequest(
-                    total_bytes=content.total_bytes,
-                    sha256=content.sha256(),
-                    format="safetensors",
-                    name=content.name,
-                ),
-                metadata=metadata,
-                timeout=timeout,
-            )
-    except grpc.RpcError as exc:
-        raise errors.from_rpc_error(exc) from exc
+    if upload_id:
+        status = yield ("Uploads", "QueryUpload", pb.QueryUploadRequest(upload_id=upload_id))
+    else:
+        start = pb.StartUploadRequest(
+            total_bytes=content.total_bytes,
+            sha256=content.sha256(),
+            format="safetensors",
+            name=content.name,
+        )
+        status = yield ("Uploads", "StartUpload", start)
     for attempt in range(retries + 1):
         if status.complete:
             return status
+        chunks = _requests(status.upload_id, content, status.committed_bytes, chunk_bytes, on_sent)
         try:
-            return stub.Upload(
-                _requests(status.upload_id, content, status.committed_bytes, chunk_bytes, on_sent),
-                metadata=metadata,
-                timeout=timeout,
-            )
-        except grpc.RpcError as exc:
-            error = errors.from_rpc_error(exc)
-            if error.code not in _RETRYABLE or attempt == retries:
-                raise error from exc
-        try:
-            status = stub.QueryUpload(
-                pb.QueryUploadRequest(upload_id=status.upload_id),
-                metadata=metadata,
-                timeout=timeout,
-            )
-        except grpc.RpcError as exc:
-            raise errors.from_rpc_error(exc) from exc
+            return (yield ("Uploads", "Upload", chunks))
+        except errors.QmillError as e:
+            if e.code not in _RETRYABLE or attempt == retries:
+                raise
+        query = pb.QueryUploadRequest(upload_id=status.upload_id)
+        status = yield ("Uploads", "QueryUpload", query)
     return status
 
 
-def upload_bytes(
-    channel: grpc.Channel, data: bytes, *, name: str = "", **kwargs: Any
-) -> pb.UploadStatus:
-    """Uploads ``data`` (safetensors bytes held in memory); see upload."""
-    return upload(channel, upload_content.of_bytes(data, name), **kwargs)
+def quantize_requests(recipe: pb.Recipe, upload_id: str) -> Iterator[pb.QuantizeParamsRequest]:
+    """QuantizeParams on a completed upload: the server reads the tensors, none is streamed."""
+    yield pb.QuantizeParamsRequest(recipe=recipe)
+    yield pb.QuantizeParamsRequest(upload_id=upload_id)
 
 
-def upload_file(
-    channel: grpc.Channel, path: str | os.PathLike[str], **kwargs: Any
-) -> pb.UploadStatus:
-    """Uploads a checkpoint (safetensors file, npz or Orbax directory) as safetensors bytes,
-    reading one tensor at a time; see upload."""
-    with upload_content.open_checkpoint(path) as content:
-        return upload(channel, content, **kwargs)
-
-
-def quantize_upload(
-    channel: grpc.Channel,
-    recipe: Mapping[str, Any],
-    upload_id: str,
-    *,
-    metadata: Sequence[tuple[str, str]] | None = None,
-    timeout: float | None = None,
-) -> Iterator[outcome_lib.TensorOutcome]:
-    """QuantizeParams on a completed upload: the server reads the tensors, nothing is streamed up.
-
-    Kept tensors come back without an array (the caller has the file it uploaded).
-    """
-    requests = [
-        pb.QuantizeParamsRequest(recipe=recipe_proto.from_mapping(recipe)),
-        pb.QuantizeParamsRequest(upload_id=upload_id),
-    ]
-    decoder = streaming.ResponseDecoder({})
-    call = pb_grpc.QuantizerStub(channel).QuantizeParams(
-        iter(requests), metadata=metadata, timeout=timeout
-    )
-    try:
-        for response in call:
-            outcome = decoder.feed(response)
-            if outcome is not None:
-                yield outcome
-        decoder.check_finished()
-    except grpc.RpcError as exc:
-        raise errors.from_rpc_error(exc) from None
-    except wire.WireError as exc:
-        raise errors.QmillError(exc.code, str(exc)) from None
-    finally:
-        call.cancel()
-
-
-def open_channel(server: str, creds: credentials.Credentials) -> grpc.Channel:
-    """A channel to ``server`` for uploads, calibration and export (token and TLS from creds)."""
-    return credentials.channel(server, creds, CHANNEL_OPTIONS)
+# ---------------------------------------------------------------------------------------- CLI
 
 
 def add_command(sub: Any) -> None:
@@ -173,13 +119,12 @@ def add_command(sub: Any) -> None:
     credentials.add_arguments(u)
 
 
-def run_command(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
+def run_command(
+    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
+) -> int:
     """Runs `qmill upload`: prints the upload id (the last line, alone, for scripts)."""
     sent = _Counter()
-    with contextlib.closing(open_channel(args.server, credentials.from_args(args))) as channel:
-        status = upload_file(
-            channel, args.checkpoint, timeout=args.timeout, upload_id=args.resume, on_sent=sent
-        )
+    status = client.upload(args.checkpoint, upload_id=args.resume, on_sent=sent)
     print_line(
         f"{args.checkpoint}: {status.total_bytes:,} bytes ({sent.describe()}), "
         f"sha256 {status.sha256}"
@@ -221,11 +166,7 @@ def add_params_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def params_upload_id(
-    channel: grpc.Channel,
-    args: argparse.Namespace,
-    print_line: Callable[[str], None],
-    *,
-    metadata: Sequence[tuple[str, str]] | None = None,
+    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
 ) -> str:
     """The upload id of the params named by add_params_arguments' flags (uploading a --params
     checkpoint first)."""
@@ -238,9 +179,7 @@ def params_upload_id(
             f"--params {args.params}: no such checkpoint{hint if looks_like_id else ''}"
         )
     sent = _Counter()
-    status = upload_file(
-        channel, args.params, metadata=metadata, timeout=args.timeout, on_sent=sent
-    )
+    status = client.upload(args.params, on_sent=sent)
     print_line(
         f"params {args.params}: upload {status.upload_id} ({status.total_bytes:,} bytes, "
         f"{sent.describe()})"

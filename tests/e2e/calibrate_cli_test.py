@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import grpc
 import jax
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
 from qmill import checkpoints
+from qmill.client import Client
 from qmill.client import calibrate as client_calibrate
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -62,13 +62,13 @@ def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup, run_
     assert "already on the server, none sent" in second.stdout
 
     # The same six batches in one call, through the library: the stats are equal bit for bit.
-    with grpc.insecure_channel(address) as channel:
+    with Client(address) as client:
         start = pb.CalibrateStart(
             model=pb.ModelSpec(name="cnn"),
             params_upload_id=upload_id,
             rules=client_calibrate.load_rules("w8a8-static"),
         )
-        one = client_calibrate.calibrate(channel, start, np.split(x, 6))
+        one = client.calibrate(start, np.split(x, 6))
     with np.load(tmp / "stats.npz") as merged:
         assert sorted(merged.files) == sorted(one.stats)
         for path, value in one.stats.items():

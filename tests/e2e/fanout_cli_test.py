@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from qmill.client import errors, remote
+from qmill.client import Client, errors
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "examples" / "tiny-mlp"  # 5 float tensors and one int32
@@ -45,7 +45,7 @@ def _serve_three() -> tuple[list[subprocess.Popen], list[str]]:
             assert server.poll() is None, "qmill serve exited"
             assert time.monotonic() < deadline, "qmill serve did not come up"
             try:
-                with remote.Client(address, timeout=5) as client:
+                with Client(address, timeout=5) as client:
                     client.capabilities()
                 break
             except errors.QmillError:

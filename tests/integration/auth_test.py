@@ -27,8 +27,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qmill.cli import main as cli
+from qmill.client import AsyncClient, Client, credentials, errors
 from qmill.client import admin as admin_client
-from qmill.client import credentials, errors, remote, uploads
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -111,7 +111,7 @@ def token_server(make_server):
 
 
 def _caps(address, creds):
-    with remote.Client(address, timeout=30, credentials=creds) as client:
+    with Client(address, timeout=30, credentials=creds) as client:
         return client.capabilities()
 
 
@@ -133,7 +133,7 @@ def test_missing_or_wrong_token_is_unauthenticated(token_server, token, message)
     # Streams too: the interceptor covers every RPC, not a list of them.
     creds = credentials.Credentials(token=token)
     with (
-        remote.Client(token_server.address, credentials=creds) as c,
+        Client(token_server.address, credentials=creds) as c,
         pytest.raises(errors.QmillError) as e,
     ):
         list(c.quantize(INT8, [("w", np.ones((4, 4), np.float32))]))
@@ -154,7 +154,7 @@ def test_other_schemes_than_bearer_are_refused(token_server):
 
 def test_a_valid_token_quantizes(token_server):
     creds = credentials.Credentials(token="user-b-token-0123456789")
-    with remote.Client(token_server.address, timeout=60, credentials=creds) as client:
+    with Client(token_server.address, timeout=60, credentials=creds) as client:
         assert "int8" in client.capabilities().qtypes
         (outcome,) = client.quantize(INT8, [("w/kernel", np.ones((8, 8), np.float32))])
     assert outcome.quantized
@@ -162,7 +162,7 @@ def test_a_valid_token_quantizes(token_server):
 
 def test_the_token_comes_from_the_environment_by_default(token_server, monkeypatch):
     monkeypatch.setenv(credentials.TOKEN_ENV, "user-a-token-0123456789")
-    with remote.Client(token_server.address, timeout=30) as client:
+    with Client(token_server.address, timeout=30) as client:
         assert client.capabilities().qmill_version
 
 
@@ -278,7 +278,7 @@ def mtls_server(make_server, pki):
 
 def test_tls_works_with_the_right_ca_only(tls_server, pki):
     creds = credentials.Credentials.from_files(tls_ca=pki / "ca.pem")
-    with remote.Client(tls_server.address, timeout=30, credentials=creds) as client:
+    with Client(tls_server.address, timeout=30, credentials=creds) as client:
         assert client.capabilities().qmill_version
         (outcome,) = client.quantize(INT8, [("w/kernel", np.ones((8, 8), np.float32))])
     assert outcome.quantized
@@ -297,7 +297,7 @@ def test_mtls_refuses_clients_without_a_certificate_from_its_ca(mtls_server, pki
         files |= {"tls_cert": pki / f"{client_cert}.pem", "tls_key": pki / f"{client_cert}.key"}
     creds = credentials.Credentials.from_files(**files)
     with (
-        remote.Client(mtls_server.address, timeout=30, credentials=creds) as client,
+        Client(mtls_server.address, timeout=30, credentials=creds) as client,
         pytest.raises(errors.QmillError) as e,
     ):
         client.capabilities()
@@ -322,7 +322,7 @@ def test_async_client_sends_the_token_and_request_id(token_server):
 
     async def run(token):
         creds = credentials.Credentials(token=token, request_id="async-1")
-        async with remote.AsyncClient(token_server.address, timeout=60, credentials=creds) as c:
+        async with AsyncClient(token_server.address, timeout=60, credentials=creds) as c:
             caps = await c.capabilities()
             outcomes = [o async for o in c.quantize(INT8, [("w/kernel", np.ones((8, 8)))])]
             return caps, outcomes
@@ -349,7 +349,7 @@ def cert_tenant_server(make_server, pki, tmp_path_factory):
     )
 
 
-def _cert_channel(address, pki, name, token=None):
+def _cert_client(address, pki, name, token=None):
     creds = credentials.Credentials.from_files(
         tls_ca=pki / "ca.pem",
         tls_cert=pki / f"{name}.pem",
@@ -357,7 +357,11 @@ def _cert_channel(address, pki, name, token=None):
         token=token,
         environ={},
     )
-    return credentials.channel(address, creds, [])
+    return Client(address, credentials=creds, timeout=30)
+
+
+def _cert_channel(address, pki, name, token=None):
+    return _cert_client(address, pki, name, token).channel
 
 
 def _code(fn) -> str:
@@ -376,7 +380,8 @@ def test_client_certificates_name_tenants_that_cannot_see_each_other(cert_tenant
         contextlib.closing(_cert_channel(address, pki, "alice")) as alice,
         contextlib.closing(_cert_channel(address, pki, "bob")) as bob,
     ):
-        upload_id = uploads.upload_bytes(alice, data, timeout=30).upload_id
+        with _cert_client(address, pki, "alice") as client:
+            upload_id = client.upload(data).upload_id
         job = pb_grpc.JobsStub(alice).SubmitJob(
             pb.SubmitJobRequest(source="ckpt", destination="out.npz", recipe=recipe),
             timeout=30,

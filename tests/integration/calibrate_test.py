@@ -1,6 +1,5 @@
 """Calibrate through a real server: the zoo CNN, params uploaded once, stats merged exactly."""
 
-import grpc
 import jax
 import numpy as np
 import pytest
@@ -8,9 +7,7 @@ import safetensors.numpy
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sklearn.datasets import load_digits
 
-from qmill.client import calibrate as client_calibrate
-from qmill.client import errors
-from qmill.client import uploads as client_uploads
+from qmill.client import Client, errors
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -19,13 +16,13 @@ W8A8 = [pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=Tru
 CNN = pb.ModelSpec(name="cnn", config_json="{}")
 
 
-def _upload_cnn(channel, x) -> str:
+def _upload_cnn(client, x) -> str:
     model = zoo.BUILTIN["cnn"].build(zoo.CnnConfig())
     params = model.init(jax.random.key(0), x[:1])["params"]
     flat = {
         f"{layer}/{name}": np.asarray(v) for layer, d in params.items() for name, v in d.items()
     }
-    status = client_uploads.upload_bytes(channel, safetensors.numpy.save(flat))
+    status = client.upload(safetensors.numpy.save(flat))
     assert status.complete
     return status.upload_id
 
@@ -33,10 +30,10 @@ def _upload_cnn(channel, x) -> str:
 @pytest.fixture(scope="module")
 def setup(make_server, tmp_path_factory):
     running = make_server(data_dir=str(tmp_path_factory.mktemp("data")), reflection=True)
-    channel = grpc.insecure_channel(running.address)
+    client = Client(running.address)
     x = (load_digits().images / 16.0).astype(np.float32)[..., None][:96]
-    yield channel, _upload_cnn(channel, x), x
-    channel.close()
+    yield client, _upload_cnn(client, x), x
+    client.close()
 
 
 def _start(upload_id, **kw):
@@ -44,12 +41,12 @@ def _start(upload_id, **kw):
 
 
 def test_two_calls_merge_exactly_into_the_one_call_stats(setup):
-    channel, uid, x = setup
+    client, uid, x = setup
     batches = np.split(x, 4)
-    one = client_calibrate.calibrate(channel, _start(uid), batches)
-    first = client_calibrate.calibrate(channel, _start(uid), batches[:2])
+    one = client.calibrate(_start(uid), batches)
+    first = client.calibrate(_start(uid), batches[:2])
     cid = first.summary.calibration_id
-    second = client_calibrate.calibrate(channel, _start(uid, calibration_id=cid), batches[2:])
+    second = client.calibrate(_start(uid, calibration_id=cid), batches[2:])
     assert second.summary.calibration_id == cid
     assert second.summary.batches_total == 4 and second.summary.examples_total == len(x)
     assert set(one.stats) == set(second.stats) and "model_output/count" in one.stats
@@ -61,8 +58,8 @@ def test_two_calls_merge_exactly_into_the_one_call_stats(setup):
 
 
 def test_ptq_params_come_back_quantized(setup):
-    channel, uid, x = setup
-    result = client_calibrate.calibrate(channel, _start(uid, return_ptq_params=True), [x[:32]])
+    client, uid, x = setup
+    result = client.calibrate(_start(uid, return_ptq_params=True), [x[:32]])
     kernel = result.params["Dense_0/kernel"]
     assert kernel["qvalue"].dtype == np.int8 and kernel["qvalue"].shape == (2048, 64)
     assert kernel["scale"].shape[-1] == 64
@@ -90,48 +87,48 @@ def test_ptq_params_come_back_quantized(setup):
     ],
 )
 def test_errors_name_the_problem(setup, start, code):
-    channel, uid, x = setup
+    client, uid, x = setup
     fields = {"params_upload_id": uid, "rules": W8A8, **start}
     with pytest.raises(errors.QmillError) as info:
-        client_calibrate.calibrate(channel, pb.CalibrateStart(**fields), [x[:8]])
+        client.calibrate(pb.CalibrateStart(**fields), [x[:8]])
     assert info.value.code == code, info.value.details
 
 
 def test_a_batch_of_the_wrong_shape_is_invalid_argument(setup):
-    channel, uid, x = setup
+    client, uid, x = setup
     with pytest.raises(errors.QmillError, match=r"takes \[batch, 8, 8, 1\]") as info:
-        client_calibrate.calibrate(channel, _start(uid), [x[:4, :4]])
+        client.calibrate(_start(uid), [x[:4, :4]])
     assert info.value.code == "INVALID_ARGUMENT"
 
 
 def test_a_batch_with_nan_is_refused_and_leaves_the_calibration_as_it_was(setup):
-    channel, uid, x = setup
+    client, uid, x = setup
     batches = np.split(x, 4)
-    one = client_calibrate.calibrate(channel, _start(uid), batches)
-    cid = client_calibrate.calibrate(channel, _start(uid), batches[:2]).summary.calibration_id
+    one = client.calibrate(_start(uid), batches)
+    cid = client.calibrate(_start(uid), batches[:2]).summary.calibration_id
     spoiled = batches[2].copy()
     spoiled[5, 3, 4, 0] = np.nan
     with pytest.raises(
         errors.QmillError, match=r"NaN or Inf .* 1 example\(s\) \(first: example 5\)"
     ) as info:
-        client_calibrate.calibrate(channel, _start(uid, calibration_id=cid), [batches[2], spoiled])
+        client.calibrate(_start(uid, calibration_id=cid), [batches[2], spoiled])
     assert info.value.code == "INVALID_ARGUMENT"
-    after = client_calibrate.calibrate(channel, _start(uid, calibration_id=cid), batches[2:])
+    after = client.calibrate(_start(uid, calibration_id=cid), batches[2:])
     assert after.summary.batches_total == 4
     for path, value in one.stats.items():
         np.testing.assert_array_equal(value, after.stats[path], err_msg=path)
 
 
 def test_capabilities_list_the_models(setup):
-    channel, _, _ = setup
-    caps = pb_grpc.QuantizerStub(channel).GetCapabilities(pb.GetCapabilitiesRequest())
+    client, _, _ = setup
+    caps = pb_grpc.QuantizerStub(client.channel).GetCapabilities(pb.GetCapabilitiesRequest())
     assert {"cnn", "mlp", "transformer_encoder"} <= {m.name for m in caps.models}
     assert caps.max_upload_bytes > 0
 
 
 def test_reflection_lists_the_new_services(setup):
-    channel, _, _ = setup
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    client, _, _ = setup
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
     request = reflection_pb2.ServerReflectionRequest(list_services="")
     (response,) = list(stub.ServerReflectionInfo(iter([request])))
     names = {s.name for s in response.list_services_response.service}
@@ -147,15 +144,15 @@ def test_batches_count_against_the_inflight_limit(make_server, setup, tmp_path):
         max_tenant_inflight_bytes=2 * batch_bytes,
     )
     limiter = running.server.limiter
-    with grpc.insecure_channel(running.address) as channel:
-        uid = _upload_cnn(channel, x)
+    with Client(running.address) as client:
+        uid = _upload_cnn(client, x)
         # A batch over the limit is refused at once, like a tensor of QuantizeParams.
         with pytest.raises(errors.QmillError) as info:
-            client_calibrate.calibrate(channel, _start(uid), [x[:32]])
+            client.calibrate(_start(uid), [x[:32]])
         assert info.value.code == "RESOURCE_EXHAUSTED"
         assert f"{4 * batch_bytes} bytes requested at once" in info.value.details
         assert limiter.used == 0
         # Batches within it: each counted while held, then given back.
-        result = client_calibrate.calibrate(channel, _start(uid), np.split(x[:32], 4))
+        result = client.calibrate(_start(uid), np.split(x[:32], 4))
     assert result.summary.batches_total == 4
     assert limiter.peak == batch_bytes and limiter.used == 0 and not limiter.by_tenant

@@ -18,13 +18,13 @@ _SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import numpy as np
     from conftest import RunningServer
-    from qmill.client import remote
+    from qmill.client import Client
 
     server = RunningServer()
     tensors = lambda: ((f"t{{j}}", np.ones((64, 64), np.float32)) for j in range(100))
     for mode in ("cancel", "close_channel_first"):
         for _ in range(15):
-            client = remote.Client(server.address)
+            client = Client(server.address)
             results = client.quantize({{"rules": [{{"qtype": "int8"}}]}}, tensors())
             next(results)
             if mode == "cancel":
@@ -36,7 +36,7 @@ _SCRIPT = textwrap.dedent(
                     results.close()
                 except Exception:
                     pass
-    with remote.Client(server.address) as client:
+    with Client(server.address) as client:
         one = [("w", np.ones((8, 8), np.float32))]
         (outcome,) = client.quantize({{"rules": [{{"qtype": "int8"}}]}}, one)
         assert outcome.quantized

@@ -8,7 +8,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from qmill.client import remote
+from qmill.client import Client
 
 CLIENTS = 16
 KiB = 1024
@@ -32,7 +32,7 @@ def _tensors(client: int):
 
 
 def _quantize(address: str, client: int):
-    with remote.Client(address, timeout=120) as c:
+    with Client(address, timeout=120) as c:
         return {
             o.path: {name: (p.dtype, p.tobytes()) for name, p in o.parts.items()}
             for o in c.quantize(RECIPE, _tensors(client))

@@ -17,7 +17,7 @@ import pytest
 
 import qmill.engine as qe
 from qmill.cli import main as cli
-from qmill.client import errors
+from qmill.client import Client, errors
 from qmill.client import export_odml as client_export
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -104,8 +104,8 @@ def _request(**fields):
 
 
 def _export(address, request, out):
-    with grpc.insecure_channel(address) as channel:
-        return client_export.export_odml(channel, request, out)
+    with Client(address) as client:
+        return client.export_odml(request, out)
 
 
 def test_w8a8_model_streams_back_and_runs(address, trained, tmp_path):
@@ -171,7 +171,7 @@ def test_default_server_reports_odml_and_names_an_unknown_upload(server, tmp_pat
         caps = pb_grpc.QuantizerStub(channel).GetCapabilities(pb.GetCapabilitiesRequest())
         assert caps.odml_available and not caps.odml_unavailable_reason
         with pytest.raises(errors.QmillError) as info:
-            client_export.export_odml(channel, _request(), tmp_path / "x.tflite")
+            _export(server.address, _request(), tmp_path / "x.tflite")
     # The real registry knows "cnn"; the upload id was never uploaded.
     assert info.value.code == "NOT_FOUND"
     assert "up-1" in info.value.details

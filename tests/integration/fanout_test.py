@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from qmill.checkpoints import pipeline
-from qmill.client import credentials, errors, fanout, remote
+from qmill.client import Client, credentials, errors, fanout
 from qmill.proto.v1 import qmill_pb2 as pb
 
 RECIPE = {
@@ -61,7 +61,7 @@ def servers(make_server):
 def reference(source, servers, tmp_path_factory):
     """The checkpoint one server writes."""
     out = tmp_path_factory.mktemp("reference") / "one-server.safetensors"
-    with remote.Client(servers[0].address, timeout=120) as client:
+    with Client(servers[0].address, timeout=120) as client:
         pipeline.quantize_checkpoint(source, out, RECIPE, backend=client)
     return out.read_bytes()
 
@@ -77,7 +77,7 @@ def _qmill_serve(port):
     while time.monotonic() < deadline:
         assert process.poll() is None, "qmill serve exited"
         try:
-            with remote.Client(f"127.0.0.1:{port}", timeout=5) as client:
+            with Client(f"127.0.0.1:{port}", timeout=5) as client:
                 client.capabilities()
             return process
         except errors.QmillError:
@@ -122,7 +122,7 @@ def test_a_replica_killed_mid_run_costs_nothing(source, servers, reference, tmp_
     try:
         # The victim alone writes the reference too (and compiles every shape before the run).
         alone = tmp_path / "victim-alone.safetensors"
-        with remote.Client(victim_address, timeout=120) as client:
+        with Client(victim_address, timeout=120) as client:
             pipeline.quantize_checkpoint(source, alone, RECIPE, backend=client)
         assert alone.read_bytes() == reference
         # Slow reads keep the run going well past the kill.
@@ -300,7 +300,7 @@ def test_dns_replicas_check_tls_against_the_name_they_were_resolved_from(tmp_pat
     assert outcome.quantized
     # The same address without the name fails the certificate check.
     with (
-        remote.Client(f"127.0.0.1:{port}", credentials=creds, timeout=10) as plain,
+        Client(f"127.0.0.1:{port}", credentials=creds, timeout=10) as plain,
         pytest.raises(errors.QmillError) as e,
     ):
         plain.capabilities()

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from qmill.client import remote
+from qmill.client import Client
 from qmill.engine import qtypes
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
@@ -83,7 +83,7 @@ def target(make_server):
         health_pb2.HealthCheckRequest(), timeout=30
     )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    with remote.Client(running.address, timeout=60) as client:
+    with Client(running.address, timeout=60) as client:
         (outcome,) = client.quantize(INT8, [("w/kernel", np.ones((8, 8), np.float32))])
     assert outcome.quantized
     assert running.server.limiter.used == 0  # no refused stream left bytes reserved

@@ -11,7 +11,7 @@ import pytest
 from etils import epath
 
 from qmill.cli import main as cli
-from qmill.client import credentials, errors, jobs
+from qmill.client import Client, credentials, errors
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth
 from qmill.server.jobs import object_store
@@ -30,13 +30,13 @@ def _put_tree(local: pathlib.Path, url: str) -> None:
         epath.Path(f"{url}/{file.relative_to(local).as_posix()}").write_bytes(file.read_bytes())
 
 
-def _client(address: str, token: str | None = None) -> jobs.JobsClient:
+def _client(address: str, token: str | None = None) -> Client:
     creds = credentials.Credentials.from_files(token=token) if token else None
-    return jobs.JobsClient(address, timeout=30, credentials=creds)
+    return Client(address, timeout=30, credentials=creds)
 
 
-def _finished(client: jobs.JobsClient, job_id: str) -> pb.Job:
-    return list(client.watch(job_id))[-1].job
+def _finished(client: Client, job_id: str) -> pb.Job:
+    return list(client.jobs.watch(job_id))[-1].job
 
 
 def _scratch(server) -> pathlib.Path:
@@ -73,14 +73,16 @@ def reference(tmp_path_factory) -> bytes:
 def test_url_to_url_job_equals_qmill_quantize(url_server, bucket, reference):
     base = f"s3://{bucket}/jobs/team-a"
     with _client(url_server.address, "token-a") as client:
-        job = client.submit(f"{base}/tiny-mlp", f"{base}/out/int8.npz", INT8, output_format="npz")
+        job = client.jobs.submit(
+            f"{base}/tiny-mlp", f"{base}/out/int8.npz", INT8, output_format="npz"
+        )
         done = _finished(client, job.job_id)
         assert done.state == pb.JOB_STATE_SUCCEEDED, done.error
         assert (done.tensors_done, done.tensors_total) == (6, 6)
         assert done.source == f"{base}/tiny-mlp" and done.destination == f"{base}/out/int8.npz"
         # Submitting to it again without overwrite: it exists now.
         with pytest.raises(errors.QmillError, match="ALREADY_EXISTS"):
-            client.submit(f"{base}/tiny-mlp", f"{base}/out/int8.npz", INT8)
+            client.jobs.submit(f"{base}/tiny-mlp", f"{base}/out/int8.npz", INT8)
     assert epath.Path(f"{base}/out/int8.npz").read_bytes() == reference
     # Only the output is left in the prefix (no temporary upload object) and no scratch.
     assert [p.name for p in epath.Path(f"{base}/out").iterdir()] == ["int8.npz"]
@@ -92,11 +94,11 @@ def test_orbax_directory_to_url_and_url_to_local_directory(url_server, bucket, t
     where local paths are allowed (this server has no --jobs-root: refused)."""
     base = f"s3://{bucket}/jobs/team-b"
     with _client(url_server.address, "token-b") as client:
-        job = client.submit(f"{base}/tiny-mlp", f"{base}/tiny-mlp-int8", INT8)
+        job = client.jobs.submit(f"{base}/tiny-mlp", f"{base}/tiny-mlp-int8", INT8)
         done = _finished(client, job.job_id)
         assert done.state == pb.JOB_STATE_SUCCEEDED, done.error
         with pytest.raises(errors.QmillError, match=r"FAILED_PRECONDITION.*--jobs-root"):
-            client.submit(f"{base}/tiny-mlp", str(tmp_path / "o.npz"), INT8)
+            client.jobs.submit(f"{base}/tiny-mlp", str(tmp_path / "o.npz"), INT8)
     local = tmp_path / "tiny-mlp-int8"
     object_store.download(f"{base}/tiny-mlp-int8", local, check=lambda: None)
     out = tmp_path / "cli" / "tiny-mlp-int8"
@@ -132,7 +134,7 @@ def test_urls_outside_the_tenants_prefix_are_refused(url_server, bucket, source,
         _client(url_server.address, "token-a") as client,
         pytest.raises(errors.QmillError) as raised,
     ):
-        client.submit(source.format(b=b), dest.format(b=b), INT8)
+        client.jobs.submit(source.format(b=b), dest.format(b=b), INT8)
     assert raised.value.code == "INVALID_ARGUMENT"
     assert re.search(message, raised.value.details), raised.value.details
     assert not epath.Path(f"{b}/jobs/team-b/o.npz").exists()
@@ -144,7 +146,7 @@ def test_a_missing_source_url_is_refused(url_server, bucket):
         _client(url_server.address, "token-a") as client,
         pytest.raises(errors.QmillError, match=r"INVALID_ARGUMENT.*nothing-here does not"),
     ):
-        client.submit(f"{base}/nothing-here", f"{base}/o.npz", INT8)
+        client.jobs.submit(f"{base}/nothing-here", f"{base}/o.npz", INT8)
 
 
 def test_without_a_url_root_urls_are_refused(make_server, tmp_path, bucket):
@@ -152,8 +154,10 @@ def test_without_a_url_root_urls_are_refused(make_server, tmp_path, bucket):
     server = make_server(jobs_db=str(tmp_path / "jobs.sqlite3"))
     with _client(server.address) as client:
         with pytest.raises(errors.QmillError) as raised:
-            client.submit(f"s3://{bucket}/jobs/default/tiny-mlp", str(tmp_path / "o.npz"), INT8)
-        assert client.list() == []
+            client.jobs.submit(
+                f"s3://{bucket}/jobs/default/tiny-mlp", str(tmp_path / "o.npz"), INT8
+            )
+        assert client.jobs.list() == []
     assert raised.value.code == "INVALID_ARGUMENT"
     assert "--jobs-url-root" in raised.value.details
 
@@ -165,9 +169,9 @@ def test_single_user_urls_are_under_root_default(make_server, tmp_path, bucket, 
     server = make_server(jobs_db=str(tmp_path / "jobs.sqlite3"), jobs_url_roots=(root,))
     with _client(server.address) as client:
         with pytest.raises(errors.QmillError, match="outside your object-store"):
-            client.submit(f"{root}/tiny-mlp", f"{root}/o.npz", INT8)
+            client.jobs.submit(f"{root}/tiny-mlp", f"{root}/o.npz", INT8)
         # A local destination from a URL source (single-user: any local path).
-        job = client.submit(f"{root}/default/tiny-mlp", str(tmp_path / "o.npz"), INT8)
+        job = client.jobs.submit(f"{root}/default/tiny-mlp", str(tmp_path / "o.npz"), INT8)
         assert _finished(client, job.job_id).state == pb.JOB_STATE_SUCCEEDED
     assert (tmp_path / "o.npz").read_bytes() == reference
     assert not list(_scratch(server).iterdir())
@@ -191,7 +195,7 @@ def test_a_failed_upload_leaves_nothing_at_the_destination(url_server, bucket, m
     monkeypatch.setattr(object_store, "_copy", cut)
     base = f"s3://{bucket}/jobs/team-a"
     with _client(url_server.address, "token-a") as client:
-        job = client.submit(f"{base}/tiny-mlp", f"{base}/cut/o.npz", INT8, output_format="npz")
+        job = client.jobs.submit(f"{base}/tiny-mlp", f"{base}/cut/o.npz", INT8, output_format="npz")
         done = _finished(client, job.job_id)
     assert done.state == pb.JOB_STATE_FAILED
     assert "connection reset" in done.error
@@ -206,7 +210,7 @@ def test_a_missing_filesystem_package_names_the_extra(url_server, bucket, monkey
         _client(url_server.address, "token-a") as client,
         pytest.raises(errors.QmillError) as raised,
     ):
-        client.submit(f"{base}/tiny-mlp", f"{base}/o.npz", INT8)
+        client.jobs.submit(f"{base}/tiny-mlp", f"{base}/o.npz", INT8)
     assert raised.value.code == "FAILED_PRECONDITION"
     assert "s3fs_not_installed" in raised.value.details
     assert "pip install 'qmill[objectstore]'" in raised.value.details

@@ -11,7 +11,7 @@ import pytest
 
 from qmill.cli import main as cli
 from qmill.cli import serve
-from qmill.client import jobs
+from qmill.client import Client, jobs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib
 from qmill.server.jobs import peers
@@ -26,9 +26,9 @@ def _closed_port() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _finished(client: jobs.JobsClient, job_id: str) -> pb.Job:
+def _finished(client: Client, job_id: str) -> pb.Job:
     """The job once final: WatchJob's stream ends with it."""
-    return list(client.watch(job_id))[-1].job
+    return list(client.jobs.watch(job_id))[-1].job
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def expected(source, tmp_path_factory):
 
 def _run_job(make_server, source, destination, job_peers: str) -> pb.Job:
     server = make_server(job_peers=job_peers)
-    with jobs.JobsClient(server.address, timeout=30) as client:
-        submitted = client.submit(str(source), str(destination), INT8, output_format="npz")
+    with Client(server.address, timeout=30) as client:
+        submitted = client.jobs.submit(str(source), str(destination), INT8, output_format="npz")
         return _finished(client, submitted.job_id)
 
 
@@ -125,7 +125,7 @@ def test_the_cli_shows_how_a_finished_jobs_tensors_were_shared(make_server, sour
     server = make_server(job_peers=peer.address)
     submit = ["submit", "--server", server.address, str(source), str(tmp_path / "o.npz")]
     assert cli.main([*submit, "--recipe", "int8", "--watch"]) == 0
-    with jobs.JobsClient(server.address, timeout=30) as client:
-        (job,) = client.list()
+    with Client(server.address, timeout=30) as client:
+        (job,) = client.jobs.list()
     line = jobs.describe(job)
     assert line.endswith(f"over 1 peer ({peer.address}: 24 tensors))"), line

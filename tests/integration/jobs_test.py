@@ -15,7 +15,7 @@ import time
 import pytest
 
 from qmill.cli import main as cli
-from qmill.client import credentials, errors, jobs
+from qmill.client import Client, credentials, errors, jobs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth
 
@@ -31,22 +31,22 @@ TOKENS = {
 INT8 = {"rules": [{"qtype": "int8"}]}
 
 
-def _client(address: str, token: str | None = None) -> jobs.JobsClient:
+def _client(address: str, token: str | None = None) -> Client:
     creds = credentials.Credentials.from_files(token=token) if token else None
-    return jobs.JobsClient(address, timeout=30, credentials=creds)
+    return Client(address, timeout=30, credentials=creds)
 
 
-def _wait(client: jobs.JobsClient, job_id: str, done, seconds: float = 45.0) -> pb.Job:
+def _wait(client: Client, job_id: str, done, seconds: float = 45.0) -> pb.Job:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        job = client.get(job_id)
+        job = client.jobs.get(job_id)
         if done(job):
             return job
         time.sleep(0.05)
-    raise AssertionError(f"job {job_id} never got there: {client.get(job_id)}")
+    raise AssertionError(f"job {job_id} never got there: {client.jobs.get(job_id)}")
 
 
-def _finished(client: jobs.JobsClient, job_id: str) -> pb.Job:
+def _finished(client: Client, job_id: str) -> pb.Job:
     return _wait(client, job_id, lambda j: j.state in jobs.FINAL_STATES)
 
 
@@ -85,9 +85,9 @@ def test_submit_and_watch_equals_qmill_quantize(jobs_server, work, tmp_path, fmt
     name = "out.npz" if fmt == "npz" else "out.safetensors"
     dest = work / name
     with _client(jobs_server.address, "token-a") as client:
-        job = client.submit(SOURCE, str(dest), INT8, output_format=fmt)
+        job = client.jobs.submit(SOURCE, str(dest), INT8, output_format=fmt)
         assert job.state == pb.JOB_STATE_QUEUED and job.job_id
-        events = list(client.watch(job.job_id))
+        events = list(client.jobs.watch(job.job_id))
     last = events[-1].job
     assert last.state == pb.JOB_STATE_SUCCEEDED, last.error
     assert (last.tensors_done, last.tensors_total) == (6, 6)
@@ -99,17 +99,17 @@ def test_submit_and_watch_equals_qmill_quantize(jobs_server, work, tmp_path, fmt
 def test_repeated_request_id_is_the_same_job(jobs_server, work, jobs_root):
     dest = str(work / "out.npz")
     with _client(jobs_server.address, "token-a") as client:
-        first = client.submit(SOURCE, dest, INT8, request_id="rid-1", output_format="npz")
-        again = client.submit(SOURCE, dest, INT8, request_id="rid-1", output_format="npz")
+        first = client.jobs.submit(SOURCE, dest, INT8, request_id="rid-1", output_format="npz")
+        again = client.jobs.submit(SOURCE, dest, INT8, request_id="rid-1", output_format="npz")
         assert again.job_id == first.job_id
         _finished(client, first.job_id)
         with pytest.raises(errors.QmillError, match=r"ALREADY_EXISTS.*rid-1"):
-            client.submit(SOURCE, dest + "2", INT8, request_id="rid-1", output_format="npz")
-        ids = [j.job_id for j in client.list()]
+            client.jobs.submit(SOURCE, dest + "2", INT8, request_id="rid-1", output_format="npz")
+        ids = [j.job_id for j in client.jobs.list()]
         assert ids.count(first.job_id) == 1
     # The key is per tenant: team-b's rid-1 is another job.
     with _client(jobs_server.address, "token-b") as other:
-        job_b = other.submit(SOURCE, "rid-1.npz", INT8, request_id="rid-1")
+        job_b = other.jobs.submit(SOURCE, "rid-1.npz", INT8, request_id="rid-1")
         assert job_b.job_id != first.job_id
         _finished(other, job_b.job_id)
 
@@ -119,12 +119,12 @@ def test_cancel_leaves_no_destination(jobs_server, work, monkeypatch):
     monkeypatch.setenv("QMILL_TEST_TENSOR_DELAY", "1")
     dest = work / "out.npz"
     with _client(jobs_server.address, "token-a") as client:
-        job = client.submit(SOURCE, str(dest), INT8)
+        job = client.jobs.submit(SOURCE, str(dest), INT8)
         _wait(client, job.job_id, lambda j: j.state == pb.JOB_STATE_RUNNING)
-        client.cancel(job.job_id)
+        client.jobs.cancel(job.job_id)
         job = _finished(client, job.job_id)
         # Cancelling a finished job changes nothing.
-        assert client.cancel(job.job_id).state == pb.JOB_STATE_CANCELLED
+        assert client.jobs.cancel(job.job_id).state == pb.JOB_STATE_CANCELLED
     assert job.state == pb.JOB_STATE_CANCELLED
     assert job.tensors_done < job.tensors_total
     assert not dest.exists()
@@ -133,19 +133,19 @@ def test_cancel_leaves_no_destination(jobs_server, work, monkeypatch):
 
 def test_other_tenants_jobs_are_not_found(jobs_server, work):
     with _client(jobs_server.address, "token-a") as owner:
-        job = owner.submit(SOURCE, str(work / "a.npz"), INT8)
+        job = owner.jobs.submit(SOURCE, str(work / "a.npz"), INT8)
         with _client(jobs_server.address, "token-b") as other:
-            for call in (other.get, other.cancel, lambda i: list(other.watch(i))):
+            for call in (other.jobs.get, other.jobs.cancel, lambda i: list(other.jobs.watch(i))):
                 with pytest.raises(errors.QmillError, match="NOT_FOUND") as raised:
                     call(job.job_id)
                 assert "job" in raised.value.details
-            assert job.job_id not in [j.job_id for j in other.list()]
+            assert job.job_id not in [j.job_id for j in other.jobs.list()]
             with pytest.raises(errors.QmillError, match="PERMISSION_DENIED"):
-                other.list(all_tenants=True)
+                other.jobs.list(all_tenants=True)
         _finished(owner, job.job_id)
     with _client(jobs_server.address, "token-ops") as admin:
-        assert job.job_id in [j.job_id for j in admin.list(all_tenants=True)]
-        assert job.job_id not in [j.job_id for j in admin.list()]
+        assert job.job_id in [j.job_id for j in admin.jobs.list(all_tenants=True)]
+        assert job.job_id not in [j.job_id for j in admin.jobs.list()]
 
 
 @pytest.mark.parametrize(
@@ -160,17 +160,17 @@ def test_other_tenants_jobs_are_not_found(jobs_server, work):
 def test_bad_submissions_say_what_to_fix(jobs_server, source, dest, message):
     with _client(jobs_server.address, "token-a") as client:
         with pytest.raises(errors.QmillError, match=message):
-            client.submit(source, dest, INT8)
+            client.jobs.submit(source, dest, INT8)
         with pytest.raises(errors.QmillError, match=r"INVALID_ARGUMENT.*not a valid regex"):
-            client.submit(SOURCE, "o.npz", {"rules": [{"path_regex": "("}]})
+            client.jobs.submit(SOURCE, "o.npz", {"rules": [{"path_regex": "("}]})
 
 
 def test_an_unknown_qtype_is_refused_at_submit_not_in_the_job(jobs_server, work):
     with _client(jobs_server.address, "token-a") as client:
-        before = len(client.list())
+        before = len(client.jobs.list())
         with pytest.raises(errors.QmillError) as raised:
-            client.submit(SOURCE, str(work / "o.npz"), {"rules": [{"qtype": "int99"}]})
-        assert len(client.list()) == before
+            client.jobs.submit(SOURCE, str(work / "o.npz"), {"rules": [{"qtype": "int99"}]})
+        assert len(client.jobs.list()) == before
     assert raised.value.code == "INVALID_ARGUMENT"
     assert "'int99' is not a qtype" in raised.value.details
     assert "valid qtypes: " in raised.value.details and "int8" in raised.value.details
@@ -179,7 +179,7 @@ def test_an_unknown_qtype_is_refused_at_submit_not_in_the_job(jobs_server, work)
 def test_a_job_that_fails_says_why(jobs_server, work):
     (work / "notes.txt").write_text("not a checkpoint")
     with _client(jobs_server.address, "token-a") as client:
-        job = client.submit(str(work / "notes.txt"), str(work / "o.npz"), INT8)
+        job = client.jobs.submit(str(work / "notes.txt"), str(work / "o.npz"), INT8)
         job = _finished(client, job.job_id)
     assert job.state == pb.JOB_STATE_FAILED
     assert "notes.txt" in job.error
@@ -192,12 +192,12 @@ def test_a_job_that_fails_says_why(jobs_server, work):
 def test_relative_and_absolute_paths_inside_the_tenants_directory(jobs_server, jobs_root):
     team_b = jobs_root / "team-b"
     with _client(jobs_server.address, "token-b") as client:
-        job = _finished(client, client.submit(SOURCE, "out/rel.npz", INT8).job_id)
+        job = _finished(client, client.jobs.submit(SOURCE, "out/rel.npz", INT8).job_id)
         assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
         # The job shows the resolved server paths.
         assert job.source == os.path.realpath(team_b / SOURCE)
         assert job.destination == os.path.realpath(team_b / "out" / "rel.npz")
-        absolute = client.submit(str(team_b / SOURCE), str(team_b / "out" / "abs.npz"), INT8)
+        absolute = client.jobs.submit(str(team_b / SOURCE), str(team_b / "out" / "abs.npz"), INT8)
         assert _finished(client, absolute.job_id).state == pb.JOB_STATE_SUCCEEDED
     assert (team_b / "out" / "rel.npz").read_bytes() == (team_b / "out" / "abs.npz").read_bytes()
 
@@ -224,8 +224,8 @@ def test_paths_leaving_the_tenants_directory_are_refused(jobs_server, jobs_root,
     source = source.replace("{root}", str(jobs_root))
     with _client(jobs_server.address, "token-b") as client:
         with pytest.raises(errors.QmillError) as raised:
-            client.submit(source, dest, INT8, overwrite=True)
-        assert not [j for j in client.list() if "planted" in j.destination]
+            client.jobs.submit(source, dest, INT8, overwrite=True)
+        assert not [j for j in client.jobs.list() if "planted" in j.destination]
     assert raised.value.code == "INVALID_ARGUMENT"
     assert "outside your jobs directory" in raised.value.details
     assert f"job paths must be in {team_b}/" in raised.value.details
@@ -241,8 +241,8 @@ def test_a_server_with_tokens_and_no_jobs_root_refuses_server_paths(make_server,
     )
     with _client(server.address, "token-a") as client:
         with pytest.raises(errors.QmillError) as raised:
-            client.submit(EXAMPLE, str(tmp_path / "o.npz"), INT8)
-        assert client.list() == []
+            client.jobs.submit(EXAMPLE, str(tmp_path / "o.npz"), INT8)
+        assert client.jobs.list() == []
     assert raised.value.code == "FAILED_PRECONDITION"
     assert "--jobs-root" in raised.value.details
 
@@ -251,7 +251,7 @@ def test_without_auth_jobs_use_any_path(make_server, tmp_path):
     """The single-user mode (no tokens, no --jobs-root): a laptop's own paths, as today."""
     server = make_server(jobs_db=str(tmp_path / "jobs.sqlite3"))
     with _client(server.address) as client:
-        job = _finished(client, client.submit(EXAMPLE, str(tmp_path / "o.npz"), INT8).job_id)
+        job = _finished(client, client.jobs.submit(EXAMPLE, str(tmp_path / "o.npz"), INT8).job_id)
     assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
     assert (tmp_path / "o.npz").exists()
 
@@ -276,7 +276,7 @@ def _serve(db: pathlib.Path, env: dict[str, str], *extra: str) -> tuple[subproce
     with _client(address) as client:
         while time.monotonic() < deadline:
             try:
-                client.list()
+                client.jobs.list()
                 return server, address
             except errors.QmillError:
                 assert server.poll() is None, "qmill serve exited"
@@ -297,7 +297,9 @@ def test_job_survives_kill_9_of_its_server(tmp_path):
     server, address = _serve(db, delayed, "--jobs-root", str(root))
     try:
         with _client(address) as client:
-            job = client.submit(SOURCE, "out.npz", INT8, request_id="survivor", output_format="npz")
+            job = client.jobs.submit(
+                SOURCE, "out.npz", INT8, request_id="survivor", output_format="npz"
+            )
             _wait(client, job.job_id, lambda j: j.tensors_done >= 2)
     finally:
         server.kill()
@@ -310,7 +312,7 @@ def test_job_survives_kill_9_of_its_server(tmp_path):
     server, address = _serve(db, {**env, "QMILL_JOBS_ROOT": str(root)})
     try:
         with _client(address) as client:
-            again = client.submit(SOURCE, "out.npz", INT8, request_id="survivor")
+            again = client.jobs.submit(SOURCE, "out.npz", INT8, request_id="survivor")
             assert again.job_id == job.job_id
             done = _finished(client, job.job_id)
     finally:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qmill.client import credentials, errors, remote
+from qmill.client import Client, credentials, errors, streaming
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -64,7 +64,7 @@ class Stalled:
 
 def _quantize(address, nbytes, token=None, timeout=60):
     creds = credentials.Credentials(token=token)
-    with remote.Client(address, timeout=timeout, credentials=creds) as client:
+    with Client(address, timeout=timeout, credentials=creds) as client:
         (outcome,) = client.quantize(INT8, [("t/kernel", np.ones((nbytes // 64, 16), np.float32))])
     return outcome
 
@@ -131,7 +131,7 @@ def test_a_tenant_at_its_cap_waits_then_gets_a_retry_hint_while_others_proceed(b
         with grpc.insecure_channel(busy_server.address) as channel:
             stub = pb_grpc.QuantizerStub(channel)
             array = np.ones((64, 256), np.float32)  # 64 KiB
-            requests = [RECIPE, *remote.streaming.tensor_requests("w/kernel", array)]
+            requests = [RECIPE, *streaming.tensor_requests("w/kernel", array)]
             with pytest.raises(grpc.RpcError) as e:
                 list(
                     stub.QuantizeParams(

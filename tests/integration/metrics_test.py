@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from qmill.client import credentials, errors, remote
+from qmill.client import Client, credentials, errors
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import metrics
@@ -53,7 +53,7 @@ def test_scrape_counts_calls_codes_bytes_tensors_and_latency(observed):
     m = observed.server.metrics
     before = m.value("qmill_calls_total", {"rpc": QUANTIZE, "code": "OK"}) or 0
     tensors = [("a/kernel", np.ones((32, 16), np.float32)), ("a/bias", np.ones(16, np.float32))]
-    with remote.Client(observed.address, timeout=60) as client:
+    with Client(observed.address, timeout=60) as client:
         outcomes = list(client.quantize(INT8, tensors))
         with pytest.raises(errors.QmillError):
             list(client.quantize({"rules": [{"qtype": "int9"}]}, tensors))
@@ -77,7 +77,7 @@ def test_scrape_counts_calls_codes_bytes_tensors_and_latency(observed):
 def test_each_server_has_its_own_registry(observed, make_server):
     other = make_server()
     before = observed.server.metrics.value("qmill_calls_total", {"rpc": CAPS, "code": "OK"}) or 0
-    with remote.Client(other.address, timeout=30) as client:
+    with Client(other.address, timeout=30) as client:
         client.capabilities()
     assert other.server.metrics.value("qmill_calls_total", {"rpc": CAPS, "code": "OK"}) == 1
     after = observed.server.metrics.value("qmill_calls_total", {"rpc": CAPS, "code": "OK"}) or 0
@@ -116,7 +116,7 @@ def test_request_id_is_echoed_or_generated(observed):
 def test_errors_carry_the_request_id_too_and_the_log_line_names_it(observed, caplog):
     caplog.set_level(logging.INFO, logger="qmill.server.metrics")
     creds = credentials.Credentials(request_id="bad-recipe-7")
-    with remote.Client(observed.address, timeout=30, credentials=creds) as client:
+    with Client(observed.address, timeout=30, credentials=creds) as client:
         (ok,) = client.quantize(INT8, [("w/kernel", np.ones((8, 8), np.float32))])
     assert ok.quantized
     with grpc.insecure_channel(observed.address) as channel:

@@ -9,7 +9,7 @@ import pytest
 
 from qmill import checkpoints
 from qmill.checkpoints import embedded, examples, pipeline
-from qmill.client import errors, remote, streaming
+from qmill.client import AsyncClient, Client, errors, streaming
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -33,7 +33,7 @@ def _read_all(path):
 
 
 def test_capabilities_describe_the_server(server):
-    with remote.Client(server.address) as client:
+    with Client(server.address) as client:
         caps = client.capabilities()
     assert {"int8", "int4", "float8_e4m3fn"} <= set(caps.qtypes)
     assert "absmax" in caps.calibration_methods and "minmax" in caps.calibration_methods
@@ -49,7 +49,7 @@ def test_remote_outcomes_equal_embedded_outcomes(server):
             {"path_regex": ".*", "qtype": "int8", "calibration_method": "minmax"},
         ]
     }
-    with remote.Client(server.address) as client:
+    with Client(server.address) as client:
         remote_out = list(client.quantize(recipe, _tensors()))
     embedded_out = list(embedded.EmbeddedClient().quantize(recipe, _tensors()))
     assert [o.path for o in remote_out] == [p for p, _ in _tensors()]
@@ -73,7 +73,7 @@ def test_each_result_streams_back_before_the_next_tensor_is_sent(server):
     # A one-byte window sends tensor k+1 only after tensor k's answer arrived: the call can only
     # finish if the server answers tensors one by one rather than at the end.
     tensors = [(f"t{i}/kernel", np.full((8, 8), i + 1, np.float32)) for i in range(4)]
-    with remote.Client(server.address, timeout=60) as client:
+    with Client(server.address, timeout=60) as client:
         outcomes = list(client.quantize(INT8, tensors, window_bytes=1))
     assert [o.path for o in outcomes] == [p for p, _ in tensors]
 
@@ -87,7 +87,7 @@ def test_checkpoint_through_server_is_bit_identical_to_in_process(server, tmp_pa
     recipe = {
         "rules": [{"path_regex": ".*", "qtype": "int4", "tile_size": 32, "tile_if_divisible": True}]
     }
-    with remote.Client(server.address) as client:
+    with Client(server.address) as client:
         rows = pipeline.quantize_checkpoint(source, tmp_path / "remote", recipe, backend=client)
     pipeline.quantize_checkpoint(
         source, tmp_path / "local", recipe, backend=embedded.EmbeddedClient()
@@ -178,13 +178,13 @@ def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(server, case
     assert e.value.code() == code
     assert message in e.value.details()
     # The next call on the same server works.
-    with remote.Client(server.address) as client:
+    with Client(server.address) as client:
         (outcome,) = client.quantize(INT8, [("w/kernel", np.ones((4, 4), np.float32))])
     assert outcome.quantized
 
 
 def test_client_errors_are_qmill_errors(server):
-    with remote.Client(server.address) as client, pytest.raises(errors.QmillError) as e:
+    with Client(server.address) as client, pytest.raises(errors.QmillError) as e:
         list(
             client.quantize(
                 {"rules": [{"qtype": "int8", "tile_size": 3}]},
@@ -198,11 +198,11 @@ def test_async_client_matches_sync_client(server):
     import asyncio
 
     async def run():
-        async with remote.AsyncClient(server.address) as client:
+        async with AsyncClient(server.address) as client:
             return [o async for o in client.quantize(INT8, _tensors())]
 
     async_out = asyncio.run(run())
-    with remote.Client(server.address) as client:
+    with Client(server.address) as client:
         sync_out = list(client.quantize(INT8, _tensors()))
     for a, s in zip(async_out, sync_out, strict=True):
         assert a.path == s.path and a.quantized == s.quantized
@@ -213,7 +213,7 @@ def test_async_client_matches_sync_client(server):
 def test_every_qtype_the_server_offers_travels_back(server):
     """Each advertised qtype's parts have a wire dtype and arrive bit-identical to the engine's."""
     x = np.random.default_rng(3).normal(size=(64, 32)).astype(np.float32)
-    with remote.Client(server.address) as client:
+    with Client(server.address) as client:
         qtypes = list(client.capabilities().qtypes)
         for qtype in qtypes:
             tile = 16 if qtype in ("mxfp8_16", "nvfp4") else 32  # the mx/nv formats fix their tile

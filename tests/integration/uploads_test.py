@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.client import errors, remote
-from qmill.client import uploads as client_uploads
-from qmill.client.credentials import Credentials
+from qmill.client import Client, Credentials, errors
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -32,13 +30,22 @@ def running(make_server, tmp_path_factory):
         yield server, channel
 
 
+@pytest.fixture(scope="module")
+def clients(running):
+    """A Client per tenant (its token in its credentials)."""
+    a = Client(running[0].address, credentials=Credentials(token="tok-a"))
+    b = Client(running[0].address, credentials=Credentials(token="tok-b"))
+    with a, b:
+        yield {"a": a, "b": b}
+
+
 def _code(call):
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value.code().name
 
 
-def test_an_interrupted_upload_resumes_from_the_committed_offset(running):
+def test_an_interrupted_upload_resumes_from_the_committed_offset(running, clients):
     server, channel = running
     stub = pb_grpc.UploadsStub(channel)
     uid = stub.StartUpload(pb.StartUploadRequest(total_bytes=len(DATA)), metadata=A).upload_id
@@ -55,17 +62,17 @@ def test_an_interrupted_upload_resumes_from_the_committed_offset(running):
     committed = stub.QueryUpload(pb.QueryUploadRequest(upload_id=uid), metadata=A)
     # Whatever the server had committed when the call was cancelled: whole chunks only.
     assert committed.committed_bytes in {0, 65536, 131072} and not committed.complete
-    status = client_uploads.upload_bytes(channel, DATA, metadata=A, upload_id=uid)
+    status = clients["a"].upload(DATA, upload_id=uid)
     assert status.complete and status.sha256 == hashlib.sha256(DATA).hexdigest()
     blob = server.server.uploads.blob_path(status.sha256)
     assert hashlib.sha256(blob.read_bytes()).hexdigest() == hashlib.sha256(DATA).hexdigest()
     # The same bytes again are stored once: complete at StartUpload, no second blob.
-    again = client_uploads.upload_bytes(channel, DATA, metadata=A)
+    again = clients["a"].upload(DATA)
     assert again.complete and again.upload_id != uid
     assert len(list(blob.parent.iterdir())) == 1
 
 
-def test_errors_over_the_wire(running):
+def test_errors_over_the_wire(running, clients):
     _, channel = running
     stub = pb_grpc.UploadsStub(channel)
     uid = stub.StartUpload(pb.StartUploadRequest(total_bytes=10), metadata=A).upload_id
@@ -78,11 +85,11 @@ def test_errors_over_the_wire(running):
     big = pb.StartUploadRequest(total_bytes=3_000_000)
     assert _code(lambda: stub.StartUpload(big, metadata=A)) == "RESOURCE_EXHAUSTED"
     with pytest.raises(errors.QmillError) as info:
-        client_uploads.upload_bytes(channel, DATA, metadata=B, upload_id=uid)
+        clients["b"].upload(DATA, upload_id=uid)
     assert info.value.code == "NOT_FOUND"
 
 
-def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running):
+def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running, clients):
     _, channel = running
     rng = np.random.default_rng(1)
     tensors = {
@@ -91,14 +98,12 @@ def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running):
         "params/Dense_1/kernel": rng.normal(size=(48, 10)).astype(np.float32),
     }
     recipe = {"rules": [{"qtype": "int8"}]}
-    uid = client_uploads.upload_bytes(
-        channel, safetensors.numpy.save(tensors), metadata=A
-    ).upload_id
-    got = {o.path: o for o in client_uploads.quantize_upload(channel, recipe, uid, metadata=A)}
+    uid = clients["a"].upload(safetensors.numpy.save(tensors)).upload_id
+    got = {o.path: o for o in clients["a"].quantize_upload(recipe, uid)}
     assert set(got) == set(tensors)
     assert not got["params/Dense_0/bias"].quantized
     # The same tensors streamed the usual way come back bit for bit the same.
-    with remote.Client(running[0].address, credentials=Credentials(token="tok-a")) as client:
+    with Client(running[0].address, credentials=Credentials(token="tok-a")) as client:
         streamed = {o.path: o for o in client.quantize(recipe, tensors.items())}
     for path in ("params/Dense_0/kernel", "params/Dense_1/kernel"):
         assert got[path].quantized and got[path].parts["qvalue"].dtype == np.int8
@@ -106,7 +111,7 @@ def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running):
             np.testing.assert_array_equal(got[path].parts[part], value, err_msg=f"{path} {part}")
     # Another tenant's upload id is unknown; tensors after the upload id are refused.
     with pytest.raises(errors.QmillError) as info:
-        list(client_uploads.quantize_upload(channel, recipe, uid, metadata=B))
+        list(clients["b"].quantize_upload(recipe, uid))
     assert info.value.code == "NOT_FOUND"
     stub = pb_grpc.QuantizerStub(channel)
     extra = [
@@ -120,10 +125,12 @@ def test_quantize_params_on_an_upload_equals_streaming_the_tensors(running):
 
 
 @pytest.mark.parametrize("fmt", ["orbax", "npz"])
-def test_a_checkpoint_is_streamed_once_and_a_second_upload_sends_nothing(running, tmp_path, fmt):
+def test_a_checkpoint_is_streamed_once_and_a_second_upload_sends_nothing(
+    running, clients, tmp_path, fmt
+):
     from qmill import checkpoints
 
-    server, channel = running
+    server, _ = running
     rng = np.random.default_rng(["orbax", "npz"].index(fmt) + 2)  # content new to the server
     path = tmp_path / ("ckpt" if fmt == "orbax" else "ckpt.npz")
     with checkpoints.create_writer(path, fmt) as writer:
@@ -134,14 +141,12 @@ def test_a_checkpoint_is_streamed_once_and_a_second_upload_sends_nothing(running
     with checkpoints.open_source(path) as source:
         old = safetensors.numpy.save({e.path: source.read(e.path) for e in source.entries()})
     sent: list[int] = []
-    first = client_uploads.upload_file(
-        channel, path, metadata=A, chunk_bytes=4096, on_sent=sent.append
-    )
+    first = clients["a"].upload(path, chunk_bytes=4096, on_sent=sent.append)
     assert first.complete and sum(sent) == len(old) and len(sent) == -(-len(old) // 4096)
     # The stored content is the old whole-checkpoint serialization, byte for byte.
     assert server.server.uploads.blob_path(first.sha256).read_bytes() == old
     assert first.sha256 == hashlib.sha256(old).hexdigest()
     # Content-addressed: the same checkpoint again is complete at StartUpload, nothing sent.
     sent.clear()
-    again = client_uploads.upload_file(channel, path, metadata=A, on_sent=sent.append)
+    again = clients["a"].upload(path, on_sent=sent.append)
     assert again.complete and again.upload_id != first.upload_id and sent == []
