@@ -156,11 +156,6 @@ def suspended() -> Iterator[None]:
         _state.suspended -= 1
 
 
-def is_active() -> bool:
-    """Whether this thread is inside an ``intercepted`` block (and not suspended)."""
-    return bool(_state.stack) and not _state.suspended
-
-
 def is_patched(path: str) -> bool:
     """Whether ``path`` currently holds a dispatcher (used by tests)."""
     with _lock:

@@ -20,10 +20,32 @@ from qmill.engine import layout, qarray
 
 @dataclasses.dataclass(frozen=True)
 class Quality:
-    # 10·log10(Σx² / Σ(x − x̂)²); +inf when the round trip is exact.
+    # 10·log10(Σx² / Σ(x − x̂)²); +inf when the round trip is exact, −inf for noise on a zero signal.
     sqnr_db: float
-    # mean|x − x̂| / mean|x|; 0 when both are 0.
+    # mean|x − x̂| / mean|x|; 0 when the round trip is exact, +inf for noise on a zero signal.
     mean_relative_error: float
+
+
+def quality(signal: float, noise: float, abs_x: float, abs_err: float) -> Quality:
+    """The one quality record of a round trip x -> x̂, from Σx², Σ(x − x̂)², mean|x|, mean|x − x̂|.
+
+    Defined for every input: no noise is an exact round trip (+inf dB, relative error 0), whatever
+    the signal; noise on a zero signal is −inf dB and relative error +inf.
+    """
+    sqnr = math.inf if noise == 0 else 10 * math.log10(signal / noise) if signal else -math.inf
+    mre = 0.0 if abs_err == 0 else abs_err / abs_x if abs_x else math.inf
+    return Quality(sqnr_db=sqnr, mean_relative_error=mre)
+
+
+def measure(x: np.ndarray, xhat: np.ndarray) -> Quality:
+    """`quality` of two float32 host arrays of the same shape (x the original)."""
+    err = x - xhat
+    return quality(
+        float(np.sum(x**2)),
+        float(np.sum(err**2)),
+        float(np.mean(np.abs(x))),
+        float(np.mean(np.abs(err))),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +125,10 @@ def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafR
             f"{plan.path}: tensor contains NaN or Inf; quantization would spread them over whole "
             "scale blocks. Fix the checkpoint or skip this path with a rule"
         )
-    signal, noise, abs_x, abs_err = (float(v) for v in (signal, noise, abs_x, abs_err))
-    sqnr = math.inf if noise == 0 else 10 * math.log10(signal / noise) if signal else -math.inf
-    mre = 0.0 if abs_err == 0 else abs_err / abs_x if abs_x else math.inf
     codes, scale, zero_point = q
     return LeafResult(
         qvalue=qarray.storage_view(np.asarray(codes), plan.qtype),
         scale=np.asarray(scale),
         zero_point=None if zero_point is None else np.asarray(zero_point),
-        quality=Quality(sqnr_db=sqnr, mean_relative_error=mre),
+        quality=quality(*(float(v) for v in (signal, noise, abs_x, abs_err))),
     )

@@ -77,3 +77,29 @@ def test_leaf_refuses_nan() -> None:
     x[3, 4] = np.nan
     with pytest.raises(ValueError, match="w: tensor contains NaN or Inf"):
         leaf.quantize_leaf(x, _plan("w", qtype="int8"))
+
+
+@pytest.mark.parametrize(
+    ("sums", "sqnr_db", "relative_error"),
+    [
+        ((0.0, 0.0, 0.0, 0.0), math.inf, 0.0),  # zero signal, exact: no noise at all
+        ((4.0, 0.0, 1.0, 0.0), math.inf, 0.0),  # exact round trip
+        ((0.0, 1.0, 0.0, 0.5), -math.inf, math.inf),  # noise on a zero signal
+        ((100.0, 1.0, 2.0, 0.5), 20.0, 0.25),
+    ],
+)
+def test_quality_is_defined_for_zero_signal_and_zero_noise(sums, sqnr_db, relative_error):
+    q = leaf.quality(*sums)
+    assert q.sqnr_db == pytest.approx(sqnr_db) and q.mean_relative_error == relative_error
+
+
+def test_measure_on_arrays_agrees_with_the_sums():
+    zeros, ones = np.zeros(4, np.float32), np.ones(4, np.float32)
+    assert leaf.measure(zeros, zeros) == leaf.Quality(sqnr_db=math.inf, mean_relative_error=0.0)
+    assert leaf.measure(zeros, ones) == leaf.Quality(
+        sqnr_db=-math.inf, mean_relative_error=math.inf
+    )
+    x = np.array([1.0, -2.0, 3.0, 0.0], np.float32)
+    got = leaf.measure(x, x + np.float32(0.5))
+    assert got == leaf.quality(14.0, 1.0, 1.5, 0.5)
+    assert got.sqnr_db == pytest.approx(10 * math.log10(14.0))
