@@ -14,23 +14,18 @@ from grpc_reflection.v1alpha import reflection
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import (
-    admin,
-    auth,
-    calibrations,
-    calibrator_servicer,
-    limits,
-    models,
-    odml_servicer,
-    servicer,
-    tls,
-    uploads,
-    uploads_servicer,
-)
+from qmill.server import auth, limits, registry, tls
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.admin import servicer as admin_servicer
+from qmill.server.calibrator import servicer as calibrator_servicer
+from qmill.server.calibrator import store as calibration_store
 from qmill.server.jobs import peers as jobs_peers
 from qmill.server.jobs import servicer as jobs_servicer
+from qmill.server.odml import servicer as odml_servicer
+from qmill.server.quantizer import servicer as quantizer_servicer
+from qmill.server.uploads import servicer as uploads_servicer
+from qmill.server.uploads import store as upload_store
 
 log = logging.getLogger(__name__)
 
@@ -53,68 +48,50 @@ class Server:
             log.warning("%s", warning)
         self.metrics = metrics_lib.Metrics()
         self.metrics_port: int | None = None
-        self.limiter = limits.ByteLimiter(
-            config.max_inflight_bytes,
-            config.max_tenant_inflight_bytes,
-            wait_seconds=config.max_wait_seconds,
-            on_change=self.metrics.inflight_bytes.set,
-            on_waiting=self.metrics.waiting_calls.set,
-        )
-        self.metrics.inflight_limit.set(config.max_inflight_bytes)
+        self.limiter = _limiter(config, self.metrics)
         self.streams = limits.StreamLimitInterceptor(
             config.max_concurrent_streams, on_change=self.metrics.streams.set
         )
-        # Outermost first: every call gets a request id and is counted, even when auth refuses it;
-        # auth runs before the stream limit so unauthenticated calls cannot take stream slots.
-        interceptors = [
-            metrics_lib.ObservabilityInterceptor(self.metrics),
-            auth.AuthInterceptor(
-                config.tokens, tenant_from_client_cert=config.tenant_from_client_cert
-            ),
-            self.streams,
-        ]
         self._executor = futures.ThreadPoolExecutor(
             max_workers=config.workers, thread_name_prefix="qmill-engine"
         )
-        options = [
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-        ]
-        # No compression: tensor bytes barely compress, and it would cost CPU on both sides.
-        self._grpc = grpc.aio.server(
-            options=options,
-            interceptors=interceptors,
-            compression=grpc.Compression.NoCompression,
-        )
-        pb_grpc.add_QuantizerServicer_to_server(
-            servicer.QuantizerServicer(
-                config,
-                self._executor,
-                limiter=self.limiter,
-                metrics=self.metrics,
-                # A lambda: the upload store is made below.
-                upload_tensors=lambda tenant, uid: self.uploads.tensors(tenant, uid),
-            ),
-            self._grpc,
-        )
-        pb_grpc.add_AdminServicer_to_server(
-            admin.AdminServicer(config, self.limiter, self.streams), self._grpc
-        )
+        self._grpc = _grpc_server(config, self.metrics, self.streams)
         # Uploads and calibrations live under data_dir; the model registry names the models.
         data_dir = pathlib.Path(config.data_dir)
-        self.uploads = uploads.UploadStore(
+        self.uploads = upload_store.UploadStore(
             data_dir / "uploads",
             max_upload_bytes=config.max_upload_bytes,
             quota_bytes=config.upload_quota_bytes,
             expiry_seconds=config.upload_expiry_seconds,
         )
-        self.calibrations = calibrations.CalibrationStore(data_dir / "calibrations")
+        self.calibrations = calibration_store.CalibrationStore(data_dir / "calibrations")
+        self._add_services()
+        self.jobs = jobs_servicer.add_to_server(self._grpc, config, self.metrics, job_peer_backends)
+        self.health = _add_health(self._grpc, config)
+        self.port = _bind(self._grpc, config)
+
+    def _add_services(self) -> None:
+        """Registers the qmill.v1 services but Jobs (whose runner the server starts and stops)."""
+        config, executor = self.config, self._executor
+        pb_grpc.add_QuantizerServicer_to_server(
+            quantizer_servicer.QuantizerServicer(
+                config,
+                executor,
+                limiter=self.limiter,
+                metrics=self.metrics,
+                upload_tensors=self.uploads.tensors,
+            ),
+            self._grpc,
+        )
+        pb_grpc.add_AdminServicer_to_server(
+            admin_servicer.AdminServicer(config, self.limiter, self.streams), self._grpc
+        )
         pb_grpc.add_UploadsServicer_to_server(
             uploads_servicer.UploadsServicer(self.uploads), self._grpc
         )
         pb_grpc.add_CalibratorServicer_to_server(
             calibrator_servicer.CalibratorServicer(
-                self._executor,
+                executor,
                 self.uploads,
                 self.calibrations,
                 max_tensor_bytes=config.max_tensor_bytes,
@@ -123,30 +100,13 @@ class Server:
             self._grpc,
         )
         backends = odml_servicer.Backends(
-            resolve_model=models.build,
+            resolve_model=registry.build,
             load_params=self.uploads.open_params,
             load_stats=self.calibrations.load_stats,
         )
         pb_grpc.add_OdmlExporterServicer_to_server(
-            odml_servicer.OdmlExporterServicer(self._executor, backends=backends), self._grpc
+            odml_servicer.OdmlExporterServicer(executor, backends=backends), self._grpc
         )
-        self.jobs = jobs_servicer.add_to_server(
-            self._grpc, config, self.metrics, job_peer_backends
-        )
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        if config.reflection:
-            # Every qmill.v1 service (Quantizer, Uploads, Calibrator, OdmlExporter, Jobs).
-            ours = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
-            names = (*ours, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-            reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self._grpc)
-        address, credentials = f"{config.host}:{config.port}", tls.server_credentials(config)
-        if credentials is None:
-            self.port = self._grpc.add_insecure_port(address)
-        else:
-            self.port = self._grpc.add_secure_port(address, credentials)
-        if self.port == 0:
-            raise OSError(f"could not bind {config.host}:{config.port}")
 
     async def start(self) -> None:
         await self._grpc.start()
@@ -170,6 +130,64 @@ class Server:
 
     async def wait(self) -> None:
         await self._grpc.wait_for_termination()
+
+
+def _limiter(config: config_lib.ServerConfig, metrics: metrics_lib.Metrics) -> limits.ByteLimiter:
+    metrics.inflight_limit.set(config.max_inflight_bytes)
+    return limits.ByteLimiter(
+        config.max_inflight_bytes,
+        config.max_tenant_inflight_bytes,
+        wait_seconds=config.max_wait_seconds,
+        on_change=metrics.inflight_bytes.set,
+        on_waiting=metrics.waiting_calls.set,
+    )
+
+
+def _grpc_server(
+    config: config_lib.ServerConfig,
+    metrics: metrics_lib.Metrics,
+    streams: limits.StreamLimitInterceptor,
+) -> grpc.aio.Server:
+    # Outermost first: every call gets a request id and is counted, even when auth refuses it;
+    # auth runs before the stream limit so unauthenticated calls cannot take stream slots.
+    interceptors = [
+        metrics_lib.ObservabilityInterceptor(metrics),
+        auth.AuthInterceptor(config.tokens, tenant_from_client_cert=config.tenant_from_client_cert),
+        streams,
+    ]
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+    # No compression: tensor bytes barely compress, and it would cost CPU on both sides.
+    return grpc.aio.server(
+        options=options, interceptors=interceptors, compression=grpc.Compression.NoCompression
+    )
+
+
+def _add_health(
+    server: grpc.aio.Server, config: config_lib.ServerConfig
+) -> health.aio.HealthServicer:
+    """The health service, and reflection of every service when the config asks for it."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if config.reflection:
+        # Every qmill.v1 service (Quantizer, Uploads, Calibrator, OdmlExporter, Jobs, Admin).
+        ours = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
+        names = (*ours, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+    return servicer
+
+
+def _bind(server: grpc.aio.Server, config: config_lib.ServerConfig) -> int:
+    address, credentials = f"{config.host}:{config.port}", tls.server_credentials(config)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    return port
 
 
 async def create_server(

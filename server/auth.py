@@ -47,8 +47,7 @@ from typing import Any
 
 import grpc
 
-from qmill.proto import wire
-from qmill.server import calls
+from qmill.server import calls, errors
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +77,6 @@ _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
 )
 
 
-class AccessError(wire.WireError):
-    """Refused for who the caller is; `code` is the status (errors.status_for maps it)."""
-
-
 def current_principal() -> Principal:
     """The caller of the RPC this code runs for. Outside an RPC (background jobs, tests) it is the
     implicit LOCAL principal, so jobs must record and pass their own tenant."""
@@ -94,24 +89,23 @@ def bound_principal() -> Principal | None:
 
 
 def require_admin(action: str = "this operation") -> Principal:
-    """The caller, when an admin; raises AccessError (PERMISSION_DENIED) otherwise."""
+    """The caller, when an admin; raises errors.PermissionDenied otherwise."""
     principal = current_principal()
     if not principal.is_admin:
-        raise AccessError(
+        raise errors.PermissionDenied(
             f"{action} needs an admin token; tenant {principal.tenant!r} has role "
-            f"{principal.role!r}",
-            code="PERMISSION_DENIED",
+            f"{principal.role!r}"
         )
     return principal
 
 
 def require_owner(owner_tenant: str, what: str) -> None:
-    """Raises AccessError(NOT_FOUND) when `what` (e.g. "job 42") belongs to another tenant.
+    """Raises errors.NotFound when `what` (e.g. "job 42") belongs to another tenant.
 
     The message is the one a missing id gets, so ids of other tenants cannot be probed.
     """
     if owner_tenant != current_principal().tenant:
-        raise AccessError(f"{what} not found", code="NOT_FOUND")
+        raise errors.NotFound(f"{what} not found")
 
 
 def _digest(token: str) -> bytes:

@@ -1,19 +1,76 @@
-"""Wire messages <-> engine values: the servicer's only proto/engine translation."""
+"""Wire messages <-> engine values: the server's only proto/engine translation.
+
+Requests become engine values here (recipes, model rules, input specs) and engine results become
+TensorResults whose parts travel through the one tensor sender of proto/wire.py. Servicers wrap
+what this returns in their RPC's own messages (`messages`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
+import jax
 import numpy as np
 
-from qmill.engine import layout, leaf, recipes
+from qmill.engine import layout, leaf, qtypes, recipes
+from qmill.engine import rules as rules_lib
 from qmill.proto import recipe, wire
 from qmill.proto.v1 import qmill_pb2 as pb
+
+M = TypeVar("M")
+# The reason a float tensor of Calibrate's PTQ params gives (the client has no copy of it).
+FLOAT_PARAM_REASON = "float tensor of the PTQ params (bias or static activation scale)"
+
+
+async def first_item(requests: AsyncIterator[Any], field: str, name: str) -> Any:
+    """The `field` of a request stream's first message, which must set it (`name` says what it
+    is in the messages: "the recipe", "CalibrateStart")."""
+    try:
+        first = await anext(requests)
+    except StopAsyncIteration:
+        raise ValueError(f"empty stream: send {name} first") from None
+    if first.WhichOneof("item") != field:
+        raise ValueError(f"the first message must be {name}")
+    return getattr(first, field)
 
 
 def recipe_from_proto(message: pb.Recipe) -> recipes.Recipe:
     """The engine recipe a Recipe message describes. Raises ValueError naming the bad rule."""
     return recipes.recipe_from_mapping(recipe.to_mapping(message))
+
+
+def rules_from_proto(messages: Sequence[pb.ModelRule]) -> list[rules_lib.QuantizationRule]:
+    """ModelRule messages -> engine rules (ValueError with the rule's index when one is bad)."""
+    out = []
+    for i, r in enumerate(messages):
+        try:
+            for qtype in (r.weight_qtype, r.act_qtype):
+                if qtype:
+                    qtypes.name(qtype)
+            out.append(
+                rules_lib.QuantizationRule(
+                    module_path=r.module_path or ".*",
+                    op_names=tuple(r.op_names),
+                    weight_qtype=r.weight_qtype or None,
+                    act_qtype=r.act_qtype or None,
+                    tile_size=r.tile_size or None,
+                    weight_calibration_method=r.weight_calibration_method or "absmax",
+                    act_calibration_method=r.act_calibration_method or None,
+                    act_static_scale=r.act_static_scale or None,
+                )
+            )
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"rules[{i}]: {exc}") from exc
+    return out
+
+
+def input_spec(shape: Sequence[int], dtype: int) -> jax.ShapeDtypeStruct:
+    """A model input's shape (batch first) and wire dtype (F32 when unset) as jax describes it."""
+    dims = tuple(int(d) for d in shape)
+    if not dims or any(d <= 0 for d in dims):
+        raise ValueError(f"input_shape must be positive dimensions, batch first; got {list(dims)}")
+    return jax.ShapeDtypeStruct(dims, wire.to_numpy_dtype(dtype or pb.DTYPE_F32))
 
 
 def how_to_proto(plan: layout.LeafPlan) -> pb.HowToQuantize:
@@ -25,38 +82,74 @@ def how_to_proto(plan: layout.LeafPlan) -> pb.HowToQuantize:
     )
 
 
-def kept_response(plan: layout.LeafPlan, input_bytes: int) -> pb.QuantizeParamsResponse:
-    return pb.QuantizeParamsResponse(
-        result=pb.TensorResult(
-            path=plan.path,
-            kind=pb.RESULT_KIND_KEPT,
-            reason=plan.reason,
-            input_bytes=input_bytes,
-        )
+def quality_to_proto(quality: leaf.Quality) -> pb.Quality:
+    return pb.Quality(sqnr_db=quality.sqnr_db, mean_relative_error=quality.mean_relative_error)
+
+
+def kept_result(plan: layout.LeafPlan, input_bytes: int) -> pb.TensorResult:
+    """A tensor the plan keeps as it is: no parts (the client writes its own copy)."""
+    return pb.TensorResult(
+        path=plan.path, kind=pb.RESULT_KIND_KEPT, reason=plan.reason, input_bytes=input_bytes
     )
 
 
-def result_responses(
+def quantized_result(
     plan: layout.LeafPlan, result: leaf.LeafResult, input_bytes: int
-) -> Iterator[pb.QuantizeParamsResponse]:
-    """The TensorResult for a quantized tensor, then the chunks of each of its parts."""
-    parts: list[tuple[str, np.ndarray]] = [("qvalue", result.qvalue), ("scale", result.scale)]
+) -> tuple[pb.TensorResult, Iterator[pb.TensorChunk]]:
+    """The TensorResult of a quantized tensor and the chunks of its parts, in part order."""
+    parts = {"qvalue": result.qvalue, "scale": result.scale}
     if result.zero_point is not None:
-        parts.append(("zero_point", result.zero_point))
-    encoded = [(name, array, wire.to_bytes(array)) for name, array in parts]
-    yield pb.QuantizeParamsResponse(
-        result=pb.TensorResult(
-            path=plan.path,
-            kind=pb.RESULT_KIND_QUANTIZED,
-            how=how_to_proto(plan),
-            quality=pb.Quality(
-                sqnr_db=result.quality.sqnr_db,
-                mean_relative_error=result.quality.mean_relative_error,
-            ),
-            parts=[wire.header_for(name, array, data) for name, array, data in encoded],
-            input_bytes=input_bytes,
-        )
+        parts["zero_point"] = result.zero_point
+    headers, chunks = wire.encode_parts(parts)
+    message = pb.TensorResult(
+        path=plan.path,
+        kind=pb.RESULT_KIND_QUANTIZED,
+        how=how_to_proto(plan),
+        quality=quality_to_proto(result.quality),
+        parts=headers,
+        input_bytes=input_bytes,
     )
-    for _, _, data in encoded:
-        for chunk in wire.chunks(data):
-            yield pb.QuantizeParamsResponse(chunk=chunk)
+    return message, chunks
+
+
+def float_result(
+    path: str, array: np.ndarray, reason: str = FLOAT_PARAM_REASON
+) -> tuple[pb.TensorResult, Iterator[pb.TensorChunk]]:
+    """A float tensor sent back whole: one part, 'value', whose bytes follow."""
+    headers, chunks = wire.encode_parts({"value": array})
+    message = pb.TensorResult(
+        path=path,
+        kind=pb.RESULT_KIND_FLOAT,
+        reason=reason,
+        parts=headers,
+        input_bytes=headers[0].byte_length,
+    )
+    return message, chunks
+
+
+def messages(
+    message: Callable[..., M],
+    field: str,
+    result: pb.TensorResult,
+    chunks: Iterable[pb.TensorChunk] = (),
+) -> Iterator[M]:
+    """A TensorResult then its chunks, each in the RPC's own message (as wire.send does for one
+    tensor): `message(**{field: result})`, then `message(chunk=chunk)`."""
+    yield message(**{field: result})
+    for chunk in chunks:
+        yield message(chunk=chunk)
+
+
+def odml_info(tflite: bytes, ops: Sequence[str], quantized_weights: Any) -> pb.OdmlModelInfo:
+    """What an exported .tflite holds, as ExportOdml announces it before its bytes."""
+    return pb.OdmlModelInfo(
+        byte_length=len(tflite),
+        crc32c=wire.crc32c(tflite),
+        ops=list(ops),
+        quantized_weights=dict(quantized_weights),
+    )
+
+
+def byte_chunks(data: bytes) -> Iterator[pb.TensorChunk]:
+    """Opaque bytes (an exported model) in the same chunks as a tensor's."""
+    return wire.chunks(np.frombuffer(data, np.uint8))

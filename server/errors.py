@@ -1,8 +1,11 @@
-"""The one place where exceptions become gRPC status codes.
+"""The server's domain exceptions, and the one place where exceptions become gRPC status codes.
 
-Engine and codec code raise ValueError/TypeError (or WireError, which names its own code) with a
-message that says what to fix; that message goes to the client. Anything else is a bug: the client
-gets INTERNAL "internal error" and the traceback goes to the log, never onto the wire.
+Code that finds a condition the client can act on raises one of the `ServerError` classes below
+(NotFound, AlreadyExists, FailedPrecondition, ...), with a message that says what to do; engine
+and codec code raise ValueError/TypeError (INVALID_ARGUMENT); `wire.WireError` means only bytes or
+headers that break the wire contract and names its own status. Those messages go to the client.
+Anything else is a bug: the client gets INTERNAL "internal error" and the traceback goes to the
+log, never onto the wire.
 """
 
 from __future__ import annotations
@@ -15,12 +18,73 @@ from typing import Any
 import grpc
 
 from qmill.proto import wire
+from qmill.server import calls
 
 log = logging.getLogger(__name__)
 
+# Trailing metadata carrying how long to wait before retrying a RESOURCE_EXHAUSTED call.
+RETRY_TRAILER = "retry-delay-ms"
+
+
+class ServerError(Exception):
+    """A condition the client can act on; `code` names its gRPC status (see status_for)."""
+
+    code = "UNKNOWN"
+
+    def __init_subclass__(cls, *, code: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.code = code or cls.code
+
+
+class NotFound(ServerError, LookupError, code="NOT_FOUND"):
+    """An unknown id or name, or one of another tenant (the same words, so ids cannot be probed).
+    A LookupError too: the stores satisfy lookups documented as raising one."""
+
+
+class AlreadyExists(ServerError, code="ALREADY_EXISTS"):
+    """A job destination or request id that is taken."""
+
+
+class FailedPrecondition(ServerError, code="FAILED_PRECONDITION"):
+    """The request is fine, the state of the server or of the named data is not (yet)."""
+
+
+class PermissionDenied(ServerError, code="PERMISSION_DENIED"):
+    """The caller's role may not do this (admin-only operations)."""
+
+
+class OutOfRange(ServerError, code="OUT_OF_RANGE"):
+    """An upload chunk that is not at the committed offset, or past the announced total."""
+
+
+class DataLoss(ServerError, code="DATA_LOSS"):
+    """Stored content that differs from what the client announced (an upload's sha256)."""
+
+
+class Unavailable(ServerError, code="UNAVAILABLE"):
+    """A dependency (an object store) failed in a way a retry may fix."""
+
+
+class Unimplemented(ServerError, code="UNIMPLEMENTED"):
+    """This server lacks the feature: not configured, or an optional extra is not installed."""
+
+
+class ResourceExhausted(ServerError, code="RESOURCE_EXHAUSTED"):
+    """A limit was hit. With `retry_after`, the message ends with the hint and the call gets it
+    in the RETRY_TRAILER trailing metadata too."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        if retry_after is not None:
+            message = f"{message}; retry in {retry_after:g} s"
+            # Set here so the hint reaches the client whichever layer turns this into a status.
+            calls.add_trailer(RETRY_TRAILER, str(round(retry_after * 1000)))
+        super().__init__(message)
+        self.retry_after = retry_after
+
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, wire.WireError):
+    """The status code and message the client gets for `exc`."""
+    if isinstance(exc, ServerError | wire.WireError):
         return grpc.StatusCode[exc.code], str(exc)
     if isinstance(exc, ValueError | TypeError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)

@@ -18,26 +18,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.server import auth, calls
+from qmill.server import auth, calls, errors
 
 log = logging.getLogger(__name__)
 
-RETRY_TRAILER = "retry-delay-ms"
 # Services whose streams do not count against max_concurrent_streams (health Watch is a probe).
 _UNCOUNTED = auth.PUBLIC_PREFIXES
-
-
-class Exhausted(wire.WireError):
-    """A limit was hit; carries how long the client should wait before retrying."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(f"{message}; retry in {retry_after:g} s", code="RESOURCE_EXHAUSTED")
-        self.retry_after = retry_after
-        # Set here so the hint reaches the client whichever layer turns this into a status.
-        calls.add_trailer(RETRY_TRAILER, str(round(retry_after * 1000)))
 
 
 class _Waiter:
@@ -102,14 +92,14 @@ class ByteLimiter:
         """Waits its turn for room for `n` bytes.
 
         Raises:
-            Exhausted: at once when `n` is over the limit itself; after `wait_seconds` in the
-                queue when room did not come.
+            errors.ResourceExhausted: at once when `n` is over the limit itself; after
+                `wait_seconds` in the queue when room did not come.
             asyncio.CancelledError: the call was cancelled (or its deadline passed) while waiting;
                 it leaves the queue and holds nothing.
         """
         limit = min(self.total, self.per_tenant)
         if n > limit:
-            raise Exhausted(
+            raise errors.ResourceExhausted(
                 f"{n} bytes requested at once, over this server's in-flight limit of {limit}; "
                 "split the tensor or raise --max-inflight-bytes / --max-tenant-inflight-bytes",
                 self.retry_after,
@@ -139,7 +129,7 @@ class ByteLimiter:
                 self._report_waiting()
                 self._grant()  # it may have been the one holding others back
             if isinstance(e, TimeoutError):
-                raise Exhausted(busy, self.retry_after) from None
+                raise errors.ResourceExhausted(busy, self.retry_after) from None
             raise
 
     def release(self, tenant: str, n: int) -> None:
@@ -259,7 +249,7 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
     @contextlib.asynccontextmanager
     async def _around(self, method: str, context: Any) -> AsyncIterator[None]:
         if self.active >= self.max_streams:
-            calls.add_trailer(RETRY_TRAILER, str(round(self.retry_after * 1000)))
+            calls.add_trailer(errors.RETRY_TRAILER, str(round(self.retry_after * 1000)))
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"server busy: {self.active} of {self.max_streams} streams open; "
@@ -293,3 +283,44 @@ async def start_assembly(
     except BaseException:
         account.release(header.byte_length)
         raise
+
+
+class TensorInbox:
+    """The one receiving flow of the server's request streams (tensors, calibration batches).
+
+    Each announced tensor's bytes are reserved first (start_assembly), then wire.Receiver
+    reassembles it from the chunks that follow. Tensors come one at a time: a header while the
+    previous tensor still lacks bytes means that one was cut short (DATA_LOSS).
+    """
+
+    def __init__(self, max_bytes: int, account: Account | None, *, what: str = "tensor") -> None:
+        self._max_bytes = max_bytes
+        self._account = account
+        # What the stream calls its tensors ("batch"), for the messages.
+        self._what = what
+        self._receiver = wire.Receiver()
+        self._current: wire.Assembler | None = None
+
+    @property
+    def receiving(self) -> bool:
+        """True while an announced tensor still lacks bytes."""
+        return self._receiver.receiving
+
+    async def announce(self, header: pb.TensorHeader) -> None:
+        self.close()
+        self._current = await start_assembly(header, self._max_bytes, self._account)
+        self._receiver.start(self._current)
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        if not self._receiver.receiving:
+            raise ValueError(f"a chunk arrived before any {self._what} header")
+        self._receiver.add(chunk)
+
+    def take(self) -> list[tuple[pb.TensorHeader, np.ndarray]]:
+        """The tensor the last announce or add completed, with its header (or nothing)."""
+        return [(self._current.header, array) for _, array in self._receiver.take()]
+
+    def close(self) -> None:
+        """Raises DATA_LOSS when the stream ends (or the next header comes) mid-tensor."""
+        if self._receiver.receiving:
+            self._current.finish()

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from etils import epath
 from etils.epath import backend
 
-from qmill.proto import wire
+from qmill.server import errors
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,10 @@ def require_filesystem(url: str) -> None:
     scheme = url.partition("://")[0]
     module = _FILESYSTEMS[scheme]
     if importlib.util.find_spec(module) is None:
-        raise wire.WireError(
+        raise errors.FailedPrecondition(
             f"this server cannot reach {scheme}:// URLs ({url}): the {module} package is not "
             f"installed; the operator must install the {EXTRA} extra "
-            f"(pip install 'qmill[{EXTRA}]')",
-            code="FAILED_PRECONDITION",
+            f"(pip install 'qmill[{EXTRA}]')"
         )
 
 
@@ -57,16 +56,14 @@ def exists(url: str) -> bool:
     """Whether an object or a prefix with objects is at `url`.
 
     Raises:
-      wire.WireError: the store refused or failed (FAILED_PRECONDITION, UNAVAILABLE).
+      errors.FailedPrecondition, errors.Unavailable: the store refused or failed.
     """
     try:
         return epath.Path(url).exists()
     except PermissionError as e:
-        raise wire.WireError(
-            f"the server's credentials may not read {url}: {e}", code="FAILED_PRECONDITION"
-        ) from e
+        raise errors.FailedPrecondition(f"the server's credentials may not read {url}: {e}") from e
     except OSError as e:
-        raise wire.WireError(f"object store error on {url}: {e}; retry", code="UNAVAILABLE") from e
+        raise errors.Unavailable(f"object store error on {url}: {e}; retry") from e
 
 
 def download(url: str, local: pathlib.Path, check: Callable[[], None]) -> None:

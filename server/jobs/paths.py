@@ -34,8 +34,8 @@ import os
 import pathlib
 
 from qmill.checkpoints import staging
-from qmill.proto import wire
 from qmill.server import config as config_lib
+from qmill.server import errors
 from qmill.server.jobs import urls
 
 
@@ -95,7 +95,7 @@ class PathPolicy:
         Raises:
           ValueError: empty, an object-store URL, or outside the tenant's directory
             (INVALID_ARGUMENT).
-          wire.WireError: FAILED_PRECONDITION, when this server cannot take server paths.
+          errors.FailedPrecondition: when this server cannot take server paths.
         """
         if not value:
             raise ValueError(f"{what} is empty; give a path on the server")
@@ -103,11 +103,10 @@ class PathPolicy:
             return self._resolve_url(tenant, value, what)
         if self.jobs_root is None:
             if self.multi_tenant:
-                raise wire.WireError(
+                raise errors.FailedPrecondition(
                     f"this server does not run jobs on server paths ({what} {value!r}): it has "
                     "several tenants but no jobs directory; the operator must start it with "
-                    "--jobs-root DIR (each tenant's jobs then use DIR/<tenant>/)",
-                    code="FAILED_PRECONDITION",
+                    "--jobs-root DIR (each tenant's jobs then use DIR/<tenant>/)"
                 )
             return os.path.abspath(value)
         base = self.tenant_dir(tenant)
@@ -172,10 +171,9 @@ class PathPolicy:
 def _tenant_segment(tenant: str) -> str:
     """`tenant`, when it can be one directory (or URL segment); raises otherwise."""
     if tenant in ("", ".", "..") or "/" in tenant or "\\" in tenant or "\0" in tenant:
-        raise wire.WireError(
+        raise errors.FailedPrecondition(
             f"tenant {tenant!r} cannot name a directory under the jobs root; the operator "
-            "must give it a name without '/' (and not '.' or '..') in the token table",
-            code="FAILED_PRECONDITION",
+            "must give it a name without '/' (and not '.' or '..') in the token table"
         )
     return tenant
 

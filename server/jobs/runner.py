@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from qmill.checkpoints import embedded, errors, pipeline, staging
 from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server import errors as server_errors
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
 from qmill.server.jobs import scratch as scratch_lib
@@ -190,7 +191,7 @@ class JobRunner:
             return  # stopping: left RUNNING, resumed by the next server
         except errors.QmillError as e:
             self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error=e.details)
-        except (ValueError, TypeError, OSError, RuntimeError) as e:
+        except (server_errors.ServerError, ValueError, TypeError, OSError, RuntimeError) as e:
             self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error=str(e))
         except Exception:
             log.exception("job %s failed", record.job_id)

@@ -15,7 +15,6 @@ import os
 import grpc
 
 from qmill.proto import recipe as recipe_proto
-from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, codec, errors
@@ -77,9 +76,8 @@ class JobsServicer(pb_grpc.JobsServicer):
             # As `qmill quantize` does: no convention → the source format's (job.py fills it).
             del recipe["convention"]
         if not request.overwrite and await _exists(destination, follow=False):
-            raise wire.WireError(
-                f"destination {destination} already exists; set overwrite to replace it",
-                code="ALREADY_EXISTS",
+            raise errors.AlreadyExists(
+                f"destination {destination} already exists; set overwrite to replace it"
             )
         record, created = self._store.create(
             tenant=tenant,
@@ -130,7 +128,7 @@ class JobsServicer(pb_grpc.JobsServicer):
             raise ValueError("job_id is empty; pass the id SubmitJob returned")
         record = self._store.get(job_id)
         if record is None:
-            raise auth.AccessError(f"job {job_id} not found", code="NOT_FOUND")
+            raise errors.NotFound(f"job {job_id} not found")
         auth.require_owner(record.tenant, f"job {job_id}")
         return record
 
@@ -148,10 +146,9 @@ def _same_job(
 ) -> store_lib.JobRecord:
     """`record`, when it is the job these paths describe; a reused request_id otherwise."""
     if (record.source, record.destination) != (source, destination):
-        raise wire.WireError(
+        raise errors.AlreadyExists(
             f"request_id {request_id!r} already names job {record.job_id} "
-            f"({record.source} → {record.destination}); use a new request_id",
-            code="ALREADY_EXISTS",
+            f"({record.source} → {record.destination}); use a new request_id"
         )
     return record
 

@@ -14,7 +14,7 @@ import pytest
 
 import qmill.engine as qe
 from qmill.engine import zoo
-from qmill.server import calibrations
+from qmill.server import params as params_lib
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",
@@ -89,7 +89,7 @@ def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(
 
     # The JAX static-range PTQ model from the same params and the server's merged statistics.
     with np.load(tmp / "stats.npz") as f:
-        stats = calibrations.unflatten({k: f[k] for k in f.files})
+        stats = params_lib.unflatten({k: f[k] for k in f.files})
     stats.pop("model_output", None)
     ptq = qe.quantize_model(zoo.BUILTIN["cnn"].build(zoo.CnnConfig()), qe.PtqProvider(W8A8))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), xt[:1])

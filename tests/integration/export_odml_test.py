@@ -21,7 +21,8 @@ from qmill.client import Client, errors
 from qmill.client import export_odml as client_export
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import odml_export, odml_servicer
+from qmill.server.odml import export as odml_export
+from qmill.server.odml import servicer as odml_servicer
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",

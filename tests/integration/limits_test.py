@@ -17,7 +17,8 @@ from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import auth, limits
+from qmill.server import auth
+from qmill.server import errors as server_errors
 
 KiB = 1024
 INT8 = {"rules": [{"qtype": "int8"}]}
@@ -70,7 +71,7 @@ def _quantize(address, nbytes, token=None, timeout=60):
 
 
 def _retry_ms(error: grpc.RpcError) -> int:
-    return int(dict(error.trailing_metadata())[limits.RETRY_TRAILER])
+    return int(dict(error.trailing_metadata())[server_errors.RETRY_TRAILER])
 
 
 def _gauge(running):

@@ -69,9 +69,9 @@ def test_helpers_raise_errors_that_map_to_the_right_codes():
     async def as_user():
         auth._principal.set(auth.Principal(tenant="team-a", role="user"))
         auth.require_owner("team-a", "job 1")  # own tenant: fine
-        with pytest.raises(auth.AccessError) as denied:
+        with pytest.raises(errors.PermissionDenied) as denied:
             auth.require_admin("drain")
-        with pytest.raises(auth.AccessError) as missing:
+        with pytest.raises(errors.NotFound) as missing:
             auth.require_owner("team-b", "job 2")
         return denied.value, missing.value
 

@@ -73,7 +73,7 @@ def test_timeout_gives_resource_exhausted_with_a_retry_hint():
     async def run():
         lim = _limiter(wait=0.05)
         await lim.reserve("a", 60)
-        with pytest.raises(limits.Exhausted) as e:
+        with pytest.raises(errors.ResourceExhausted) as e:
             await lim.reserve("b", 50)
         return lim, e.value
 
@@ -87,7 +87,9 @@ def test_timeout_gives_resource_exhausted_with_a_retry_hint():
 
 def test_a_request_that_can_never_fit_fails_at_once():
     async def run():
-        with pytest.raises(limits.Exhausted, match="over this server's in-flight limit of 60"):
+        with pytest.raises(
+            errors.ResourceExhausted, match="over this server's in-flight limit of 60"
+        ):
             await _limiter(wait=60).reserve("a", 61)
 
     asyncio.run(asyncio.wait_for(run(), 5))
@@ -199,7 +201,7 @@ def test_a_waiter_that_times_out_leaves_the_queue_and_lets_the_next_one_go():
         await asyncio.sleep(0.1)
         (small,) = await _queue(lim, order, ("small", "b", 10))  # fits, but waits behind big
         assert order == [] and lim.waiting == 2
-        with pytest.raises(limits.Exhausted) as e:
+        with pytest.raises(errors.ResourceExhausted) as e:
             await big
         await asyncio.sleep(0)
         assert small.done() and order == ["small"]  # granted when big left, not at its own timeout

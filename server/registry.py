@@ -17,20 +17,13 @@ from importlib import metadata
 from typing import Any
 
 from qmill.engine import zoo
-from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server import errors
 
 log = logging.getLogger(__name__)
 
 GROUP = "qmill.models"
 BUILTIN_ORIGIN = "builtin"
-
-
-class ModelNotFound(wire.WireError, LookupError):
-    """No model of that name; errors.status_for maps it to NOT_FOUND."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="NOT_FOUND")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +65,7 @@ def resolve(
     """(entry, config) for a ModelSpec.
 
     Raises:
-      ModelNotFound: unknown name (NOT_FOUND; the message lists the known ones).
+      errors.NotFound: unknown name (NOT_FOUND; the message lists the known ones).
       ValueError: a bad config (INVALID_ARGUMENT; the message lists the fields).
     """
     models = registry() if models is None else models
@@ -80,14 +73,14 @@ def resolve(
         raise ValueError(f"model name is empty; known models: {', '.join(sorted(models))}")
     found = models.get(spec.name)
     if found is None:
-        raise ModelNotFound(
+        raise errors.NotFound(
             f"model {spec.name!r} not found; known models: {', '.join(sorted(models))}"
         )
     return found.entry, zoo.config_from_json(found.entry, spec.config_json)
 
 
 def build(spec: pb.ModelSpec) -> Any:
-    """The unbound Linen module a ModelSpec names (odml_servicer.Backends.resolve_model)."""
+    """The unbound Linen module a ModelSpec names (the ODML exporter's Backends.resolve_model)."""
     entry, config = resolve(spec)
     return entry.build(config)
 

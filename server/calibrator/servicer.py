@@ -1,4 +1,4 @@
-"""The Calibrator service: a thin adapter over calibrate.Session and the stores.
+"""The Calibrator service: a thin adapter over session.Session and the stores.
 
 JAX runs only on the engine executor; the event loop assembles batches and streams answers.
 Each batch's bytes are reserved with the server's ByteLimiter before its buffer is allocated and
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -20,38 +21,36 @@ import numpy as np
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import (
-    auth,
-    calibrate,
-    calibrations,
-    calls,
-    codec,
-    errors,
-    limits,
-    models,
-    uploads,
-)
+from qmill.server import auth, calls, codec, errors, limits, params, registry
+from qmill.server.calibrator import session as session_lib
+from qmill.server.calibrator import store as store_lib
+from qmill.server.uploads import store as uploads_lib
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Prepared:
-    session: calibrate.Session
+    session: session_lib.Session
     calibration_id: str
     model_key: str
     rules_key: str
+
+
+def rules_key(messages: Sequence[pb.ModelRule]) -> str:
+    """A canonical text of the rules, so a continuation can check it uses the same ones."""
+    return json.dumps([m.SerializeToString().hex() for m in messages])
 
 
 class CalibratorServicer(pb_grpc.CalibratorServicer):
     def __init__(
         self,
         executor: futures.Executor,
-        uploads_store: uploads.UploadStore,
-        calibration_store: calibrations.CalibrationStore,
+        uploads_store: uploads_lib.UploadStore,
+        calibration_store: store_lib.CalibrationStore,
         *,
         max_tensor_bytes: int,
-        resolve: Callable[[pb.ModelSpec], tuple[Any, Any]] = models.resolve,
+        resolve: Callable[[pb.ModelSpec], tuple[Any, Any]] = registry.resolve,
         limiter: limits.ByteLimiter | None = None,
     ) -> None:
         self._executor = executor
@@ -64,34 +63,34 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
 
     def _prepare(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
         entry, config = self._resolve(start.model)
-        rules = calibrate.rules_from_proto(start.rules)
-        model_key = calibrate.model_key(entry.name, config)
-        rules_key = calibrate.rules_key(start.rules)
+        rules = codec.rules_from_proto(start.rules)
+        session_lib.check_rules(rules)
+        model_key = session_lib.model_key(entry.name, config)
+        key = rules_key(start.rules)
         previous = None
         if start.calibration_id:
             previous = self._calibrations.load(tenant, start.calibration_id)
-            if (previous.model_key, previous.rules_key) != (model_key, rules_key):
-                raise wire.WireError(
+            if (previous.model_key, previous.rules_key) != (model_key, key):
+                raise errors.FailedPrecondition(
                     f"calibration {start.calibration_id} was made with another model, config or "
-                    "rules; continue it with the same ones, or start a new calibration",
-                    code="FAILED_PRECONDITION",
+                    "rules; continue it with the same ones, or start a new calibration"
                 )
         if not start.params_upload_id:
             raise ValueError("params_upload_id is empty: upload the model's params first")
         params = self._uploads.open_params(tenant, start.params_upload_id)
-        session = calibrate.Session(entry, config, params, rules, previous)
+        session = session_lib.Session(entry, config, params, rules, previous)
         return _Prepared(
             session=session,
-            calibration_id=start.calibration_id or calibrations.CalibrationStore.new_id(),
+            calibration_id=start.calibration_id or store_lib.CalibrationStore.new_id(),
             model_key=model_key,
-            rules_key=rules_key,
+            rules_key=key,
         )
 
     def _finish(self, prep: _Prepared, tenant: str, want_ptq: bool) -> tuple[dict, Any]:
         s = prep.session
         stats = s.host_stats()
         self._calibrations.save(
-            calibrations.Calibration(
+            store_lib.Calibration(
                 id=prep.calibration_id,
                 tenant=tenant,
                 model_key=prep.model_key,
@@ -101,7 +100,9 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 stats=stats,
             )
         )
-        ptq = list(calibrate.param_results(s.ptq_params(), s.float_params())) if want_ptq else []
+        ptq = []
+        if want_ptq:
+            ptq = list(session_lib.param_results(s.ptq_params(), s.float_params()))
         return stats, ptq
 
     @errors.streaming
@@ -110,13 +111,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         tenant = auth.current_principal().tenant
         loop = asyncio.get_running_loop()
         requests = aiter(request_iterator)
-        try:
-            first = await anext(requests)
-        except StopAsyncIteration:
-            raise ValueError("empty stream: send CalibrateStart first") from None
-        if first.WhichOneof("item") != "start":
-            raise ValueError("the first message must be CalibrateStart")
-        start = first.start
+        start = await codec.first_item(requests, "start", "CalibrateStart")
         prep = await loop.run_in_executor(self._executor, self._prepare, start, tenant)
         new_batches = 0
         account = limits.Account(self._limiter, tenant) if self._limiter else None
@@ -143,14 +138,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         stats, ptq = await loop.run_in_executor(
             self._executor, self._finish, prep, tenant, start.return_ptq_params
         )
-        for path, array in calibrations.flatten(stats).items():
-            data = wire.to_bytes(array)
-            yield pb.CalibrateResponse(stat=wire.header_for(path, array, data))
-            for chunk in wire.chunks(data):
-                yield pb.CalibrateResponse(chunk=chunk)
-        for plan, path, result in ptq:
-            for response in _param_responses(plan, path, result):
-                yield response
+        for response in _results(stats, ptq):
+            yield response
         calls.annotate(model=start.model.name, batches=new_batches, calibration=prep.calibration_id)
         yield pb.CalibrateResponse(
             summary=pb.CalibrateSummary(
@@ -162,57 +151,37 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         )
 
 
-def _param_responses(plan, path: str, result) -> Iterator[pb.CalibrateResponse]:
-    """A PTQ param as QuantizeParams streams it. Float tensors (biases, static activation scales)
-    go as RESULT_KIND_FLOAT with one part, 'value', whose bytes follow (the client has no copy)."""
-    if plan is not None:
-        size = result.qvalue.nbytes  # for reports only, as QuantizeParams' input_bytes
-        for r in codec.result_responses(plan, result, size):
-            kind = r.WhichOneof("item")
-            if kind == "result":
-                yield pb.CalibrateResponse(param=r.result)
-            else:
-                yield pb.CalibrateResponse(chunk=r.chunk)
-        return
-    array = np.asarray(result)
-    data = wire.to_bytes(array)
-    yield pb.CalibrateResponse(
-        param=pb.TensorResult(
-            path=path,
-            kind=pb.RESULT_KIND_FLOAT,
-            reason="float tensor of the PTQ params (bias or static activation scale)",
-            parts=[wire.header_for("value", array, data)],
-            input_bytes=len(data),
-        )
-    )
-    for chunk in wire.chunks(data):
-        yield pb.CalibrateResponse(chunk=chunk)
+def _results(stats: dict[str, Any], ptq: list) -> Iterator[pb.CalibrateResponse]:
+    """The merged stats, one tensor each, then the PTQ params as QuantizeParams streams them.
+    Float params (biases, static activation scales) go as RESULT_KIND_FLOAT with one part,
+    'value', whose bytes follow (the client has no copy)."""
+    for path, array in params.flatten(stats).items():
+        yield from wire.send(pb.CalibrateResponse, "stat", path, array)
+    for plan, path, result in ptq:
+        if plan is None:
+            message, chunks = codec.float_result(path, np.asarray(result))
+        else:
+            # input_bytes is for reports only, as QuantizeParams' is.
+            message, chunks = codec.quantized_result(plan, result, result.qvalue.nbytes)
+        yield from codec.messages(pb.CalibrateResponse, "param", message, chunks)
 
 
 async def _batches(
     requests: AsyncIterator[pb.CalibrateRequest], max_bytes: int, account: limits.Account | None
 ) -> AsyncIterator[tuple[np.ndarray, int]]:
     """(array, bytes reserved) per complete batch; the caller releases the bytes when done."""
-    assembler: wire.Assembler | None = None
+    inbox = limits.TensorInbox(max_bytes, account, what="batch")
     async for request in requests:
         kind = request.WhichOneof("item")
         if kind == "batch":
-            if assembler is not None:
-                assembler.finish()  # DATA_LOSS: the previous batch was cut short
-            assembler = await limits.start_assembly(request.batch, max_bytes, account)
+            await inbox.announce(request.batch)
         elif kind == "chunk":
-            if assembler is None:
-                raise ValueError("a chunk arrived before any batch header")
-            assembler.add(request.chunk)
+            inbox.add(request.chunk)
         elif kind == "start":
             raise ValueError("CalibrateStart must be sent once, as the first message")
         else:
             raise ValueError("empty request: set one of start, batch or chunk")
-        if assembler is not None and assembler.complete:
-            nbytes = assembler.header.byte_length if account is not None else 0
-            array = assembler.finish()
-            assembler = None
-            yield array, nbytes
+        for header, array in inbox.take():
+            yield array, header.byte_length if account is not None else 0
             del array  # counted as released once the caller asks for the next batch
-    if assembler is not None:
-        assembler.finish()
+    inbox.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.proto import wire
+from qmill.server import errors, params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,31 +37,13 @@ class Calibration:
     stats: dict[str, Any]
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
-    """Nested mapping -> {'/'-joined path: numpy array}, in insertion order."""
-    out: dict[str, np.ndarray] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten(value, path + "/"))
-        else:
-            out[path] = np.asarray(getattr(value, "value", value))
-    return out
+def _host_leaves(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """{path: numpy array} of a stats tree (a boxed leaf gives its value)."""
+    return {k: np.asarray(getattr(v, "value", v)) for k, v in params.flatten(tree).items()}
 
 
-def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
-
-
-def _not_found(calibration_id: str) -> wire.WireError:
-    return wire.WireError(f"calibration {calibration_id!r} not found", code="NOT_FOUND")
+def _not_found(calibration_id: str) -> errors.NotFound:
+    return errors.NotFound(f"calibration {calibration_id!r} not found")
 
 
 class CalibrationStore:
@@ -81,7 +63,7 @@ class CalibrationStore:
         return self.root / f"{calibration_id}.json", self.root / f"{calibration_id}.npz"
 
     def load(self, tenant: str, calibration_id: str) -> Calibration:
-        """Raises WireError(NOT_FOUND) for an unknown id or another tenant's."""
+        """Raises errors.NotFound for an unknown id or another tenant's."""
         meta_path, npz_path = self._paths(calibration_id)
         with self._lock:
             try:
@@ -99,7 +81,7 @@ class CalibrationStore:
             rules_key=meta["rules_key"],
             batches=meta["batches"],
             examples=meta["examples"],
-            stats=unflatten(flat),
+            stats=params.unflatten(flat),
         )
 
     # The name other modules use: get(tenant, id) -> Calibration.
@@ -107,7 +89,7 @@ class CalibrationStore:
 
     def save(self, cal: Calibration) -> None:
         meta_path, npz_path = self._paths(cal.id)
-        flat = flatten(cal.stats)
+        flat = _host_leaves(cal.stats)
         buffer = io.BytesIO()
         # Positional names would lose the paths; npz keys keep them ('/' is fine in a zip name).
         np.savez(buffer, **flat)
@@ -133,5 +115,5 @@ class CalibrationStore:
                 os.replace(tmp, path)
 
     def load_stats(self, tenant: str, calibration_id: str) -> dict[str, Any]:
-        """For odml_servicer.Backends: only the stats (LookupError-compatible NOT_FOUND)."""
+        """For the ODML exporter's Backends: only the stats (errors.NotFound is a LookupError)."""
         return self.load(tenant, calibration_id).stats

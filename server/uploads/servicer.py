@@ -7,13 +7,14 @@ import logging
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import auth, calls, errors, uploads
+from qmill.server import auth, calls, errors
+from qmill.server.uploads import store as store_lib
 
 log = logging.getLogger(__name__)
 
 
 class UploadsServicer(pb_grpc.UploadsServicer):
-    def __init__(self, store: uploads.UploadStore) -> None:
+    def __init__(self, store: store_lib.UploadStore) -> None:
         self._store = store
 
     @errors.unary

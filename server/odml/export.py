@@ -45,14 +45,6 @@ class ExportInfo:
     fake_quants: tuple[odml.FakeQuantRecord, ...]
 
 
-def unwrap_params(tree: Mapping[str, Any]) -> Any:
-    """The params collection itself: checkpoints of Flax variables (Orbax saves of
-    ``{"params": ...}``) nest it one level down, under "params"."""
-    if set(tree) == {"params"} and isinstance(tree["params"], Mapping):
-        return tree["params"]
-    return tree
-
-
 def availability() -> tuple[bool, str]:
     """(available, reason when not) without importing the (large) packages."""
     missing = [p for p in _PACKAGES if importlib.util.find_spec(p) is None]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from qmill.proto import wire
-from qmill.server import calibrations
+from qmill.server import errors, params
+from qmill.server.calibrator import store as store_lib
 
 
 def _cal(cid, tenant="a", **kw):
@@ -23,16 +23,16 @@ def _cal(cid, tenant="a", **kw):
     }
     fields = dict(model_key='["cnn", {}]', rules_key="[]", batches=3, examples=96, stats=stats)
     fields.update(kw)
-    return calibrations.Calibration(id=cid, tenant=tenant, **fields)
+    return store_lib.Calibration(id=cid, tenant=tenant, **fields)
 
 
 def test_round_trip_is_exact_and_survives_a_new_store(tmp_path):
-    cid = calibrations.CalibrationStore.new_id()
-    calibrations.CalibrationStore(tmp_path).save(_cal(cid))
+    cid = store_lib.CalibrationStore.new_id()
+    store_lib.CalibrationStore(tmp_path).save(_cal(cid))
     # A new store over the same directory: what a restarted server sees.
-    got = calibrations.CalibrationStore(tmp_path).get("a", cid)
-    want = calibrations.flatten(_cal(cid).stats)
-    flat = calibrations.flatten(got.stats)
+    got = store_lib.CalibrationStore(tmp_path).get("a", cid)
+    want = params.flatten(_cal(cid).stats)
+    flat = params.flatten(got.stats)
     assert list(flat) == list(want)
     for path, value in want.items():
         assert flat[path].dtype == value.dtype and flat[path].shape == value.shape
@@ -42,7 +42,7 @@ def test_round_trip_is_exact_and_survives_a_new_store(tmp_path):
 
 
 def test_a_continued_calibration_replaces_the_stored_one(tmp_path):
-    store = calibrations.CalibrationStore(tmp_path)
+    store = store_lib.CalibrationStore(tmp_path)
     cid = store.new_id()
     store.save(_cal(cid))
     store.save(_cal(cid, batches=5, examples=160))
@@ -52,25 +52,17 @@ def test_a_continued_calibration_replaces_the_stored_one(tmp_path):
 
 @pytest.mark.parametrize("cid", ["", "../etc/passwd", "ABC", "feedbeef"])
 def test_unknown_or_malformed_ids_are_not_found(tmp_path, cid):
-    store = calibrations.CalibrationStore(tmp_path)
-    with pytest.raises(wire.WireError) as info:
+    store = store_lib.CalibrationStore(tmp_path)
+    with pytest.raises(errors.NotFound) as info:
         store.get("a", cid)
     assert info.value.code == "NOT_FOUND"
 
 
 def test_another_tenants_calibration_is_not_found(tmp_path):
-    store = calibrations.CalibrationStore(tmp_path)
+    store = store_lib.CalibrationStore(tmp_path)
     cid = store.new_id()
     store.save(_cal(cid, tenant="a"))
-    with pytest.raises(wire.WireError) as info:
+    with pytest.raises(errors.NotFound) as info:
         store.load_stats("b", cid)
     assert info.value.code == "NOT_FOUND" and cid in str(info.value)
     assert store.load_stats("a", cid)["Dense_0"]["dot_general0_lhs"]["count"] == 3
-
-
-def test_flatten_and_unflatten_are_inverse():
-    tree = {"a": {"b": np.ones(2), "c": {"d": np.zeros(())}}, "e": np.arange(3)}
-    flat = calibrations.flatten(tree)
-    assert list(flat) == ["a/b", "a/c/d", "e"]
-    back = calibrations.unflatten(flat)
-    assert back.keys() == tree.keys() and back["a"]["c"]["d"].shape == ()

@@ -12,11 +12,11 @@ import pytest
 
 import qmill.engine as qe
 from qmill.engine.providers import odml
-from qmill.server import odml_export
+from qmill.server.odml import export as odml_export
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",
-    pathlib.Path(__file__).parents[1] / "engine" / "providers" / "digits_test.py",
+    pathlib.Path(__file__).parents[2] / "engine" / "providers" / "digits_test.py",
 )
 digits = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(digits)

@@ -26,33 +26,17 @@ import threading
 import time
 from typing import Any
 
+import jax
 import numpy as np
 from jax import numpy as jnp
 
+from qmill.checkpoints import safetensors_header
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server import errors, params
 
 FORMATS = ("safetensors",)
 _HASH_BLOCK = 8 * 1024 * 1024
-# safetensors dtype names -> numpy dtypes (jnp's for bf16/fp8: numpy has none).
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": jnp.bfloat16,
-    "F8_E4M3": jnp.float8_e4m3fn,
-    "F8_E5M2": jnp.float8_e5m2,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-def _err(message: str, code: str) -> wire.WireError:
-    return wire.WireError(message, code=code)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,10 +119,10 @@ class UploadStore:
         ok = upload_id and all(c in "0123456789abcdef" for c in upload_id)
         path = self._meta(upload_id) if ok else None
         if path is None or not path.exists():
-            raise _err(f"upload {upload_id!r} not found (unknown or expired)", "NOT_FOUND")
+            raise errors.NotFound(f"upload {upload_id!r} not found (unknown or expired)")
         rec = _Record(**json.loads(path.read_text()))
         if rec.tenant != tenant or rec.expires_unix < self._clock():
-            raise _err(f"upload {upload_id!r} not found (unknown or expired)", "NOT_FOUND")
+            raise errors.NotFound(f"upload {upload_id!r} not found (unknown or expired)")
         return rec
 
     # ---------------------------------------------------------------------------- the RPCs
@@ -155,10 +139,9 @@ class UploadStore:
         if total_bytes <= 0:
             raise ValueError("total_bytes must be positive")
         if total_bytes > self.max_upload_bytes:
-            raise _err(
+            raise errors.ResourceExhausted(
                 f"upload of {total_bytes} bytes is over this server's limit of "
                 f"{self.max_upload_bytes} (--max-upload-bytes)",
-                "RESOURCE_EXHAUSTED",
             )
         with self._lock:
             # Created on first use: a server that never sees an upload leaves no directories.
@@ -167,11 +150,10 @@ class UploadStore:
             self.sweep()
             used = sum(r.total_bytes for r in self._records() if r.tenant == tenant)
             if used + total_bytes > self.quota_bytes:
-                raise _err(
+                raise errors.ResourceExhausted(
                     f"upload quota exceeded: tenant {tenant!r} holds {used} of "
                     f"{self.quota_bytes} bytes and this upload needs {total_bytes}; wait for "
                     "old uploads to expire or ask for a larger --upload-quota-bytes",
-                    "RESOURCE_EXHAUSTED",
                 )
             rec = _Record(
                 id=secrets.token_hex(16),
@@ -200,24 +182,22 @@ class UploadStore:
         if len(data) > wire.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk of {len(data)} bytes; at most {wire.MAX_CHUNK_BYTES}")
         if wire.crc32c(data) != crc32c:
-            raise _err(
+            raise wire.WireError(
                 f"upload {upload_id}: crc32c mismatch for the chunk at offset {offset}; "
                 "nothing of it was kept, send it again",
-                "DATA_LOSS",
+                code="DATA_LOSS",
             )
         with self._lock:
             rec = self._get(tenant, upload_id)
             if offset != rec.committed_bytes:
-                raise _err(
+                raise errors.OutOfRange(
                     f"upload {upload_id}: offset {offset} is not the committed offset "
                     f"{rec.committed_bytes}; resume from {rec.committed_bytes}",
-                    "OUT_OF_RANGE",
                 )
             if offset + len(data) > rec.total_bytes:
-                raise _err(
+                raise errors.OutOfRange(
                     f"upload {upload_id}: {offset + len(data)} bytes is past the announced "
                     f"total of {rec.total_bytes}",
-                    "OUT_OF_RANGE",
                 )
             if data:
                 self._write(rec, data)
@@ -242,10 +222,9 @@ class UploadStore:
             except OSError as exc:
                 os.ftruncate(fd, rec.committed_bytes)
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise _err(
+                    raise errors.ResourceExhausted(
                         f"server disk full while storing upload {rec.id}; committed offset "
                         f"stays {rec.committed_bytes}: retry later from there",
-                        "RESOURCE_EXHAUSTED",
                     ) from exc
                 raise
         finally:
@@ -265,10 +244,9 @@ class UploadStore:
             part.unlink(missing_ok=True)
             rec.committed_bytes = 0
             self._save(rec)
-            raise _err(
+            raise errors.DataLoss(
                 f"upload {rec.id}: content sha256 {sha} differs from the announced "
                 f"{rec.expected_sha256}; the bytes were dropped, upload again from offset 0",
-                "DATA_LOSS",
             )
         blob = self.blob_path(sha)
         if blob.exists():
@@ -304,21 +282,21 @@ class UploadStore:
         with self._lock:
             rec = self._get(tenant, upload_id)
             if not rec.complete:
-                raise _err(
+                raise errors.FailedPrecondition(
                     f"upload {upload_id} is incomplete ({rec.committed_bytes} of "
                     f"{rec.total_bytes} bytes); finish it first",
-                    "FAILED_PRECONDITION",
                 )
             return self.blob_path(rec.sha256)
 
     def open_params(self, tenant: str, upload_id: str) -> dict[str, Any]:
         """The uploaded safetensors file as a nested dict of jax arrays (keys split at '/')."""
-        tree = read_safetensors_tree(self.content_path(tenant, upload_id))
-        return _map(jnp.asarray, tree)
+        path = self.content_path(tenant, upload_id)
+        flat = {t.path: t.read() for t in safetensors_index(path, f"upload {upload_id}")}
+        return jax.tree.map(jnp.asarray, params.unflatten(flat))
 
     def tensors(self, tenant: str, upload_id: str) -> list[StoredTensor]:
         """The upload's tensors in file order, unread (QuantizeParams reads one at a time)."""
-        return safetensors_index(self.content_path(tenant, upload_id))
+        return safetensors_index(self.content_path(tenant, upload_id), f"upload {upload_id}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -346,62 +324,22 @@ class StoredTensor:
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape)
 
 
-def _map(fn: Any, tree: dict[str, Any]) -> dict[str, Any]:
-    return {k: _map(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
-
-
-def safetensors_index(path: pathlib.Path) -> list[StoredTensor]:
-    """The tensors of a safetensors file, header only (ValueError for a malformed file)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or 8 + n > size:
-            raise ValueError("the upload is not a safetensors file (its header is cut short)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise ValueError(f"the upload is not a safetensors file ({exc})") from exc
-    if not isinstance(header, dict):
-        raise ValueError("the upload is not a safetensors file (its header is not an object)")
-    header.pop("__metadata__", None)
-    base = 8 + n
-    out = []
-    for key, info in header.items():
-        dtype = _ST_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
-        if dtype is None:
-            raise ValueError(f"tensor {key!r}: unsupported safetensors dtype {info}")
-        try:
-            start, end = (int(v) for v in info["data_offsets"])
+def safetensors_index(path: pathlib.Path, name: str) -> list[StoredTensor]:
+    """The tensors of a safetensors file in file order, header only, read by the one parser and
+    dtype table of qmill.checkpoints. A malformed file is a ValueError that calls it `name`: the
+    message goes to the client, who has no business with the server's paths."""
+    try:
+        header, _, base = safetensors_header.read_header(path)
+        out = []
+        for key, info in header.items():
             shape = tuple(int(d) for d in info["shape"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"tensor {key!r}: malformed safetensors entry {info}") from exc
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if min(shape, default=0) < 0 or end - start != count * np.dtype(dtype).itemsize:
-            raise ValueError(f"tensor {key!r}: {end - start} bytes do not fit shape {list(shape)}")
-        if not 0 <= start <= end <= size - base:
-            raise ValueError(f"tensor {key!r}: its bytes lie outside the file")
-        dt = np.dtype(dtype)
-        out.append(
-            StoredTensor(
-                path=key, dtype=dt, shape=shape, file=path, start=base + start, end=base + end
+            if any(d < 0 for d in shape):
+                raise ValueError(f"{path}: tensor {key} has a negative dimension in {list(shape)}")
+            start, end = (base + int(v) for v in info["data_offsets"])
+            dtype = safetensors_header.CODES[info["dtype"]]
+            out.append(
+                StoredTensor(path=key, dtype=dtype, shape=shape, file=path, start=start, end=end)
             )
-        )
-    # File order: a reader going through the tensors reads the file front to back.
-    return sorted(out, key=lambda t: t.start)
-
-
-def read_safetensors_tree(path: pathlib.Path) -> dict[str, Any]:
-    """A safetensors file -> nested dict of numpy arrays (ValueError for a malformed file)."""
-    tree: dict[str, Any] = {}
-    for t in safetensors_index(path):
-        node = tree
-        *parents, leaf = t.path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"tensor {t.path!r} nests under another tensor's path")
-        if isinstance(node.get(leaf), dict):
-            raise ValueError(f"tensor {t.path!r} is also the parent of other tensors")
-        node[leaf] = t.read()
-    return tree
+    except (ValueError, TypeError) as exc:
+        raise ValueError(str(exc).replace(str(path), name)) from None
+    return out

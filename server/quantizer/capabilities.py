@@ -10,12 +10,13 @@ from qmill.engine import calibration, qtypes
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib
-from qmill.server import models, odml_export
+from qmill.server import registry
+from qmill.server.odml import export
 
 
 def capabilities(config: config_lib.ServerConfig) -> pb.GetCapabilitiesResponse:
     device = jax.devices()[0]
-    odml_available, odml_reason = odml_export.availability()
+    odml_available, odml_reason = export.availability()
     return pb.GetCapabilitiesResponse(
         qmill_version=metadata.version("qmill"),
         jax_version=jax.__version__,
@@ -29,6 +30,6 @@ def capabilities(config: config_lib.ServerConfig) -> pb.GetCapabilitiesResponse:
         max_chunk_bytes=wire.MAX_CHUNK_BYTES,
         odml_available=odml_available,
         odml_unavailable_reason=odml_reason,
-        models=models.model_infos(),
+        models=registry.model_infos(),
         max_upload_bytes=config.max_upload_bytes,
     )

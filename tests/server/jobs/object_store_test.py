@@ -12,16 +12,16 @@ from etils import epath
 from etils.epath import backend
 
 from qmill.cli import main as cli
-from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.server import app
+from qmill.server import app, errors
 from qmill.server import config as config_lib
 from qmill.server.jobs import object_store, scratch, urls
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import store as store_lib
+from tests.checkpoints import slow_reads
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny-mlp"
 INT8 = {"rules": [{"qtype": "int8"}]}
 
@@ -134,7 +134,7 @@ def test_serve_takes_url_roots_from_flags_or_the_environment(monkeypatch):
 def test_a_missing_filesystem_is_failed_precondition(monkeypatch):
     object_store.require_filesystem("s3://b/k")  # installed with the dev extra
     monkeypatch.setitem(object_store._FILESYSTEMS, "gs", "gcsfs_absent")
-    with pytest.raises(wire.WireError, match=r"qmill\[objectstore\]") as raised:
+    with pytest.raises(errors.FailedPrecondition, match=r"qmill\[objectstore\]") as raised:
         object_store.require_filesystem("gs://b/k")
     assert raised.value.code == "FAILED_PRECONDITION"
 
@@ -256,7 +256,7 @@ def test_a_url_job_resumes_after_a_shutdown_with_the_same_bytes(s3, tmp_path, mo
         object_store, "download", lambda *a, **k: downloads.append(a[0]) or download(*a, **k)
     )
 
-    monkeypatch.setenv("QMILL_TEST_TENSOR_DELAY", "0.3")
+    slow_reads.delay_reads(monkeypatch, 0.3)
     first = runner_lib.JobRunner(store, paths=policy, scratch=work)
     first.start()
     _wait(store, record.job_id, lambda j: j.tensors_done >= 2)
@@ -267,7 +267,7 @@ def test_a_url_job_resumes_after_a_shutdown_with_the_same_bytes(s3, tmp_path, mo
     assert (job_dir / "output" / "out.npz.qmill-partial").is_dir()
     assert not object_store.exists(f"{base}/out.npz")
 
-    monkeypatch.delenv("QMILL_TEST_TENSOR_DELAY")
+    slow_reads.delay_reads(monkeypatch, 0)
     second = runner_lib.JobRunner(store, paths=policy, scratch=work)
     second.start()
     try:

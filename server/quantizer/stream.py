@@ -17,11 +17,12 @@ from concurrent import futures
 
 import numpy as np
 
-from qmill.engine import layout, leaf, recipes
+from qmill.engine import layout, leaf
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.server import auth, codec, limits, uploads
+from qmill.server import auth, codec, errors, limits
 from qmill.server import metrics as metrics_lib
+from qmill.server.uploads import store as uploads_lib
 
 
 @dataclasses.dataclass
@@ -43,8 +44,8 @@ class CallStats:
 
 
 _END = object()
-# (tenant, upload_id) -> the upload's tensors, unread (uploads.UploadStore.tensors).
-UploadTensors = Callable[[str, str], Sequence[uploads.StoredTensor]]
+# (tenant, upload_id) -> the upload's tensors, unread (uploads_lib.UploadStore.tensors).
+UploadTensors = Callable[[str, str], Sequence[uploads_lib.StoredTensor]]
 
 
 async def _read_tensors(
@@ -57,7 +58,7 @@ async def _read_tensors(
 ) -> None:
     """Puts (header, array) for each complete tensor on the queue, then _END (or an exception)."""
     try:
-        assembler: wire.Assembler | None = None
+        inbox = limits.TensorInbox(max_tensor_bytes, account)
         from_upload = False
         async for request in requests:
             kind = request.WhichOneof("item")
@@ -65,33 +66,26 @@ async def _read_tensors(
                 raise ValueError("nothing may follow upload_id: its tensors come from the upload")
             if kind == "upload_id":
                 if upload is None:
-                    raise wire.WireError("this server keeps no uploads", code="UNIMPLEMENTED")
-                if assembler is not None or stats.tensors_received:
+                    raise errors.Unimplemented("this server keeps no uploads")
+                if inbox.receiving or stats.tensors_received:
                     raise ValueError("send upload_id right after the recipe, instead of tensors")
                 from_upload = True
                 async for item in upload(request.upload_id):
                     await queue.put(item)
                 continue
             if kind == "header":
-                if assembler is not None:
-                    assembler.finish()  # raises DATA_LOSS: the previous tensor was cut short
-                assembler = await limits.start_assembly(request.header, max_tensor_bytes, account)
+                await inbox.announce(request.header)
             elif kind == "chunk":
-                if assembler is None:
-                    raise ValueError("a chunk arrived before any tensor header")
-                assembler.add(request.chunk)
+                inbox.add(request.chunk)
                 stats.bytes_received += len(request.chunk.data)
             elif kind == "recipe":
                 raise ValueError("the recipe must be sent once, as the first message")
             else:
                 raise ValueError("empty request: set one of recipe, header or chunk")
-            if assembler is not None and assembler.complete:
-                array = assembler.finish()
+            for item in inbox.take():
                 stats.tensors_received += 1
-                await queue.put((assembler.header, array))
-                assembler = None
-        if assembler is not None:
-            assembler.finish()  # the stream ended mid-tensor: DATA_LOSS
+                await queue.put(item)
+        inbox.close()  # the stream ended mid-tensor: DATA_LOSS
         await queue.put(_END)
     except asyncio.CancelledError:
         # The responder is gone (call over); waiting to hand this over would never end.
@@ -115,10 +109,9 @@ async def _upload_tensors(
             path=t.path, dtype=wire.to_wire_dtype(t.dtype), shape=t.shape, byte_length=t.nbytes
         )
         if t.nbytes > max_tensor_bytes:
-            raise wire.WireError(
+            raise errors.ResourceExhausted(
                 f"tensor {t.path} of upload {upload_id} has {t.nbytes} bytes, over this "
-                f"server's limit of {max_tensor_bytes} (--max-tensor-bytes)",
-                code="RESOURCE_EXHAUSTED",
+                f"server's limit of {max_tensor_bytes} (--max-tensor-bytes)"
             )
         if account is not None:
             await account.reserve(t.nbytes)
@@ -131,16 +124,6 @@ async def _upload_tensors(
         stats.tensors_received += 1
         stats.bytes_received += t.nbytes
         yield header, array
-
-
-async def first_recipe(requests: AsyncIterator[pb.QuantizeParamsRequest]) -> recipes.Recipe:
-    try:
-        first = await anext(requests)
-    except StopAsyncIteration:
-        raise ValueError("empty stream: send the recipe first") from None
-    if first.WhichOneof("item") != "recipe":
-        raise ValueError("the first message must be the recipe")
-    return codec.recipe_from_proto(first.recipe)
 
 
 async def quantize_stream(
@@ -156,7 +139,8 @@ async def quantize_stream(
 ) -> AsyncIterator[pb.QuantizeParamsResponse]:
     """Responses for one QuantizeParams call, in the order the tensors arrived (or, with an
     upload_id, in the upload's order)."""
-    recipe = await first_recipe(requests)
+    first = await codec.first_item(requests, "recipe", "the recipe")
+    recipe = codec.recipe_from_proto(first)
     tenant = auth.current_principal().tenant
     account = limits.Account(limiter, tenant) if limiter else None
     queue: asyncio.Queue = asyncio.Queue(maxsize=1)
@@ -178,7 +162,7 @@ async def quantize_stream(
             plan = layout.plan_leaf(header.path, tuple(header.shape), array.dtype, recipe)
             if not plan.quantize:
                 del array
-                yield codec.kept_response(plan, header.byte_length)
+                yield pb.QuantizeParamsResponse(result=codec.kept_result(plan, header.byte_length))
                 _answered(account, metrics, header, "kept")
                 continue
             work = loop.run_in_executor(executor, quantize, array, plan)
@@ -190,7 +174,8 @@ async def quantize_stream(
                 metrics.quantize_seconds.observe(time.monotonic() - started)
             del array
             stats.tensors_quantized += 1
-            for response in codec.result_responses(plan, result, header.byte_length):
+            message, chunks = codec.quantized_result(plan, result, header.byte_length)
+            for response in codec.messages(pb.QuantizeParamsResponse, "result", message, chunks):
                 stats.bytes_sent += len(response.chunk.data)
                 yield response
             _answered(account, metrics, header, "quantized")

@@ -11,7 +11,7 @@ from flax import linen as nn
 
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
-from qmill.server import errors, models
+from qmill.server import errors, registry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,14 +61,14 @@ def plugins(monkeypatch):
     ]
 
     def entry_points(*, group):
-        assert group == models.GROUP
+        assert group == registry.GROUP
         return found
 
     monkeypatch.setattr(metadata, "entry_points", entry_points)
 
 
 def test_builtins_and_plugins_are_listed_with_their_origin(plugins):
-    infos = {i.name: i for i in models.model_infos()}
+    infos = {i.name: i for i in registry.model_infos()}
     assert set(infos) == {"cnn", "mlp", "transformer_encoder", "tiny", "factory"}
     assert infos["cnn"].origin == "builtin" and infos["tiny"].origin == "acme-models"
     fields = {f.name: f for f in infos["mlp"].config_fields}
@@ -80,19 +80,19 @@ def test_builtins_and_plugins_are_listed_with_their_origin(plugins):
         f.description for i in infos.values() if i.origin == "builtin" for f in i.config_fields
     )
     # The built-in keeps its name: the plugin's "cnn" was ignored.
-    entry, _ = models.resolve(pb.ModelSpec(name="cnn"))
+    entry, _ = registry.resolve(pb.ModelSpec(name="cnn"))
     assert entry is zoo.BUILTIN["cnn"]
 
 
 def test_plugin_resolves_and_builds(plugins):
-    entry, config = models.resolve(pb.ModelSpec(name="tiny", config_json='{"features": 5}'))
+    entry, config = registry.resolve(pb.ModelSpec(name="tiny", config_json='{"features": 5}'))
     assert entry is TINY and config == TinyConfig(features=5)
-    assert isinstance(models.build(pb.ModelSpec(name="factory")), Tiny)
+    assert isinstance(registry.build(pb.ModelSpec(name="factory")), Tiny)
 
 
 def test_unknown_model_is_not_found_and_lists_the_known_ones():
     with pytest.raises(LookupError) as info:
-        models.resolve(pb.ModelSpec(name="resnet"))
+        registry.resolve(pb.ModelSpec(name="resnet"))
     code, message = errors.status_for(info.value)
     assert code is grpc.StatusCode.NOT_FOUND
     assert "'resnet' not found" in message and "cnn, mlp, transformer_encoder" in message
@@ -100,7 +100,7 @@ def test_unknown_model_is_not_found_and_lists_the_known_ones():
 
 def test_bad_config_is_invalid_argument():
     with pytest.raises(ValueError) as info:
-        models.resolve(pb.ModelSpec(name="cnn", config_json='{"chanels": [4]}'))
+        registry.resolve(pb.ModelSpec(name="cnn", config_json='{"chanels": [4]}'))
     code, message = errors.status_for(info.value)
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown config field(s) ['chanels']" in message and "channels: list[int]" in message

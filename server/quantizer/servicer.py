@@ -7,9 +7,10 @@ from concurrent import futures
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import calls, capabilities, errors, limits, quantize_stream
+from qmill.server import calls, errors, limits
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.quantizer import capabilities, stream
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
         *,
         limiter: limits.ByteLimiter | None = None,
         metrics: metrics_lib.Metrics | None = None,
-        upload_tensors: quantize_stream.UploadTensors | None = None,
+        upload_tensors: stream.UploadTensors | None = None,
     ) -> None:
         self._config = config
         # QuantizeParams naming an upload reads its tensors through this (None: UNIMPLEMENTED).
@@ -38,9 +39,9 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
 
     @errors.streaming
     async def QuantizeParams(self, request_iterator, context):
-        stats = quantize_stream.CallStats()
+        stats = stream.CallStats()
         try:
-            async for response in quantize_stream.quantize_stream(
+            async for response in stream.quantize_stream(
                 request_iterator,
                 self._executor,
                 self._config.max_tensor_bytes,

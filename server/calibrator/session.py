@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -22,30 +21,24 @@ import qmill.engine as qe
 from qmill.engine import flax_util, layout, leaf, qarray, zoo
 from qmill.engine import rules as rules_lib
 from qmill.engine.providers import odml
-from qmill.proto import wire
-from qmill.server import calibrations, odml_export, odml_servicer
+from qmill.server import errors
+from qmill.server import params as params_lib
+from qmill.server.calibrator import store
 
 _LITERT_QTYPES = (None, "int8")
 
 
-def rules_from_proto(messages: Any) -> list[rules_lib.QuantizationRule]:
-    """ModelRule messages -> engine rules; Calibrate needs static-range activations."""
-    if not messages:
+def check_rules(rules: Sequence[rules_lib.QuantizationRule]) -> None:
+    """Raises ValueError unless `rules` give something to calibrate (static-range activations)."""
+    if not rules:
         raise ValueError(
             "Calibrate needs rules, e.g. weight_qtype int8, act_qtype int8, act_static_scale"
         )
-    rules = odml_servicer.rules_from_proto(messages)
     if not any(r.act_qtype and r.resolved_act_static_scale for r in rules):
         raise ValueError(
             "no rule has static-range activations (act_qtype with act_static_scale): nothing "
             "to calibrate"
         )
-    return rules
-
-
-def rules_key(messages: Any) -> str:
-    """A canonical text of the rules, so a continuation can check it uses the same ones."""
-    return json.dumps([m.SerializeToString().hex() for m in messages])
 
 
 def model_key(name: str, config: Any) -> str:
@@ -65,7 +58,7 @@ def _litert_rules(rules: Sequence[rules_lib.QuantizationRule]) -> bool:
 
 def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """{path: (shape, dtype)} of arrays or abstract (ShapeDtypeStruct) leaves."""
-    flat = _flatten_params(flax_util.unbox(tree))
+    flat = params_lib.flatten(flax_util.unbox(tree))
     return {k: (tuple(v.shape), str(np.dtype(v.dtype))) for k, v in flat.items()}
 
 
@@ -78,7 +71,7 @@ class Session:
         config: Any,
         params: Any,
         rules: Sequence[rules_lib.QuantizationRule],
-        previous: calibrations.Calibration | None,
+        previous: store.Calibration | None,
     ) -> None:
         self.module = entry.build(config)
         self.rules = list(rules)
@@ -88,16 +81,15 @@ class Session:
         )
         self.model = qe.quantize_model(self.module, provider)
         abstract = jax.eval_shape(self.model.init, jax.random.key(0), self.input)
-        params = odml_export.unwrap_params(params)
+        params = params_lib.unwrap(params)
         expected, got = _shapes(abstract["params"]), _shapes(params)
         if expected != got:
-            raise wire.WireError(_mismatch(expected, got), code="FAILED_PRECONDITION")
+            raise errors.FailedPrecondition(_mismatch(expected, got))
         self.params = jax.tree.map(jnp.asarray, params)
         if previous is not None:
             if _shapes(previous.stats) != _shapes(abstract["quant_stats"]):
-                raise wire.WireError(
-                    f"calibration {previous.id} holds stats of another model or rules",
-                    code="FAILED_PRECONDITION",
+                raise errors.FailedPrecondition(
+                    f"calibration {previous.id} holds stats of another model or rules"
                 )
             self.stats = jax.tree.map(jnp.asarray, previous.stats)
         else:
@@ -160,21 +152,10 @@ class Session:
         abstract = jax.eval_shape(ptq.init, jax.random.key(0), self.input)
         op_stats = {k: v for k, v in self.stats.items() if not k.startswith(odml.MODEL_OUTPUT)}
         tree = qe.quantize_params(self.params, abstract["params"], op_stats)
-        return _flatten_params(tree)
+        return params_lib.flatten(tree)
 
     def float_params(self) -> dict[str, Any]:
-        return _flatten_params(self.params)
-
-
-def _flatten_params(tree: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten_params(value, path + "/"))
-        else:
-            out[path] = value
-    return out
+        return params_lib.flatten(self.params)
 
 
 def _mismatch(expected: dict, got: dict) -> str:
@@ -221,17 +202,8 @@ def param_results(
                     qvalue=np.asarray(inner.qvalue),
                     scale=np.asarray(inner.scale),
                     zero_point=None if inner.zero_point is None else np.asarray(inner.zero_point),
-                    quality=_quality(x, deq),
+                    quality=leaf.measure(x, deq),
                 ),
             )
         else:
             yield None, path, np.asarray(inner)
-
-
-def _quality(x: np.ndarray, xhat: np.ndarray) -> leaf.Quality:
-    noise = float(np.sum((x - xhat) ** 2))
-    sqnr = math.inf if noise == 0 else 10 * math.log10(float(np.sum(x**2)) / noise)
-    mean = float(np.mean(np.abs(x)))
-    return leaf.Quality(
-        sqnr_db=sqnr, mean_relative_error=float(np.mean(np.abs(x - xhat))) / mean if mean else 0.0
-    )

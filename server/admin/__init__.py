@@ -1,0 +1,1 @@
+"""The Admin service: server-wide information for operators."""

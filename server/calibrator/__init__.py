@@ -1,0 +1,1 @@
+"""The Calibrator service: calibration sessions and the calibrations kept on disk."""

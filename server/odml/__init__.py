@@ -1,0 +1,1 @@
+"""The OdmlExporter service: LiteRT (.tflite) export."""

@@ -1,0 +1,94 @@
+"""The OdmlExporter service: model + uploaded params + rules (+ a calibration) -> .tflite stream.
+
+A thin adapter: it resolves the names in the request through ``Backends`` (the model registry,
+the upload store and the calibration store), runs ``export.export_tflite`` on the engine
+executor (never on the event loop), and streams OdmlModelInfo then the bytes in chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+from qmill.engine.providers import odml
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+from qmill.server import auth, calls, codec, errors, params
+from qmill.server.odml import export
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Backends:
+    """Where the names of a request are looked up (tenant first: ids are per tenant)."""
+
+    # ModelSpec -> an unbound Flax Linen module; ValueError for a bad config, LookupError unknown.
+    resolve_model: Callable[[pb.ModelSpec], Any]
+    # (tenant, upload id) -> the model's float params as a pure dict; LookupError when unknown.
+    load_params: Callable[[str, str], Any]
+    # (tenant, calibration id) -> quant_stats (pure dict); LookupError when unknown.
+    load_stats: Callable[[str, str], Any]
+
+
+def _lookup(fn: Callable[..., Any], *args: Any, what: str) -> Any:
+    try:
+        return fn(*args)
+    except errors.ServerError:
+        raise  # the server's own stores and registry say what is missing themselves
+    except LookupError as exc:
+        raise errors.NotFound(f"{what} not found: {exc}") from exc
+
+
+class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
+    def __init__(self, executor: futures.Executor, backends: Backends | None) -> None:
+        self._executor = executor
+        # None: this server has no model registry / stores wired in (answered FAILED_PRECONDITION).
+        self._backends = backends
+
+    def _export(self, request: pb.ExportOdmlRequest, tenant: str) -> tuple[bytes, Any]:
+        if self._backends is None:
+            raise errors.FailedPrecondition(
+                "this server has no model registry or upload store configured for ExportOdml"
+            )
+        rules = codec.rules_from_proto(request.rules)
+        if not rules:
+            raise ValueError("ExportOdml needs at least one rule (e.g. weight_qtype: int8)")
+        spec = codec.input_spec(request.input_shape, request.input_dtype)
+        static = any(r.resolved_act_static_scale for r in rules)
+        if static and not request.calibration_id:
+            raise errors.FailedPrecondition(
+                "static-range rules (act_static_scale) need a calibration_id: run Calibrate "
+                "with the same rules first"
+            )
+        b = self._backends
+        module = _lookup(b.resolve_model, request.model, what=f"model {request.model.name!r}")
+        if not request.params_upload_id:
+            raise ValueError("params_upload_id is empty: upload the model's params first")
+        tree = _lookup(b.load_params, tenant, request.params_upload_id, what="params upload")
+        stats = None
+        if request.calibration_id:
+            stats = _lookup(b.load_stats, tenant, request.calibration_id, what="calibration")
+        try:
+            return export.export_tflite(module, params.unwrap(tree), rules, stats, spec)
+        except export.OdmlUnavailable as exc:
+            raise errors.Unimplemented(str(exc)) from exc
+        except odml.LiteRtUnsupported as exc:
+            raise errors.FailedPrecondition(str(exc)) from exc
+
+    @errors.streaming
+    async def ExportOdml(self, request, context):
+        available, reason = export.availability()
+        if not available:
+            raise errors.Unimplemented(reason)
+        tenant = auth.current_principal().tenant
+        loop = asyncio.get_running_loop()
+        tflite, info = await loop.run_in_executor(self._executor, self._export, request, tenant)
+        yield pb.ExportOdmlResponse(info=codec.odml_info(tflite, info.ops, info.quantized_weights))
+        for chunk in codec.byte_chunks(tflite):
+            yield pb.ExportOdmlResponse(chunk=chunk)
+        calls.annotate(tflite_bytes=len(tflite), model=request.model.name)

@@ -1,0 +1,1 @@
+"""The Quantizer service: QuantizeParams streams and GetCapabilities."""

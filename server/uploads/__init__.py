@@ -1,0 +1,1 @@
+"""The Uploads service: resumable, content-addressed uploads kept on disk."""
