@@ -3,16 +3,21 @@
 A recipe is an ordered tuple of `TensorRule`s; the first rule whose `path_regex` fully matches a
 tensor's path decides. It is the model-free counterpart of `rules.QuantizationRule`, which matches
 module paths while a model runs: checkpoints quantized by the service have no model to run.
+
+Path regexes are RE2 (google-re2): matching takes time linear in the path, whatever the pattern.
+Recipes come from the network, and a backtracking engine let one pattern like `(a+)+$` hold a
+server's event loop for tens of seconds. RE2 refuses the constructs that need backtracking
+(backreferences, lookahead and lookbehind), and a recipe using them is refused when it arrives.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import re2
 
 from qmill.engine import qtypes
 
@@ -47,12 +52,7 @@ class TensorRule:
     scale_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "_compiled", re.compile(self.path_regex))
-        except re.error as e:
-            raise ValueError(
-                f"rule path_regex {self.path_regex!r} is not a valid regex: {e}"
-            ) from None
+        object.__setattr__(self, "_compiled", compile_path_regex(self.path_regex))
         if self.skip:
             return
         if not self.qtype:
@@ -77,6 +77,25 @@ class TensorRule:
 
     def matches(self, path: str) -> bool:
         return self._compiled.fullmatch(path) is not None  # type: ignore[attr-defined]
+
+
+def compile_path_regex(pattern: str) -> Any:
+    """`pattern` compiled for linear-time matching (RE2).
+
+    Raises:
+      ValueError: not a regex RE2 accepts; the message names what to change.
+    """
+    options = re2.Options()
+    options.log_errors = False  # the ValueError says it; RE2 would also print to stderr
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as e:
+        detail = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise ValueError(
+            f"rule path_regex {pattern!r} is not a valid regex ({detail}); path "
+            "regexes are matched in linear time (RE2), so backreferences (\\1), lookahead "
+            "and lookbehind ((?=, (?!, (?<=, (?<!) are refused; rewrite the pattern without them"
+        ) from None
 
 
 def _check_scale_dtype(rule: str, name: str) -> None:

@@ -31,9 +31,11 @@ THIRD_PARTY = {
     "prometheus_client",
     "litert_converter",
     "ai_edge_litert",
+    "re2",
 }
 ALLOWED = {
-    "engine": {"jax", "flax", "numpy", "ml_dtypes", "qmill.engine"},
+    # re2: recipe regexes arrive over the network and must match in linear time.
+    "engine": {"jax", "flax", "numpy", "ml_dtypes", "re2", "qmill.engine"},
     "proto": {"google", "grpc", "qmill.proto", "numpy", "ml_dtypes"},
     "checkpoints": {"qmill.checkpoints", "numpy", "ml_dtypes", "safetensors"},
     "server": {

@@ -48,3 +48,25 @@ def test_floating_scale_dtypes_are_accepted(name: str) -> None:
 def test_an_unknown_qtype_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match=r"recipe rule 0: .*'int99' is not a qtype.*int8"):
         recipes.recipe_from_mapping({"rules": [{"qtype": "int99"}]})
+
+
+def test_path_regexes_match_in_linear_time_so_a_catastrophic_pattern_cannot_stall():
+    # `(a+)+$` backtracks exponentially in Python's re: 2^29 steps for 29 a's and a '!'. RE2
+    # answers at once; with Python's engine this test would not finish within pytest's timeout.
+    rule = recipes.recipe_from_mapping({"rules": [{"path_regex": "(a+)+$", "qtype": "int8"}]})
+    assert not rule.rules[0].matches("a" * 40 + "!")
+    assert not rule.rules[0].matches("a" * 100_000 + "!")
+    assert rule.rules[0].matches("aaaa")
+
+
+@pytest.mark.parametrize("pattern", [r"(a)\1", r"(?=kernel).*", r".*(?<!bias)", r"(?!x).*"])
+def test_backtracking_constructs_are_refused_at_recipe_load_with_the_fix(pattern):
+    with pytest.raises(ValueError, match=r"not a valid regex.*backreferences.*lookahead"):
+        recipes.recipe_from_mapping({"rules": [{"path_regex": pattern, "qtype": "int8"}]})
+
+
+def test_python_regex_features_people_use_still_work():
+    recipe = recipes.recipe_from_mapping(
+        {"rules": [{"path_regex": r"(?i).*(?P<layer>dense_\d+)/KERNEL", "qtype": "int8"}]}
+    )
+    assert recipe.rules[0].matches("params/Dense_12/kernel")
