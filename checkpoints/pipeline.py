@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import os
 import pathlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -127,14 +126,9 @@ def _run(
             continue
         if progress is not None:
             progress.advance(entry.nbytes)
-    # Test-only: seconds to wait before reading each tensor, so tests can interrupt a run (or a
-    # server, which sees the stream slow down) part way.
-    delay = float(os.environ.get("QMILL_TEST_TENSOR_DELAY", "0") or 0)
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         for entry in to_send:
-            if delay:
-                time.sleep(delay)
             if check is not None:
                 check()
             yield entry.path, source.read(entry.path)

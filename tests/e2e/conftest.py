@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
+
+from tests.e2e import processes
 
 
 @pytest.fixture(scope="session")
 def run_qmill() -> Callable[..., subprocess.CompletedProcess]:
     """`run_qmill(*args)`: the CLI in a child process (5 min at most), output captured."""
-    exe = shutil.which("qmill", path=os.path.dirname(sys.executable))
-    command = [exe] if exe else [sys.executable, "-m", "qmill.cli"]
+    command = processes.qmill()
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
