@@ -24,6 +24,7 @@ from cryptography.x509.oid import NameOID
 from qmill.checkpoints import pipeline
 from qmill.client import Client, credentials, errors, fanout
 from qmill.proto.v1 import qmill_pb2 as pb
+from tests.checkpoints import slow_reads
 
 RECIPE = {
     "rules": [
@@ -126,7 +127,7 @@ def test_a_replica_killed_mid_run_costs_nothing(source, servers, reference, tmp_
             pipeline.quantize_checkpoint(source, alone, RECIPE, backend=client)
         assert alone.read_bytes() == reference
         # Slow reads keep the run going well past the kill.
-        monkeypatch.setenv("QMILL_TEST_TENSOR_DELAY", "0.05")
+        slow_reads.delay_reads(monkeypatch, 0.05)
         client = fanout.FanoutClient(
             [victim_address, servers[1].address, servers[2].address], tensors_per_replica=2
         )

@@ -18,6 +18,7 @@ from qmill.cli import main as cli
 from qmill.client import Client, credentials, errors, jobs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth
+from tests.checkpoints import slow_reads
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "tiny-mlp")  # Orbax, 5 float tensors + 1 int32
@@ -115,8 +116,8 @@ def test_repeated_request_id_is_the_same_job(jobs_server, work, jobs_root):
 
 
 def test_cancel_leaves_no_destination(jobs_server, work, monkeypatch):
-    # The runner reads the test-only delay when a job starts: 1 s before each tensor.
-    monkeypatch.setenv("QMILL_TEST_TENSOR_DELAY", "1")
+    # The job opens its source after this: 1 s before each tensor is read.
+    slow_reads.delay_reads(monkeypatch, 1)
     dest = work / "out.npz"
     with _client(jobs_server.address, "token-a") as client:
         job = client.jobs.submit(SOURCE, str(dest), INT8)
@@ -261,12 +262,15 @@ def _qmill() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "qmill.cli"]
 
 
-def _serve(db: pathlib.Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Popen, str]:
+def _serve(
+    db: pathlib.Path, env: dict[str, str], *extra: str, qmill: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    command = qmill or _qmill()  # `qmill`, or a command line that runs it
     server = subprocess.Popen(
-        [*_qmill(), "serve", "--port", str(port), "--jobs-db", str(db), "--grace", "1", *extra],
+        [*command, "serve", "--port", str(port), "--jobs-db", str(db), "--grace", "1", *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -293,8 +297,8 @@ def test_job_survives_kill_9_of_its_server(tmp_path):
     shutil.copytree(EXAMPLE, root / "default" / SOURCE)
     db, dest = tmp_path / "jobs.sqlite3", root / "default" / "out.npz"
     env = {**os.environ, "QMILL_DATA_DIR": str(tmp_path / "data")}
-    delayed = {**env, "QMILL_TEST_TENSOR_DELAY": "0.7"}
-    server, address = _serve(db, delayed, "--jobs-root", str(root))
+    slow = slow_reads.qmill_command(0.7)  # 0.7 s before each tensor is read
+    server, address = _serve(db, env, "--jobs-root", str(root), qmill=slow)
     try:
         with _client(address) as client:
             job = client.jobs.submit(
