@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -58,8 +59,9 @@ def parse(method: str) -> Method:
     """Parses "<method>[,<args>]".
 
     Raises:
-      ValueError: unknown method, wrong number of arguments, a non-number argument, or a fixed
-        range that is empty or does not contain 0.
+      ValueError: unknown method, wrong number of arguments, a non-number or non-finite
+        argument, a factor that is not positive, or a fixed range that is empty or does not
+        contain 0.
     """
     parts = [p.strip() for p in str(method).split(",")]
     kind = parts[0].lower()
@@ -76,6 +78,17 @@ def parse(method: str) -> Method:
         want = " or ".join(str(n) for n in _ARITY[kind])
         raise ValueError(
             f"calibration method {method!r}: {kind} takes {want} argument(s), got {len(args)}"
+        )
+    # inf, nan and 1e400 (which parses as inf) made all-NaN scales; 0 and negative factors made
+    # scale 1. Either is silent garbage in the output: refuse them here, at recipe load.
+    if not all(math.isfinite(a) for a in args):
+        raise ValueError(
+            f"calibration method {method!r}: arguments must be finite numbers, got {list(args)}"
+        )
+    if kind != "fixed" and args and not args[0] > 0:
+        raise ValueError(
+            f"calibration method {method!r}: the factor scales the measured range and must be "
+            f"positive (e.g. '{kind},0.9' clips to 90 %), got {args[0]}"
         )
     parsed = Method(kind, args)
     if kind == "fixed":

@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import re2
 
-from qmill.engine import qtypes
+from qmill.engine import calibration, qtypes
 
 CONVENTIONS = ("auto", "flax", "torch")
 
@@ -61,6 +61,10 @@ class TensorRule:
         # arrives (QuantizeParams' first message, SubmitJob), never after work has started.
         try:
             qtypes.get(self.qtype)
+        except ValueError as e:
+            raise ValueError(f"rule {self.path_regex!r}: {e}") from None
+        try:
+            calibration.parse(self.calibration_method)
         except ValueError as e:
             raise ValueError(f"rule {self.path_regex!r}: {e}") from None
         if self.tile_size is not None and self.tile_size <= 0:

@@ -70,3 +70,11 @@ def test_python_regex_features_people_use_still_work():
         {"rules": [{"path_regex": r"(?i).*(?P<layer>dense_\d+)/KERNEL", "qtype": "int8"}]}
     )
     assert recipe.rules[0].matches("params/Dense_12/kernel")
+
+
+def test_a_meaningless_calibration_factor_is_refused_when_the_recipe_arrives():
+    for method in ("absmax,0", "fixed,-inf,inf", "rms,nan"):
+        with pytest.raises(ValueError, match=r"recipe rule 0: rule '\.\*': calibration method"):
+            recipes.recipe_from_mapping(
+                {"rules": [{"path_regex": ".*", "qtype": "int8", "calibration_method": method}]}
+            )
