@@ -79,13 +79,35 @@ def _partial(dest: pathlib.Path) -> pathlib.Path:
     return dest.with_name(dest.name + staging.PARTIAL_SUFFIX)
 
 
+def _interrupt(source: pathlib.Path, dest: pathlib.Path, after: int) -> None:
+    """A run to `dest` whose backend goes away after `after` tensors."""
+    with pytest.raises(Interrupted):
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=after))
+
+
+def _npz_and_one_shot(tmp_path: pathlib.Path, sample) -> tuple[pathlib.Path, ...]:
+    """(npz source, its output quantized in one go, the destination of the run under test)."""
+    source = _make_source(tmp_path, "npz", sample)
+    one_shot, dest = tmp_path / "a.npz", tmp_path / "b.npz"
+    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
+    return source, one_shot, dest
+
+
+def _resume(source: pathlib.Path, dest: pathlib.Path, one_shot: pathlib.Path) -> list[str]:
+    """Runs to `dest` again, to the end; returns the tensors that run sent, once its output is
+    checked to be the one-go output byte for byte."""
+    resumed = FakeBackend()
+    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=resumed)
+    assert dest.read_bytes() == one_shot.read_bytes()
+    return resumed.sent
+
+
 def test_resume_skips_finished_tensors_and_writes_identical_bytes(tmp_path, fmt, dest, sample):
     source = _make_source(tmp_path, fmt, sample)
     one_shot = tmp_path / ("one-shot-" + dest.name)
     pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
 
-    with pytest.raises(Interrupted):
-        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=4))
+    _interrupt(source, dest, after=4)
     assert not dest.exists()
     log = (_partial(dest) / "tensors.jsonl").read_text().splitlines()
     assert len(log) == 4
@@ -107,23 +129,16 @@ def test_resume_skips_finished_tensors_and_writes_identical_bytes(tmp_path, fmt,
 
 
 def test_several_interruptions(tmp_path, sample):
-    source = _make_source(tmp_path, "npz", sample)
-    one_shot, dest = tmp_path / "a.npz", tmp_path / "b.npz"
-    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
+    source, one_shot, dest = _npz_and_one_shot(tmp_path, sample)
     for _ in range(3):
-        with pytest.raises(Interrupted):
-            pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
-    last = FakeBackend()
-    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=last)
-    assert len(last.sent) == 1
-    assert dest.read_bytes() == one_shot.read_bytes()
+        _interrupt(source, dest, after=3)
+    assert len(_resume(source, dest, one_shot)) == 1
 
 
 def test_different_recipe_or_format_needs_restart(tmp_path, sample):
     source = _make_source(tmp_path, "safetensors", sample)
     dest = tmp_path / "out.safetensors"
-    with pytest.raises(Interrupted):
-        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=2))
+    _interrupt(source, dest, after=2)
     other = {"rules": [{"qtype": "int4"}]}
     with pytest.raises(staging.FingerprintMismatch, match=r"recipe.*--restart"):
         pipeline.quantize_checkpoint(source, dest, other, backend=FakeBackend())
@@ -141,8 +156,7 @@ def test_different_recipe_or_format_needs_restart(tmp_path, sample):
 def test_changed_source_needs_restart(tmp_path, sample):
     source = _make_source(tmp_path, "npz", sample)
     dest = tmp_path / "out.npz"
-    with pytest.raises(Interrupted):
-        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=2))
+    _interrupt(source, dest, after=2)
     source.unlink()
     with formats.create_writer(source, "npz") as writer:
         writer.write("other/kernel", sample(np.float32, (4, 4)))
@@ -151,26 +165,19 @@ def test_changed_source_needs_restart(tmp_path, sample):
 
 
 def test_torn_manifest_line_means_that_tensor_is_sent_again(tmp_path, sample):
-    source = _make_source(tmp_path, "npz", sample)
-    one_shot, dest = tmp_path / "a.npz", tmp_path / "b.npz"
-    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
-    with pytest.raises(Interrupted):
-        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
+    source, one_shot, dest = _npz_and_one_shot(tmp_path, sample)
+    _interrupt(source, dest, after=3)
     log = _partial(dest) / "tensors.jsonl"
     lines = log.read_text().splitlines(keepends=True)
     # A kill in the middle of the third append: half a line, no newline.
     log.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
-    resumed = FakeBackend()
-    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=resumed)
-    assert len(resumed.sent) == 8
-    assert dest.read_bytes() == one_shot.read_bytes()
+    assert len(_resume(source, dest, one_shot)) == 8
 
 
 def test_corrupted_part_is_reported_with_the_fix(tmp_path, sample):
     source = _make_source(tmp_path, "npz", sample)
     dest = tmp_path / "b.npz"
-    with pytest.raises(Interrupted):
-        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend(fail_after=3))
+    _interrupt(source, dest, after=3)
     part = next((_partial(dest) / "parts").glob("*-qvalue.bin"))
     data = bytearray(part.read_bytes())
     data[0] ^= 0xFF
@@ -210,9 +217,7 @@ class FlakyServer(FakeBackend):
 
 
 def test_retries_while_unavailable_resume_the_job(tmp_path, sample):
-    source = _make_source(tmp_path, "npz", sample)
-    one_shot, dest = tmp_path / "a.npz", tmp_path / "b.npz"
-    pipeline.quantize_checkpoint(source, one_shot, RECIPE, backend=FakeBackend())
+    source, one_shot, dest = _npz_and_one_shot(tmp_path, sample)
     server, lines, waits = FlakyServer(fail_after=3, outages=2), [], []
     backoff = retry.Backoff(retries=4, initial_seconds=0.5, max_seconds=1.0)
     retry.call(

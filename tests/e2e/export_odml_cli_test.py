@@ -15,6 +15,7 @@ import pytest
 import qmill.engine as qe
 from qmill.engine import zoo
 from qmill.server import params as params_lib
+from tests import litert_run
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",
@@ -52,8 +53,6 @@ def trained(tmp_path_factory):
 def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(
     make_server, trained, run_qmill
 ):
-    from ai_edge_litert.interpreter import Interpreter
-
     tmp, params, (xt, yt) = trained
     address = make_server(data_dir=str(tmp / "data")).address
     cal = run_qmill(
@@ -76,16 +75,8 @@ def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(
     ops = export.stdout.split("ops: ", 1)[1].split()
     assert ops[0] == "QUANTIZE" and ops[-1] == "DEQUANTIZE" and "CONV_2D" in ops
 
-    interpreter = Interpreter(model_path=str(out))
-    interpreter.allocate_tensors()
-    inp = interpreter.get_input_details()[0]["index"]
-    output = interpreter.get_output_details()[0]["index"]
-    got = []
-    for i in range(len(xt)):
-        interpreter.set_tensor(inp, xt[i : i + 1])
-        interpreter.invoke()
-        got.append(interpreter.get_tensor(output)[0].copy())
-    got = np.stack(got)
+    interpreter = litert_run.interpreter(out.read_bytes())
+    got = litert_run.outputs(interpreter, xt)
 
     # The JAX static-range PTQ model from the same params and the server's merged statistics.
     with np.load(tmp / "stats.npz") as f:

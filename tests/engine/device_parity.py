@@ -76,31 +76,14 @@ def main() -> None:
         cw = tuple(case["channelwise_axes"])
         method = case["calibration_method"]
         sdt = case["scale_dtype"]
+        # How both sides quantize: the reference's HowToQuantize takes the same fields as ours.
+        axes = {"channelwise_axes": cw, "tiled_axes": tiled, "calibration_method": method}
         if noise_fn is not None:
-            ref_how = ref_qarray.HowToQuantize(
-                qtype=case["qtype"],
-                channelwise_axes=cw,
-                tiled_axes=tiled,
-                calibration_method=method,
-                noise_fn=noise_fn,
-            )
+            ref_how = ref_qarray.HowToQuantize(qtype=case["qtype"], noise_fn=noise_fn, **axes)
             ref = ref_qarray.quantize(x, ref_how)
         else:
-            ref = qwix.quantize(
-                x,
-                case["qtype"],
-                channelwise_axes=cw,
-                tiled_axes=tiled,
-                calibration_method=method,
-                scale_dtype=sdt,
-            )
-        how = qarray.HowToQuantize(
-            qtype=case["qtype"],
-            channelwise_axes=cw,
-            tiled_axes=tiled,
-            calibration_method=method,
-            noise_fn=noise_fn,
-        )
+            ref = qwix.quantize(x, case["qtype"], scale_dtype=sdt, **axes)
+        how = qarray.HowToQuantize(qtype=case["qtype"], noise_fn=noise_fn, **axes)
         ours = qarray.quantize(x, how, scale_dtype=sdt)
         d_ref = _diff(_parts(ours), _parts(ref))
         d_cpu = _diff(_parts(ref), _golden(case))

@@ -19,6 +19,26 @@ class Net(nnx.Module):
         return self.l2(nnx.relu(self.l1(x)))
 
 
+def _train_adapters(model, x, y, steps: int, lr: float):
+    """Gradient descent on the mean squared error, LoRA params only: (first loss, last loss,
+    trained model, its base params), the base params checked bit-identical to the model's."""
+    base_before = nnx.to_pure_dict(nnx.state(model, nnx.Not(qe.LoRAParam)))
+    graphdef, lora, rest = nnx.split(model, qe.LoRAParam, ...)
+
+    def loss_fn(lora):
+        return jnp.mean((nnx.merge(graphdef, lora, rest)(x) - y) ** 2)
+
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+    first, _ = grad_fn(lora)
+    for _ in range(steps):
+        loss, g = grad_fn(lora)
+        lora = jax.tree.map(lambda p, d: p - lr * d, lora, g)
+    trained = nnx.merge(graphdef, lora, rest)
+    after = nnx.to_pure_dict(nnx.state(trained, nnx.Not(qe.LoRAParam)))
+    jax.tree.map(np.testing.assert_array_equal, after, base_before)
+    return first, loss, trained, after
+
+
 @pytest.mark.parametrize("qtype", ["nf4", "int4"])
 def test_qlora_nnx_lowers_loss_and_keeps_base(qtype):
     x = jax.random.normal(jax.random.key(0), (32, 16))
@@ -27,21 +47,8 @@ def test_qlora_nnx_lowers_loss_and_keeps_base(qtype):
     model = qe.apply_lora_to_model(Net(nnx.Rngs(0)), qe.LoraProvider(rules), x, rngs=nnx.Rngs(1))
     assert model.l1.kernel_lora_a.shape == (16, 4) and model.l1.kernel_lora_b.shape == (4, 64)
     assert model.l2.kernel_lora_b.shape == (4, 4)
-    base_before = nnx.to_pure_dict(nnx.state(model, nnx.Not(qe.LoRAParam)))
-    graphdef, lora, rest = nnx.split(model, qe.LoRAParam, ...)
-
-    def loss_fn(lora):
-        m = nnx.merge(graphdef, lora, rest)
-        return jnp.mean((m(x) - y) ** 2)
-
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn))
-    first, _ = grad_fn(lora)
-    for _ in range(60):
-        loss, g = grad_fn(lora)
-        lora = jax.tree.map(lambda p, d: p - 0.05 * d, lora, g)
+    first, loss, _, after = _train_adapters(model, x, y, steps=60, lr=0.05)
     assert float(loss) < 0.8 * float(first)
-    after = nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, lora, rest), nnx.Not(qe.LoRAParam)))
-    jax.tree.map(np.testing.assert_array_equal, after, base_before)
     assert after["l1"]["kernel"]["array"]["qvalue"].dtype != jnp.float32
 
 
@@ -123,21 +130,8 @@ def test_qlora_conv_nnx_keeps_base_and_lowers_loss():
     assert isinstance(model.conv.kernel_lora_b, qe.LoRAParam)
     kernel = model.conv.kernel[...]
     assert kernel.array.qvalue.dtype == jnp.int4
-    base_before = nnx.to_pure_dict(nnx.state(model, nnx.Not(qe.LoRAParam)))
-    graphdef, lora, rest = nnx.split(model, qe.LoRAParam, ...)
-
-    def loss_fn(lora):
-        return jnp.mean((nnx.merge(graphdef, lora, rest)(x) - y) ** 2)
-
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn))
-    first, _ = grad_fn(lora)
-    for _ in range(100):
-        value, g = grad_fn(lora)
-        lora = jax.tree.map(lambda p, d: p - 0.1 * d, lora, g)
+    first, value, trained, _ = _train_adapters(model, x, y, steps=100, lr=0.1)
     assert float(value) < 0.5 * float(first)
-    trained = nnx.merge(graphdef, lora, rest)
-    after = nnx.to_pure_dict(nnx.state(trained, nnx.Not(qe.LoRAParam)))
-    jax.tree.map(np.testing.assert_array_equal, after, base_before)
     # The trained output is the int4 base conv plus the adapter's, exactly as specified.
     base = jax.lax.conv_general_dilated(
         x, qe.dequantize(kernel.array), (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")

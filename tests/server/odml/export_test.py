@@ -13,6 +13,7 @@ import pytest
 import qmill.engine as qe
 from qmill.engine.providers import odml
 from qmill.server.odml import export as odml_export
+from tests import litert_run
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",
@@ -59,18 +60,7 @@ def _ptq_logits(rules, params, stats, x):
 
 
 def _run_tflite(tflite: bytes, x: np.ndarray) -> np.ndarray:
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_content=tflite)
-    interpreter.allocate_tensors()
-    inp = interpreter.get_input_details()[0]["index"]
-    out = interpreter.get_output_details()[0]["index"]
-    logits = []
-    for i in range(len(x)):
-        interpreter.set_tensor(inp, x[i : i + 1])
-        interpreter.invoke()
-        logits.append(interpreter.get_tensor(out)[0].copy())
-    return np.stack(logits)
+    return litert_run.outputs(litert_run.interpreter(tflite), x)
 
 
 def _tensors(tflite: bytes):
