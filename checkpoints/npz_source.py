@@ -12,14 +12,14 @@ import zipfile
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, protocols
+from qmill.checkpoints import dtypes, protocols, source_base
 
 # A 0-d unicode array holding JSON {path: logical dtype}; plain np.load reads it without pickle.
 DTYPES_MEMBER = "__qmill_dtypes__"
 _SUFFIX = ".npy"
 
 
-class NpzSource:
+class NpzSource(source_base.SourceBase):
     """Members in archive order."""
 
     format = "npz"
@@ -70,9 +70,6 @@ class NpzSource:
         with self._zip.open(name + _SUFFIX) as f:
             return np.lib.format.read_array(f, allow_pickle=False)
 
-    def entries(self) -> list[protocols.TensorEntry]:
-        return list(self._entries)
-
     def read(self, path: str) -> np.ndarray:
         if path not in self._paths:
             raise KeyError(f"no tensor {path!r} in {self.path}")
@@ -80,9 +77,3 @@ class NpzSource:
 
     def close(self) -> None:
         self._zip.close()
-
-    def __enter__(self) -> NpzSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, orbax_layout, protocols
+from qmill.checkpoints import dtypes, orbax_layout, protocols, source_base
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 _Step = tuple[Any, int | None]
 
 
-class OrbaxSource:
+class OrbaxSource(source_base.SourceBase):
     """Leaves in sorted tree order (jax's flattening order: dict keys sorted, lists in order)."""
 
     format = "orbax"
@@ -64,9 +64,6 @@ class OrbaxSource:
             # Our writer writes dict-only trees, whose sorted order is that of the key tuples.
             self._entries.sort(key=lambda e: tuple(e.path.split("/")))
 
-    def entries(self) -> list[protocols.TensorEntry]:
-        return list(self._entries)
-
     def read(self, path: str) -> np.ndarray:
         if path in self._empty:
             spec = self._empty[path]
@@ -90,12 +87,6 @@ class OrbaxSource:
 
     def close(self) -> None:
         self._checkpointer.close()
-
-    def __enter__(self) -> OrbaxSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _steps(tree: Any, key_path: tuple[Any, ...]) -> tuple[_Step, ...]:

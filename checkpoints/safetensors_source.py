@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, protocols
+from qmill.checkpoints import dtypes, protocols, source_base
 from qmill.checkpoints import safetensors_header as header_lib
 
 
@@ -27,7 +27,7 @@ class _Location:
         self.logical = logical
 
 
-class SafetensorsSource:
+class SafetensorsSource(source_base.SourceBase):
     """Shards in order, tensors in file order within each shard."""
 
     format = "safetensors"
@@ -64,9 +64,6 @@ class SafetensorsSource:
         where = self._where.get(path)
         return None if where is None else where.shard
 
-    def entries(self) -> list[protocols.TensorEntry]:
-        return list(self._entries)
-
     def read(self, path: str) -> np.ndarray:
         try:
             where = self._where[path]
@@ -91,12 +88,6 @@ class SafetensorsSource:
         for f in self._handles.values():
             f.close()
         self._handles.clear()
-
-    def __enter__(self) -> SafetensorsSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def open_index(index: pathlib.Path) -> SafetensorsSource:
