@@ -98,6 +98,10 @@ def plan_leaf(
     ndim = len(shape)
     if ndim < 2 and not rule.include_vectors:
         return LeafPlan(path, reason="vectors and scalars stay in float (include_vectors=false)")
+    if 0 in shape:
+        # Nothing to calibrate (rms divided by zero; scale shapes could not divide a 0 axis):
+        # an empty tensor is the same bytes kept or quantized, so it is kept.
+        return LeafPlan(path, reason=f"empty tensor (shape {list(shape)}) is kept as it is")
     if rule.channel_axes is not None:
         contracting = _normalize_axes(rule.contracting_axes or (), ndim, path)
         channels = _normalize_axes(rule.channel_axes, ndim, path)

@@ -100,3 +100,12 @@ def test_tile_that_does_not_divide_is_an_error_unless_allowed():
 def test_axis_out_of_range_is_named():
     with pytest.raises(ValueError, match="axis 5 is out of range"):
         layout.plan_leaf("w", (4, 4), np.float32, _recipe(contracting_axes=[5], channel_axes=[0]))
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 0), (0, 4), (0,)])
+def test_an_empty_tensor_is_kept_with_a_reason(shape):
+    recipe = recipes.recipe_from_mapping(
+        {"rules": [{"qtype": "int8", "calibration_method": "rms,3", "include_vectors": True}]}
+    )
+    plan = layout.plan_leaf("params/w/kernel", shape, np.float32, recipe)
+    assert not plan.quantize and "empty tensor" in plan.reason
