@@ -7,6 +7,7 @@ import pathlib
 from typing import Any
 
 from qmill.checkpoints import (
+    files,
     npz_source,
     npz_writer,
     orbax_layout,
@@ -39,6 +40,7 @@ def open_source(path: str | os.PathLike) -> protocols.TensorSource:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if path.is_dir():
         return _open_directory(path)
+    files.require_regular_file(path)
     name = path.name
     if name.endswith(".safetensors.index.json"):
         return safetensors_source.open_index(path)

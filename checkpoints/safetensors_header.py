@@ -18,6 +18,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from qmill.checkpoints import files
+
 METADATA_KEY = "__metadata__"
 # In __metadata__: JSON {tensor name: logical dtype} for tensors stored in a carrier dtype.
 DTYPES_KEY = "qmill.dtypes"
@@ -50,6 +52,7 @@ NATIVE = frozenset(CODE_OF)
 
 def read_header(path: pathlib.Path) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
     """Returns (tensors by name in file order, __metadata__, offset where the data starts)."""
+    files.require_regular_file(path)
     not_one = f"{path} is not a safetensors file"
     size = os.path.getsize(path)
     with open(path, "rb") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -88,3 +89,17 @@ def test_an_outputs_suffix_picks_its_format_else_the_sources(name, expected):
     # A suffix-less name keeps whatever the source is.
     if expected == "orbax":
         assert checkpoints.format_for_destination(name, "npz") == "npz"
+
+
+def test_a_fifo_is_refused_before_anything_reads_from_it(tmp_path):
+    # Reading a FIFO blocks until a writer appears: it wedged the server's one job runner.
+    for name in ("model.safetensors", "params.npz", "checkpoint"):
+        fifo = tmp_path / name
+        os.mkfifo(fifo)
+        with pytest.raises(ValueError, match="FIFO"):
+            checkpoints.open_source(fifo)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    os.mkfifo(shards / "model.safetensors")
+    with pytest.raises(ValueError, match="FIFO"):
+        checkpoints.open_source(shards)
