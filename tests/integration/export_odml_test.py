@@ -89,6 +89,7 @@ def address(trained):
     asyncio.run_coroutine_threadsafe(server.stop(0.5), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+    loop.close()  # else its ResourceWarning, raised whenever GC finds it, fails a later test
     executor.shutdown()
 
 
