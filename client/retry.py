@@ -1,8 +1,8 @@
 """Retrying a call while the server is UNAVAILABLE, with bounded exponential backoff.
 
 Only UNAVAILABLE is retried: the server is down, restarting or unreachable, and a resumable job
-(job.quantize_checkpoint) loses nothing by being called again. Every other error is the caller's
-to fix and is raised at once.
+(pipeline.quantize_checkpoint) loses nothing by being called again. Every other error is the
+caller's to fix and is raised at once.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def call(
 
 
 class NoticeAnswers:
-    """A job.Backend that sets `answered` once the server behind it has returned a tensor."""
+    """A pipeline.Backend that sets `answered` once the server behind it has returned a tensor."""
 
     def __init__(self, backend: Any, answered: threading.Event) -> None:
         self._backend = backend
