@@ -41,7 +41,9 @@ class ModelReceiver:
     """Feeds on ExportOdml responses; `write()` puts the checked model under its name.
 
     The model's bytes arrive as one tensor would (the info announces their length and crc32c,
-    chunks follow), so the one wire.Receiver checks offsets, length and checksum.
+    chunks follow), so the one wire.Receiver checks offsets, length and checksum. The model is
+    held in memory until written: a flatbuffer is under 2 GiB, and checking the crc32c of a file
+    written as it streams in meant reading it all back anyway.
     """
 
     def __init__(self) -> None:
