@@ -148,26 +148,37 @@ def _serve(servicer):
     return server, f"127.0.0.1:{port}"
 
 
+AGENT = ("grpc.primary_user_agent", "qmill-test/1")
+
+
 def test_a_recipe_is_a_preset_name_a_toml_file_or_a_mapping(tmp_path):
     servicer = RecordingQuantizer()
     server, address = _serve(servicer)
     path = tmp_path / "r.toml"
     path.write_text('[[rules]]\npath_regex = ".*"\nqtype = "int4"\ntile_size = 32\n')
     try:
-        with Client(address, options=[("grpc.primary_user_agent", "qmill-test/1")]) as client:
+        with Client(address, options=[AGENT]) as client:
             for recipe in ("int4", str(path), path, {"rules": [{"qtype": "int8"}]}):
                 assert [o.path for o in client.quantize(recipe, TENSORS)] == ["a", "b"]
             with pytest.raises(ValueError, match="neither a preset"):
                 list(client.quantize("int9", TENSORS))
+
+        async def quantize_async():
+            async with AsyncClient(address, options=[AGENT]) as client:
+                return [o.path async for o in client.quantize("nf4", TENSORS)]
+
+        assert asyncio.run(quantize_async()) == ["a", "b"]
     finally:
         server.stop(0)
-    preset, from_str, from_path, mapping = servicer.recipes
+    preset, from_str, from_path, mapping, from_async = servicer.recipes
+    assert from_async == recipe_proto.from_mapping(recipes.PRESETS["nf4"])
     assert preset == recipe_proto.from_mapping(recipes.PRESETS["int4"])
     assert preset.rules[0].tile_size == 128  # the preset, not the characters of "int4"
     assert from_str == from_path and from_str.rules[0].tile_size == 32
     assert mapping.rules[0].qtype == "int8"
-    # options= are appended to the client's own channel options.
-    assert all(agent.startswith("qmill-test/1") for agent in servicer.user_agents)
+    # options= are appended to the clients' own channel options.
+    agents = servicer.user_agents
+    assert len(agents) == 5 and all(agent.startswith("qmill-test/1") for agent in agents)
 
 
 class _Refusing(grpc.GenericRpcHandler):
