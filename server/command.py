@@ -42,6 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     parser.add_argument("--log-level", default="INFO")
+    _add_security(parser)
+    _add_limits(parser)
+    parser.add_argument(
+        "--data-dir", help="uploads and calibrations ($QMILL_DATA_DIR, ~/.cache/qmill)"
+    )
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    _add_jobs(parser)
+
+
+def _add_security(parser: argparse.ArgumentParser) -> None:
     sec = parser.add_argument_group(
         "security", "no flags: plaintext, no tokens, loopback only (see README, Security)"
     )
@@ -61,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sec.add_argument(
         "--insecure", action="store_true", help="allow plaintext on a non-loopback --host"
     )
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
     lim = parser.add_argument_group("limits", "over a limit: RESOURCE_EXHAUSTED with a retry hint")
     lim.add_argument("--max-concurrent-streams", type=int, help="streaming calls at once")
     lim.add_argument("--max-inflight-bytes", type=int, help="tensor bytes held, all calls")
@@ -71,10 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-upload-bytes", type=int, help="largest upload accepted")
     lim.add_argument("--upload-quota-bytes", type=int, help="upload bytes one tenant may hold")
     lim.add_argument("--upload-expiry-seconds", type=float, help="seconds an upload is kept")
-    parser.add_argument(
-        "--data-dir", help="uploads and calibrations ($QMILL_DATA_DIR, ~/.cache/qmill)"
-    )
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+
+
+def _add_jobs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs-db", help="SQLite file of batch jobs (default: jobs.sqlite3 in the data dir)"
     )
