@@ -147,13 +147,18 @@ def intercepted(handlers: Mapping[str, Handler]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """Within this block, this thread's intercepted targets behave as the originals."""
-    _state.suspended += 1
+def nesting(state: threading.local, counter: str) -> Iterator[None]:
+    """Counts in ``state.<counter>`` how many blocks of one kind this thread is inside."""
+    setattr(state, counter, getattr(state, counter) + 1)
     try:
         yield
     finally:
-        _state.suspended -= 1
+        setattr(state, counter, getattr(state, counter) - 1)
+
+
+def suspended() -> contextlib.AbstractContextManager[None]:
+    """Within this block, this thread's intercepted targets behave as the originals."""
+    return nesting(_state, "suspended")
 
 
 def is_patched(path: str) -> bool:

@@ -43,11 +43,10 @@ _state = _State()
 @contextlib.contextmanager
 def tracking() -> Iterator[None]:
     """Scope of one top-level model call; the tables are dropped when the outermost one exits."""
-    _state.depth += 1
     try:
-        yield
+        with interception.nesting(_state, "depth"):
+            yield
     finally:
-        _state.depth -= 1
         if _state.depth == 0:
             _state.table.clear()
             _state.calls.clear()
