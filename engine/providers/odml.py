@@ -129,11 +129,6 @@ def _per_tensor(how: qarray.HowToQuantize) -> qarray.HowToQuantize:
     return dataclasses.replace(how, channelwise_axes=())
 
 
-def _fake_quant_ste(x: jax.Array, how: qarray.HowToQuantize) -> jax.Array:
-    fq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(x), how)).astype(x.dtype)
-    return x + jax.lax.stop_gradient(fq - x)
-
-
 def _static_rule(rules_: Sequence[rules.QuantizationRule]) -> rules.QuantizationRule | None:
     """The rule that sets how the model output is quantized: the first static-range one."""
     return next((r for r in rules_ if r.resolved_act_static_scale and r.act_qtype), None)
@@ -206,14 +201,14 @@ class OdmlQatProvider(qt.QtProvider):
                 if self._strict:
                     litert_dtype(h.qtype)
                     weight_axis(h, x.shape, where)
-                x = _fake_quant_ste(x, h)
+                x = qt.ste(x, qt.fake_quant(x, h))
             elif rule.act_qtype is not None:
                 if self._strict:
                     litert_dtype(rule.act_qtype)
                     _check_static(rule, where)
                 h = how.act(for_lhs)
                 name = None if op_id is None else f"{op_id}_{side}"
-                x = x + jax.lax.stop_gradient(self.fake_quant_act(module, x, h, rule, name) - x)
+                x = qt.ste(x, self.fake_quant_act(module, x, h, rule, name))
             operands.append(x)
         return compute(*operands)
 
@@ -225,7 +220,7 @@ class OdmlQatProvider(qt.QtProvider):
                 return y
             with _variables_allowed(module):
                 fq = self.fake_quant_act(module, y, _output_how(rule), rule, name)
-            return y + jax.lax.stop_gradient(fq - y)
+            return qt.ste(y, fq)
 
         return _map_outputs(self.rules, module, out, fake_quant)
 

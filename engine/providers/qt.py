@@ -38,11 +38,13 @@ def _qt_setting(rule: rules.QuantizationRule, name: str) -> Any:
     return getattr(rule, name, getattr(_DEFAULT_QT, name))
 
 
-def _fake_quant(x: jax.Array, how: qarray.HowToQuantize) -> jax.Array:
+def fake_quant(x: jax.Array, how: qarray.HowToQuantize) -> jax.Array:
+    """x quantized and dequantized as ``how`` says, in x's dtype (no gradient)."""
     return qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(x), how)).astype(x.dtype)
 
 
-def _ste(x: jax.Array, fq: jax.Array) -> jax.Array:
+def ste(x: jax.Array, fq: jax.Array) -> jax.Array:
+    """fq in the forward pass, x's gradient in the backward (the straight-through estimator)."""
     return x + jax.lax.stop_gradient(fq - x)
 
 
@@ -127,11 +129,11 @@ class QtProvider(base.OpsProvider):
             for_lhs = side == "lhs"
             if flax_util.find_param(x, module) is not None:
                 weight_side = side
-                x = _ste(x, _fake_quant(x, self._maybe_per_tensor(rule, how.weight(for_lhs))))
+                x = ste(x, fake_quant(x, self._maybe_per_tensor(rule, how.weight(for_lhs))))
             elif rule.act_qtype is not None:
                 h = self._maybe_per_tensor(rule, how.act(for_lhs))
                 name = None if op_id is None else f"{op_id}_{side}"
-                x = _ste(x, self.fake_quant_act(module, x, h, rule, name))
+                x = ste(x, self.fake_quant_act(module, x, h, rule, name))
             operands.append(x)
         if _qt_setting(rule, "bwd_qtype") is None:
             return compute(*operands)
@@ -146,7 +148,7 @@ class QtProvider(base.OpsProvider):
     def fake_quant_act(self, module, x, how, rule, act_name) -> jax.Array:
         """Fake-quantizes an activation; static scales come from the running statistic."""
         if not rule.resolved_act_static_scale or module is None or act_name is None:
-            return _fake_quant(x, how)
+            return fake_quant(x, how)
         axes = tuple(rule.act_batch_axes)
         current = {
             k: v.mean(axis=axes, keepdims=True)
