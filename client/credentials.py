@@ -139,36 +139,28 @@ def _aio_details(d: grpc.aio.ClientCallDetails, extra: Sequence[tuple[str, str]]
     )  # fmt: skip
 
 
-class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+class _AioMetadata:
+    """Adds the credentials' metadata to every call of one kind (grpc.aio files an interceptor
+    under the first kind it subclasses, so each kind needs a class of its own; see _AIO_KINDS)."""
+
     def __init__(self, extra: Sequence[tuple[str, str]]) -> None:
         self._extra = extra
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_aio_details(client_call_details, self._extra), request)
+    async def _intercept(self, continuation, client_call_details, request_or_iterator):
+        return await continuation(
+            _aio_details(client_call_details, self._extra), request_or_iterator
+        )
 
 
-class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, extra: Sequence[tuple[str, str]]) -> None:
-        self._extra = extra
-
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_aio_details(client_call_details, self._extra), request)
-
-
-class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, extra: Sequence[tuple[str, str]]) -> None:
-        self._extra = extra
-
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_aio_details(client_call_details, self._extra), request_iterator)
-
-
-class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, extra: Sequence[tuple[str, str]]) -> None:
-        self._extra = extra
-
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_aio_details(client_call_details, self._extra), request_iterator)
+_AIO_KINDS = tuple(
+    type(f"_Aio{kind.__name__}", (_AioMetadata, kind), {method: _AioMetadata._intercept})
+    for kind, method in (
+        (grpc.aio.UnaryUnaryClientInterceptor, "intercept_unary_unary"),
+        (grpc.aio.UnaryStreamClientInterceptor, "intercept_unary_stream"),
+        (grpc.aio.StreamUnaryClientInterceptor, "intercept_stream_unary"),
+        (grpc.aio.StreamStreamClientInterceptor, "intercept_stream_stream"),
+    )
+)
 
 
 def channel(target: str, credentials: Credentials, options: Sequence[tuple[str, Any]]) -> Any:
@@ -190,12 +182,7 @@ def aio_channel(
     """The asyncio counterpart of `channel`."""
     creds = credentials.channel_credentials()
     extra = credentials.metadata()
-    interceptors = (
-        [_AioUnaryUnary(extra), _AioUnaryStream(extra), _AioStreamUnary(extra),
-         _AioStreamStream(extra)]
-        if extra
-        else None
-    )  # fmt: skip
+    interceptors = [kind(extra) for kind in _AIO_KINDS] if extra else None
     kwargs = {
         "options": list(options),
         "compression": grpc.Compression.NoCompression,

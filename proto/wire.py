@@ -235,9 +235,7 @@ class Assembler:
         return from_bytes(self._buffer, self.header.dtype, tuple(self.header.shape))
 
 
-def send(
-    message: Callable[..., M], header_field: str, path: str, array: np.ndarray
-) -> Iterator[M]:
+def send(message: Callable[..., M], header_field: str, path: str, array: np.ndarray) -> Iterator[M]:
     """The one tensor sender: `array` as a header then its chunks, each wrapped in the RPC's own
     message (`message(**{header_field: header})`, then `message(chunk=chunk)`)."""
     data = to_bytes(array)

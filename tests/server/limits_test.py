@@ -53,12 +53,19 @@ def test_reserve_and_release_track_totals_tenants_and_peak():
     assert seen == [40, 90, 50, 0]  # the gauge callback follows every change
 
 
+async def _tenant_a_full_and_waiting(seconds: float):
+    """A limiter whose tenant a holds its whole 60-byte cap, and a task of a's asking for 10
+    more, given `seconds` to (not) get them."""
+    lim = _limiter()
+    await lim.reserve("a", 60)
+    waiter = asyncio.create_task(lim.reserve("a", 10))
+    await asyncio.sleep(seconds)
+    return lim, waiter
+
+
 def test_a_tenant_at_its_cap_waits_while_another_tenant_proceeds():
     async def run():
-        lim = _limiter()
-        await lim.reserve("a", 60)
-        blocked = asyncio.create_task(lim.reserve("a", 10))
-        await asyncio.sleep(0.05)
+        lim, blocked = await _tenant_a_full_and_waiting(0.05)
         assert not blocked.done()  # tenant a is at its 60-byte cap
         await asyncio.wait_for(lim.reserve("b", 30), 1)  # tenant b is not
         lim.release("a", 60)
@@ -129,10 +136,7 @@ def test_account_keeps_bytes_counted_until_running_work_finishes():
 
 def test_cancelled_waiter_takes_nothing():
     async def run():
-        lim = _limiter()
-        await lim.reserve("a", 60)
-        waiter = asyncio.create_task(lim.reserve("a", 10))
-        await asyncio.sleep(0.02)
+        lim, waiter = await _tenant_a_full_and_waiting(0.02)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
