@@ -131,10 +131,13 @@ def wrap_handler(
     else:
         fn, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
 
+    streaming_requests = handler.request_streaming
+
     if inspect.isasyncgenfunction(fn):
 
         async def behavior(request, context):
             async with around(method, context) as replaced:
+                request = await _decoded(request, streaming_requests, context)
                 responses = fn(request, replaced or context)
                 try:
                     async for response in responses:
@@ -146,6 +149,7 @@ def wrap_handler(
 
         async def behavior(request, context):
             async with around(method, context) as replaced:
+                request = await _decoded(request, streaming_requests, context)
                 return await fn(request, replaced or context)
 
     else:
@@ -154,9 +158,57 @@ def wrap_handler(
         raise TypeError(f"{method}: qmill interceptors need async handlers")
     return make(
         behavior,
-        request_deserializer=_counting(handler.request_deserializer, on_request_bytes, into=True),
+        request_deserializer=_guarded(
+            _counting(handler.request_deserializer, on_request_bytes, into=True)
+        ),
         response_serializer=_counting(handler.response_serializer, on_response_bytes, into=False),
     )
+
+
+class Undecodable:
+    """Stands for a request message grpc could not decode. grpc.aio answers a deserializer that
+    raises with INTERNAL and logs a traceback; the handler answers this with INVALID_ARGUMENT
+    and the call's one log line instead."""
+
+    def __init__(self, error: Exception) -> None:
+        self.message = (
+            f"a request message is not valid protobuf for this RPC ({type(error).__name__}: "
+            f"{error}); send messages of the qmill.v1 proto this server serves"
+        )
+
+
+class UndecodableMessage(ValueError):
+    """A streamed request message that could not be decoded (mapped to INVALID_ARGUMENT)."""
+
+
+def _guarded(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # DecodeError and kin: the bytes are the client's fault
+            return Undecodable(e)
+
+    return decode
+
+
+async def _decoded(request: Any, streaming: bool, context: Any) -> Any:
+    """The request, checked: an undecodable unary request aborts the call; a stream of requests
+    raises UndecodableMessage where the handler reads the bad one."""
+    if not streaming:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return request
+
+    async def checked() -> Any:
+        async for message in request:
+            if isinstance(message, Undecodable):
+                raise UndecodableMessage(message.message)
+            yield message
+
+    return checked()
 
 
 def _counting(
