@@ -61,6 +61,7 @@ def quantize_checkpoint(
     progress: Progress | None = None,
     restart: bool = False,
     check: Callable[[], None] | None = None,
+    max_tensor_bytes: int | None = None,
 ) -> list[ReportRow]:
     """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
 
@@ -74,16 +75,21 @@ def quantize_checkpoint(
     whatever it raises stops the job (a server's job runner cancels this way: raised before the
     checkpoint is committed, nothing appears at `destination`).
 
+    `max_tensor_bytes`, when given, refuses the checkpoint before any tensor is read if one
+    tensor is larger (a server's jobs obey its --max-tensor-bytes as its streams do).
+
     Raises:
         FileExistsError: `destination` exists and `overwrite` is False.
         staging.FingerprintMismatch: a partial output made with another recipe, source or
             format is in the way; `restart=True` discards it.
+        ValueError: a tensor is larger than `max_tensor_bytes`.
     """
     dest = pathlib.Path(destination)
     if not overwrite and (dest.exists() or dest.is_symlink()):
         raise FileExistsError(f"{dest} already exists; pass --overwrite to replace it")
     with formats.open_source(source_path) as source:
         entries = source.entries()
+        _check_sizes(entries, max_tensor_bytes)
         recipe = with_default_convention(recipe, source.format)
         fmt = output_format or formats.format_for_destination(dest, source.format)
         fingerprint = {
@@ -172,6 +178,15 @@ def _assemble(
                 writer.write_quantized(entry.path, partial.load(entry.path))
             else:
                 writer.write(entry.path, source.read(entry.path))
+
+
+def _check_sizes(entries: list[protocols.TensorEntry], max_tensor_bytes: int | None) -> None:
+    largest = max(entries, key=lambda e: e.nbytes, default=None)
+    if max_tensor_bytes is not None and largest is not None and largest.nbytes > max_tensor_bytes:
+        raise ValueError(
+            f"tensor {largest.path} has {largest.nbytes:,} bytes, over this server's limit of "
+            f"{max_tensor_bytes:,}; split it or raise the server's --max-tensor-bytes"
+        )
 
 
 def with_default_convention(recipe: dict[str, Any], source_format: str) -> dict[str, Any]:

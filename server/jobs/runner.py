@@ -84,8 +84,12 @@ class JobRunner:
         on_change: Callable[[], None] | None = None,
         new_backend: Callable[[], pipeline.Backend] = embedded.EmbeddedClient,
         scratch: scratch_lib.Scratch | None = None,
+        max_tensor_bytes: int | None = None,
     ) -> None:
         self.store = store
+        # A job's tensors obey --max-tensor-bytes as streamed ones do: a small sparse file that
+        # declares a 2 GiB tensor must not make the server allocate it.
+        self._max_tensor_bytes = max_tensor_bytes
         # Makes each job's backend: the in-process engine, or a FanoutClient over the replicas
         # of --job-peers (peers.py).
         self._new_backend = new_backend
@@ -180,6 +184,7 @@ class JobRunner:
                     overwrite=staged.overwrite,
                     progress=_Progress(self, record.job_id),
                     check=self._check,
+                    max_tensor_bytes=self._max_tensor_bytes,
                 )
                 spread = peers_lib.describe_spread(backend)
             staged.publish(overwrite=record.overwrite, check=self._check)

@@ -179,6 +179,7 @@ def add_to_server(
         on_change=lambda: metrics.set_jobs_by_state(store.counts()),
         new_backend=new_backend,
         scratch=scratch,
+        max_tensor_bytes=config.max_tensor_bytes,
     )
     pb_grpc.add_JobsServicer_to_server(JobsServicer(runner), server)
     return runner
