@@ -104,6 +104,12 @@ def _add_jobs(parser: argparse.ArgumentParser) -> None:
         "needed for jobs when tokens are set; with neither (single-user), jobs use any path",
     )
     parser.add_argument(
+        "--allow-open-jobs",
+        action="store_true",
+        help="run jobs on any server path with no tokens and no --jobs-root on a non-loopback "
+        "--host (refused otherwise: anyone reaching the port could read and write your files)",
+    )
+    parser.add_argument(
         "--jobs-url-root",
         metavar="URL",
         action="append",
@@ -129,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> config_lib.ServerConfig:
         "tenant_from_client_cert": args.tenant_from_client_cert,
         "metrics_port": args.metrics_port,
         "jobs_db": args.jobs_db,
+        "allow_open_jobs": args.allow_open_jobs,
     }
     fields.update({name: getattr(args, name) for name in _OPTIONAL_FIELDS if getattr(args, name)})
     if args.max_wait_seconds is not None:  # 0 is meaningful: refuse rather than queue

@@ -85,6 +85,10 @@ class ServerConfig:
     jobs_root: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(JOBS_ROOT_ENV) or None
     )
+    # Single-user mode (no tokens, no jobs_root) on a non-loopback host lets anyone who reaches
+    # the port run jobs that read and write any file the server's user can; such jobs are refused
+    # unless this is set (--allow-open-jobs), e.g. inside a network only the owner can reach.
+    allow_open_jobs: bool = False
     # Object-store prefixes (gs://, s3://) of one prefix per tenant: a job's URLs must lie below
     # `<root>/<tenant>/` of one of them (server/jobs/urls.py). Empty ($QMILL_JOBS_URL_ROOT unset,
     # comma-separated): jobs with URLs are refused.

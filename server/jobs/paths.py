@@ -35,7 +35,7 @@ import pathlib
 
 from qmill.checkpoints import staging
 from qmill.server import config as config_lib
-from qmill.server import errors
+from qmill.server import errors, tls
 from qmill.server.jobs import urls
 
 
@@ -49,6 +49,9 @@ class PathPolicy:
     multi_tenant: bool = False
     # Object-store prefixes of one prefix per tenant (--jobs-url-root); empty: URLs refused.
     url_roots: tuple[str, ...] = ()
+    # Single-user mode reachable from the network without --allow-open-jobs: the host it listens
+    # on, and server paths are refused; None: not the case.
+    open_host: str | None = None
 
     @classmethod
     def from_config(cls, config: config_lib.ServerConfig) -> PathPolicy:
@@ -63,7 +66,16 @@ class PathPolicy:
             root = os.path.abspath(root)
         multi_tenant = config.tokens is not None or config.tenant_from_client_cert
         url_roots = tuple(str(u) for u in urls.parse_roots(tuple(config.jobs_url_roots)))
-        return cls(jobs_root=root, multi_tenant=multi_tenant, url_roots=url_roots)
+        open_to_network = (
+            not (multi_tenant or root is not None or tls.is_loopback(config.host))
+            and not config.allow_open_jobs
+        )
+        return cls(
+            jobs_root=root,
+            multi_tenant=multi_tenant,
+            url_roots=url_roots,
+            open_host=config.host if open_to_network else None,
+        )
 
     def describe(self) -> str:
         """One line for the server's startup log."""
@@ -73,6 +85,11 @@ class PathPolicy:
             local = (
                 "jobs with server paths are refused: tokens are set but --jobs-root is not "
                 "(set it to confine each tenant's jobs to its own directory)"
+            )
+        elif self.open_host is not None:
+            local = (
+                f"jobs with server paths are refused: no tokens on {self.open_host} "
+                "(set --tokens, --jobs-root, a loopback --host, or --allow-open-jobs)"
             )
         else:
             local = (
@@ -107,6 +124,13 @@ class PathPolicy:
                     f"this server does not run jobs on server paths ({what} {value!r}): it has "
                     "several tenants but no jobs directory; the operator must start it with "
                     "--jobs-root DIR (each tenant's jobs then use DIR/<tenant>/)"
+                )
+            if self.open_host is not None:
+                raise errors.FailedPrecondition(
+                    f"this server does not run jobs on server paths ({what} {value!r}): it "
+                    f"listens on {self.open_host} without tokens, so anyone reaching the port "
+                    "could read and write every file its user can; the operator must set "
+                    "--tokens (with --jobs-root), serve on loopback, or pass --allow-open-jobs"
                 )
             return os.path.abspath(value)
         base = self.tenant_dir(tenant)
