@@ -12,7 +12,9 @@ from __future__ import annotations
 class QmillError(Exception):
     """A failed call or job. `code` is the gRPC status name (e.g. "INVALID_ARGUMENT")."""
 
-    def __init__(self, code: str, details: str) -> None:
+    def __init__(self, code: str, details: str, *, retry_after: float | None = None) -> None:
         super().__init__(f"{code}: {details}")
         self.code = code
         self.details = details
+        # Seconds the server asked to wait before trying again (a limit that will free up).
+        self.retry_after = retry_after

@@ -14,12 +14,28 @@ import grpc
 from qmill.checkpoints.errors import QmillError as QmillError
 from qmill.proto import wire
 
+# Trailing metadata of a refusal that will pass: milliseconds to wait (server/errors.py sets it).
+RETRY_TRAILER = "retry-delay-ms"
+
 
 def from_rpc_error(error: grpc.RpcError) -> QmillError:
-    """The QmillError of a failed RPC: its status name and details."""
+    """The QmillError of a failed RPC: its status name, details and retry hint."""
     code = error.code() if hasattr(error, "code") else None
     details = error.details() if hasattr(error, "details") else str(error)
-    return QmillError(code.name if code is not None else "UNKNOWN", details or "")
+    return QmillError(
+        code.name if code is not None else "UNKNOWN", details or "", retry_after=_retry_after(error)
+    )
+
+
+def _retry_after(error: grpc.RpcError) -> float | None:
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == RETRY_TRAILER:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
-"""Retrying a call while the server is UNAVAILABLE, with bounded exponential backoff.
+"""Retrying a call while the server is UNAVAILABLE or busy, with bounded exponential backoff.
 
-Only UNAVAILABLE is retried: the server is down, restarting or unreachable, and a resumable job
-(pipeline.quantize_checkpoint) loses nothing by being called again. Every other error is the
+Retried: UNAVAILABLE (the server is down, restarting or unreachable) and RESOURCE_EXHAUSTED that
+carries the server's retry hint (its in-flight room or stream slots are taken for now; waiting
+at least as long as it asks). A resumable job (pipeline.quantize_checkpoint) loses nothing by
+being called again. Every other error, a limit that can never be met included (no hint), is the
 caller's to fix and is raised at once.
 """
 
@@ -43,7 +45,7 @@ def call(
     retry_if: Callable[[errors.QmillError], bool] = lambda e: True,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
-    """Calls `attempt()` until it does not fail with UNAVAILABLE or the retries are spent.
+    """Calls `attempt()` until it does not fail with a retryable error or the retries are spent.
 
     Args:
         attempt: the whole call, opening its own connection (a channel to a dead server may
@@ -51,23 +53,27 @@ def call(
         backoff: how many retries, and how long to wait before each.
         on_retry: told one line per retry (what failed, how long until the next try).
         retry_if: whether an UNAVAILABLE is worth retrying (the CLI fails at once on a server
-            it never reached: more likely a wrong address than a restart).
+            it never reached: more likely a wrong address than a restart). A server that
+            refused with a retry hint was reached: that is always retried.
         sleep: the wait; tests pass a fake.
 
     Raises:
-        errors.QmillError: the last UNAVAILABLE once retries are spent, or any other error.
+        errors.QmillError: the last retryable error once retries are spent, or any other.
     """
     delays = backoff.delays()
     for number, delay in enumerate([*delays, None], start=1):
         try:
             return attempt()
         except errors.QmillError as e:
-            if e.code != "UNAVAILABLE" or delay is None or not retry_if(e):
+            busy = e.code == "RESOURCE_EXHAUSTED" and e.retry_after is not None
+            unavailable = e.code == "UNAVAILABLE" and retry_if(e)
+            if delay is None or not (busy or unavailable):
                 raise
-            on_retry(
-                f"server unavailable ({e.details.splitlines()[0] if e.details else 'no details'}); "
-                f"retry {number}/{len(delays)} in {delay:.1f} s"
-            )
+            if busy:
+                delay = max(delay, e.retry_after or 0.0)
+            reason = e.details.splitlines()[0] if e.details else "no details"
+            what = "server busy" if busy else "server unavailable"
+            on_retry(f"{what} ({reason}); retry {number}/{len(delays)} in {delay:.1f} s")
             sleep(delay)
     raise AssertionError("unreachable")  # the loop returns or raises
 
