@@ -132,12 +132,16 @@ def wrap_handler(
         fn, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
 
     streaming_requests = handler.request_streaming
+    # Every interceptor wraps the handler; only the first (innermost) guards decoding and checks
+    # requests, so a streamed message is not re-checked by an async generator per interceptor.
+    checks = not getattr(handler.request_deserializer, "qmill_guarded", False)
 
     if inspect.isasyncgenfunction(fn):
 
         async def behavior(request, context):
             async with around(method, context) as replaced:
-                request = await _decoded(request, streaming_requests, context)
+                if checks:
+                    request = await _decoded(request, streaming_requests, context)
                 responses = fn(request, replaced or context)
                 try:
                     async for response in responses:
@@ -149,7 +153,8 @@ def wrap_handler(
 
         async def behavior(request, context):
             async with around(method, context) as replaced:
-                request = await _decoded(request, streaming_requests, context)
+                if checks:
+                    request = await _decoded(request, streaming_requests, context)
                 return await fn(request, replaced or context)
 
     else:
@@ -159,7 +164,7 @@ def wrap_handler(
     return make(
         behavior,
         request_deserializer=_guarded(
-            _counting(handler.request_deserializer, on_request_bytes, into=True)
+            _counting(handler.request_deserializer, on_request_bytes, into=True), checks
         ),
         response_serializer=_counting(handler.response_serializer, on_response_bytes, into=False),
     )
@@ -181,17 +186,24 @@ class UndecodableMessage(ValueError):
     """A streamed request message that could not be decoded (mapped to INVALID_ARGUMENT)."""
 
 
-def _guarded(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _guarded(
+    deserialize: Callable[[bytes], Any] | None, guard: bool
+) -> Callable[[bytes], Any] | None:
+    """`deserialize`, answering Undecodable instead of raising when `guard`; marked as guarded
+    either way (outer wraps of a guarded handler only count bytes)."""
     if deserialize is None:
         return None
+    if guard:
+        decode_or_raise = deserialize
 
-    def decode(data: bytes) -> Any:
-        try:
-            return deserialize(data)
-        except Exception as e:  # DecodeError and kin: the bytes are the client's fault
-            return Undecodable(e)
+        def deserialize(data: bytes) -> Any:
+            try:
+                return decode_or_raise(data)
+            except Exception as e:  # DecodeError and kin: the bytes are the client's fault
+                return Undecodable(e)
 
-    return decode
+    deserialize.qmill_guarded = True  # type: ignore[attr-defined]
+    return deserialize
 
 
 async def _decoded(request: Any, streaming: bool, context: Any) -> Any:
