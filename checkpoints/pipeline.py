@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from qmill.checkpoints import formats, protocols, staging
+from qmill.checkpoints import errors, formats, protocols, staging
 from qmill.checkpoints import outcome as outcome_lib
 
 # The engine quantizes only these; every other dtype is copied without a round trip.
@@ -83,6 +83,8 @@ def quantize_checkpoint(
         staging.FingerprintMismatch: a partial output made with another recipe, source or
             format is in the way; `restart=True` discards it.
         ValueError: a tensor is larger than `max_tensor_bytes`.
+        errors.OutputError: the output's disk is full, read-only or not writable; the
+            finished tensors stay in the partial output.
     """
     dest = pathlib.Path(destination)
     if not overwrite and (dest.exists() or dest.is_symlink()):
@@ -97,12 +99,19 @@ def quantize_checkpoint(
             "format": fmt,
             "source": _source_fingerprint(source_path, source.format, entries),
         }
-        partial = staging.PartialOutput(dest, fingerprint, restart=restart)
-        try:
-            rows = _run(source, entries, recipe, backend, partial, progress, check)
-            _assemble(source, entries, partial, dest, fmt, overwrite, check)
-        finally:
-            partial.close()
+        # A full disk or read-only output says what failed and what is kept for resuming.
+        opened: list[staging.PartialOutput] = []
+        kept = dest.absolute().with_name(dest.name + staging.PARTIAL_SUFFIX)
+        with errors.output_failures(
+            dest, source_path, kept, lambda: len(opened[0].completed) if opened else 0
+        ):
+            partial = staging.PartialOutput(dest, fingerprint, restart=restart)
+            opened.append(partial)
+            try:
+                rows = _run(source, entries, recipe, backend, partial, progress, check)
+                _assemble(source, entries, partial, dest, fmt, overwrite, check)
+            finally:
+                partial.close()
         partial.discard()
     return [rows[e.path] for e in entries]
 

@@ -194,6 +194,10 @@ class JobRunner:
                 staging.remove(path.with_name(path.name + staging.PARTIAL_SUFFIX))
                 self._finish(record.job_id, pb.JOB_STATE_CANCELLED, "cancelled")
             return  # stopping: left RUNNING, resumed by the next server
+        except errors.OutputError as e:
+            # A full or read-only disk: the message says so, the error what is kept to resume.
+            message = f"failed: could not write the output ({e.code})"
+            self._finish(record.job_id, pb.JOB_STATE_FAILED, message, error=e.details)
         except errors.QmillError as e:
             self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error=e.details)
         except (server_errors.ServerError, ValueError, TypeError, OSError, RuntimeError) as e:
