@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 from typing import Any
 
 from qmill.checkpoints import (
     files,
+    hf_folder,
     npz_source,
     npz_writer,
     orbax_layout,
@@ -70,10 +72,69 @@ def format_for_destination(destination: str | os.PathLike, source_format: str) -
     return source_format
 
 
+# Output names that say "a file of another kind": refused unless --format says what to write.
+_SUFFIX = re.compile(r"\.[A-Za-z][A-Za-z0-9_-]*")
+_OUTPUT_SUFFIXES = (".safetensors", ".npz")
+
+
+def check_destination(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    overwrite: bool,
+    output_format: str | None,
+) -> None:
+    """Refuses outputs that would destroy the source or land somewhere the user did not mean.
+
+    Raises:
+        ValueError: the output is the source or inside it; with `overwrite`, the source is
+            inside the output (replacing it would delete the source); or, with no
+            `output_format`, the output's name ends in a suffix qmill does not write (out.pt).
+    """
+    src = pathlib.Path(source).resolve()
+    dest = pathlib.Path(destination).resolve()
+    if dest == src or src in dest.parents:
+        raise ValueError(
+            f"the output {destination} is the source checkpoint {source} or inside it; "
+            "writing there would destroy the source: choose another -o"
+        )
+    if overwrite and dest in src.parents:
+        raise ValueError(
+            f"the source {source} is inside the output {destination}; --overwrite would "
+            "delete it: choose another -o"
+        )
+    suffix = pathlib.PurePath(destination).suffix
+    if (
+        output_format is None
+        and _SUFFIX.fullmatch(suffix)
+        and suffix not in _OUTPUT_SUFFIXES
+        and not pathlib.Path(destination).is_dir()
+    ):
+        raise ValueError(
+            f"the output {destination} ends in {suffix}, which qmill does not write; name it "
+            f"{' or '.join('*' + s for s in _OUTPUT_SUFFIXES)}, a name without a suffix (an "
+            "Orbax directory, or a folder like the source's), or pass --format "
+            f"({', '.join(FORMATS)}) to write that name anyway"
+        )
+
+
 def _open_directory(path: pathlib.Path) -> protocols.TensorSource:
     pytree = orbax_layout.find_pytree_dir(path)
     if pytree is not None:
         return orbax_source.OrbaxSource(pytree)
+    weights = _open_safetensors_directory(path)
+    if weights is not None:
+        if hf_folder.is_hf_folder(path):
+            return hf_folder.HfFolderSource(path, weights)
+        return weights
+    raise ValueError(
+        f"{path} is a directory without a checkpoint qmill reads; expected {_ACCEPTED}"
+    )
+
+
+def _open_safetensors_directory(
+    path: pathlib.Path,
+) -> safetensors_source.SafetensorsSource | None:
     indexes = sorted(path.glob("*.safetensors.index.json"))
     if len(indexes) == 1:
         return safetensors_source.open_index(indexes[0])
@@ -81,11 +142,7 @@ def _open_directory(path: pathlib.Path) -> protocols.TensorSource:
         names = ", ".join(p.name for p in indexes)
         raise ValueError(f"{path} holds several safetensors indexes ({names}); name one of them")
     files = sorted(path.glob("*.safetensors"))
-    if files:
-        return safetensors_source.SafetensorsSource(files)
-    raise ValueError(
-        f"{path} is a directory without a checkpoint qmill reads; expected {_ACCEPTED}"
-    )
+    return safetensors_source.SafetensorsSource(files) if files else None
 
 
 def create_writer(
@@ -95,6 +152,7 @@ def create_writer(
     like: Any = None,
     overwrite: bool = False,
     max_shard_bytes: int | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> protocols.CheckpointWriter:
     """A writer that stages the output beside `destination` and renames it into place on commit.
 
@@ -108,6 +166,8 @@ def create_writer(
         overwrite: replace an existing destination (only once the new output is complete).
         max_shard_bytes: safetensors only, when `like` does not shard: start a new shard before
             a tensor that would make the current one larger than this.
+        recipe: the recipe the tensors were quantized with; a Hugging Face folder output
+            records it in its config.json.
 
     Raises:
         ValueError: unknown format, or options the format does not take.
@@ -117,6 +177,15 @@ def create_writer(
         raise ValueError(f"unknown checkpoint format {format!r}; qmill writes {', '.join(FORMATS)}")
     if max_shard_bytes is not None and (format != "safetensors" or max_shard_bytes <= 0):
         raise ValueError("max_shard_bytes is a positive byte count for safetensors output only")
+    if isinstance(like, hf_folder.HfFolderSource):
+        if (
+            format == "safetensors"
+            and not str(destination).endswith(".safetensors")
+            and max_shard_bytes is None
+        ):
+            # A folder in, the same folder out: config, tokenizer and other files included.
+            return hf_folder.HfFolderWriter(destination, like, recipe, overwrite=overwrite)
+        like = like.weights
     if format == "safetensors":
         return safetensors_writer.SafetensorsWriter(
             destination, like=like, overwrite=overwrite, max_shard_bytes=max_shard_bytes

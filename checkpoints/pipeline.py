@@ -87,6 +87,7 @@ def quantize_checkpoint(
             finished tensors stay in the partial output.
     """
     dest = pathlib.Path(destination)
+    formats.check_destination(source_path, dest, overwrite=overwrite, output_format=output_format)
     if not overwrite and (dest.exists() or dest.is_symlink()):
         raise FileExistsError(f"{dest} already exists; pass --overwrite to replace it")
     with formats.open_source(source_path) as source:
@@ -109,7 +110,7 @@ def quantize_checkpoint(
             opened.append(partial)
             try:
                 rows = _run(source, entries, recipe, backend, partial, progress, check)
-                _assemble(source, entries, partial, dest, fmt, overwrite, check)
+                _assemble(source, entries, partial, dest, fmt, overwrite, check, recipe)
             finally:
                 partial.close()
         partial.discard()
@@ -176,9 +177,14 @@ def _assemble(
     fmt: str,
     overwrite: bool,
     check: Callable[[], None] | None,
+    recipe: dict[str, Any],
 ) -> None:
     """Writes the checkpoint in entry order, one tensor in memory at a time."""
-    with formats.create_writer(destination, fmt, like=source, overwrite=overwrite) as writer:
+    # The recipe goes into a Hugging Face folder's config.json (quantization_config).
+    writer = formats.create_writer(
+        destination, fmt, like=source, overwrite=overwrite, recipe=recipe
+    )
+    with writer:
         for entry in entries:
             if check is not None:
                 check()

@@ -101,16 +101,25 @@ class PartialOutput:
         if restart:
             self.discard()
         self.completed: dict[str, dict[str, Any]] = {}
+        self._log: Any = None
         if (self.directory / _MANIFEST).exists():
             self._check_fingerprint()
             self.completed = self._read_log()
+            self._open_log()
         else:
             remove(self.directory)  # a directory without a manifest holds nothing finished
-            (self.directory / "parts").mkdir(parents=True)
-            tmp = self.directory / (_MANIFEST + ".tmp")
-            tmp.write_text(json.dumps({"fingerprint": self.fingerprint}, sort_keys=True))
-            os.replace(tmp, self.directory / _MANIFEST)
+        # Otherwise the directory is created with the first finished tensor: a run that fails
+        # before one (a server never reached, a bad recipe) leaves nothing behind to clean up.
+
+    def _open_log(self) -> None:
         self._log = open(self.directory / _LOG, "a", encoding="utf-8")  # noqa: SIM115 - close()
+
+    def _create(self) -> None:
+        (self.directory / "parts").mkdir(parents=True)
+        tmp = self.directory / (_MANIFEST + ".tmp")
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint}, sort_keys=True))
+        os.replace(tmp, self.directory / _MANIFEST)
+        self._open_log()
 
     def _check_fingerprint(self) -> None:
         try:
@@ -154,6 +163,8 @@ class PartialOutput:
         self, index: int, path: str, parts: dict[str, np.ndarray], info: dict[str, Any]
     ) -> None:
         """Writes `parts` of the tensor `path` (entry number `index`), then marks it finished."""
+        if self._log is None:
+            self._create()
         written = {}
         for name, array in parts.items():
             array = np.ascontiguousarray(array)
@@ -187,7 +198,8 @@ class PartialOutput:
         return parts
 
     def close(self) -> None:
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
     def discard(self) -> None:
         """Deletes the partial output (after a commit, or on --restart)."""
