@@ -5,22 +5,27 @@ Formats: Orbax PyTree checkpoints (directories), safetensors (one file, or a sha
 writes one. Memory stays bounded by a few tensors on both sides, whatever the checkpoint's size.
 
 Paths: '/'-joined tree keys for Orbax and npz ("params/Dense_0/kernel"), the key verbatim for
-safetensors. A quantized leaf P is written in the Qwix PTQ param layout (P/array/qvalue,
-P/array/scale, P/array/zero_point; with "." for safetensors): a nested {"array": {...}} under P
-in Orbax.
+safetensors. One key layout in every format: a quantized leaf P is written in the Qwix PTQ param
+layout as P/array/qvalue, P/array/scale and P/array/zero_point, always '/'-joined, P being the
+source's own path (a safetensors name keeps its dots: "model.layers.0.mlp.up_proj.weight/array/
+qvalue"); a nested {"array": {...}} under P in Orbax. `load` reads any output back as the nested
+tree a PtqProvider model takes.
 
 Atomic outputs: a writer stages its output beside the destination (`.NAME.qmill-tmp-*`) and
 renames it into place on commit; on an exception the staged output is deleted. An existing
 destination is refused unless `overwrite=True`.
 
-Dtypes a format cannot store (uint4 and float8_e4m3 in Orbax; bfloat16, float8 and int4 in
-npz; int4, uint4 and float4 in safetensors): 4-bit (and 2-bit) integers are stored as int8 /
-uint8 with the same values, one per byte; other types as their raw bits in the unsigned integer
-of their width. The logical dtype is recorded beside the data -- safetensors:
-`__metadata__["qmill.dtypes"]`, Orbax: `_CHECKPOINT_METADATA` custom_metadata
-`{"qmill": {"dtypes": ...}}`, npz: a `__qmill_dtypes__` member -- each a JSON map from path to
-dtype name, and the readers give the original dtype back. bfloat16 and float8_e4m3fn/e5m2 are
-native in Orbax and safetensors; int4 is native in Orbax.
+4-bit types (int4, uint4, float4_e2m1fn; nf4 codes are uint4) are packed two codes per byte, low
+nibble first, as the wire carries them, in every format: a flat uint8 array of ceil(n / 2)
+bytes. Other dtypes a format cannot store (float8_e4m3 in Orbax; bfloat16 and float8 in npz;
+...) go into carriers: 2-bit integers as int8 / uint8 with the same values, one per byte;
+others as their raw bits in the unsigned integer of their width. The logical dtype, and the
+logical shape of packed tensors, are recorded beside the data -- safetensors:
+`__metadata__["qmill.dtypes"]` and `["qmill.packed"]`; Orbax: `_CHECKPOINT_METADATA`
+custom_metadata `{"qmill": {"dtypes": ..., "packed": ...}}`; npz: `__qmill_dtypes__` and
+`__qmill_packed__` members -- each a JSON map from path to dtype name or shape, and the readers
+give the original arrays back. bfloat16 and float8_e4m3fn/e5m2 are native in Orbax and
+safetensors. Files qmill wrote before packing (4-bit one value per byte) still read back.
 
 `import qmill.checkpoints` does not import jax or Orbax; opening or writing an Orbax
 checkpoint imports them.

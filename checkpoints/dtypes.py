@@ -1,18 +1,24 @@
-"""Dtypes a checkpoint format cannot hold, stored in one it can (a *carrier*), exactly.
+"""How tensors are stored on disk when a format cannot hold them as they are, exactly.
 
-- Sub-byte integers (int4, uint4, int2, uint2): the same values as int8 / uint8, one value per
-  byte. Any reader then sees the right numbers; ours turns them back into int4 / uint4.
-- Every other dtype a format lacks (float8_e4m3 in Orbax, bfloat16 and float8 in npz, float4
-  in safetensors, ...): its raw bits as the unsigned integer of the same width.
+- 4-bit types (int4, uint4, float4_e2m1fn; nf4 codes are uint4): *packed* in every format, two
+  codes per byte, low nibble first (element 0 in bits 0-3 of byte 0), as the wire carries them,
+  into a flat uint8 array of ceil(n / 2) bytes. The logical dtype and shape are recorded.
+- 1- and 2-bit integers (int2, uint2, ...): the same values as int8 / uint8, one value per byte
+  (no format or engine path produces them in bulk; packing them would buy little).
+- Every other dtype a format lacks (float8_e4m3 in Orbax, bfloat16 and float8 in npz, ...): its
+  raw bits as the unsigned integer of the same width (a *carrier*).
 
-The writer records {path: logical dtype name} beside the data and the reader applies
-`from_carrier`, so every dtype round-trips bit for bit.
+A writer keeps a `Record` of {path: logical dtype name} and {path: logical shape} (packed
+tensors only) beside the data, and the reader undoes the storage with it, so every dtype
+round-trips bit for bit. Files written before packing (4-bit values one per byte as int8 /
+uint8, a dtype record and no shape record) still read back: the by-value carrier is undone.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Container
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -91,13 +97,79 @@ def carried_dtype(stored: np.dtype, logical: str | None) -> np.dtype:
     return np.dtype(stored) if logical is None else logical_dtype(logical)
 
 
-# 4-bit types travel (and are counted) two codes per byte, low nibble first.
+# 4-bit types travel, are stored and are counted two codes per byte, low nibble first.
 PACKED_4BIT = frozenset({"int4", "uint4", "float4_e2m1fn"})
 
 
 def packed_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor with 4-bit codes packed two per byte, as the wire carries it."""
+    """Bytes of a tensor with 4-bit codes packed two per byte, as the wire and disk hold it."""
     count = math.prod(shape)
     if np.dtype(dtype).name in PACKED_4BIT:
         return (count + 1) // 2
     return count * np.dtype(dtype).itemsize
+
+
+def pack_4bit(array: np.ndarray) -> np.ndarray:
+    """A 4-bit array as a flat uint8 array, two codes per byte, low nibble first; an odd count
+    leaves the last high nibble zero."""
+    # ml_dtypes keeps each 4-bit code in the low nibble of its byte.
+    nibbles = np.ascontiguousarray(array).reshape(-1).view(np.uint8) & 0x0F
+    if nibbles.size % 2:
+        nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def unpack_4bit(packed: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Undoes `pack_4bit`: the array of `dtype` and `shape` whose codes `packed` holds."""
+    count = math.prod(shape)
+    if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size != (count + 1) // 2:
+        raise ValueError(
+            f"packed 4-bit data is {packed.dtype}{list(packed.shape)}, not the "
+            f"{(count + 1) // 2} uint8 bytes of a {dtype.name}{list(shape)} tensor"
+        )
+    nibbles = np.empty(packed.size * 2, np.uint8)
+    nibbles[0::2] = packed & 0x0F
+    nibbles[1::2] = packed >> 4
+    return nibbles[:count].view(dtype).reshape(shape)
+
+
+class Record:
+    """What a reader needs to give back the logical arrays of a checkpoint: {path: logical dtype
+    name} for tensors not stored as themselves, {path: logical shape} for packed ones. Writers
+    fill it with `store`; readers build it from the file's metadata and call `restore`."""
+
+    def __init__(
+        self, dtypes: dict[str, str] | None = None, packed: dict[str, Any] | None = None
+    ) -> None:
+        self.dtypes: dict[str, str] = dict(dtypes or {})
+        self.packed: dict[str, list[int]] = {k: list(v) for k, v in (packed or {}).items()}
+
+    def store(self, key: str, array: np.ndarray, native: Container[str]) -> np.ndarray:
+        """`array` as the format stores it (packed, carried or itself), recorded under `key`."""
+        name = array.dtype.name
+        if name in PACKED_4BIT:
+            self.dtypes[key] = name
+            self.packed[key] = [int(d) for d in array.shape]
+            return pack_4bit(array)
+        stored, logical = to_carrier(array, native)
+        if logical:
+            self.dtypes[key] = logical
+        return stored
+
+    def logical(
+        self, key: str, stored: np.dtype, shape: tuple[int, ...]
+    ) -> tuple[np.dtype, tuple[int, ...]]:
+        """(dtype, shape) of tensor `key` as the reader gives it back, from metadata alone."""
+        if key in self.packed:
+            return logical_dtype(self.dtypes[key]), tuple(self.packed[key])
+        return carried_dtype(stored, self.dtypes.get(key)), tuple(shape)
+
+    def restore(self, key: str, stored: np.ndarray) -> np.ndarray:
+        """Undoes `store` for tensor `key`."""
+        if key in self.packed:
+            try:
+                dtype = logical_dtype(self.dtypes[key])
+                return unpack_4bit(stored, dtype, tuple(self.packed[key]))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"tensor {key}: {e}") from None
+        return from_carrier(stored, self.dtypes.get(key))

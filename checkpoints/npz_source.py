@@ -1,7 +1,8 @@
 """Reading .npz archives (a zip of .npy members; keys are '/'-joined paths) member by member.
 
 Entries come from the .npy headers alone; `read` decompresses one member. Arrays that npy cannot
-describe were stored in carriers; their logical dtypes are in the `__qmill_dtypes__` member.
+describe were stored packed or in carriers; their logical dtypes are in the `__qmill_dtypes__`
+member, the logical shapes of packed 4-bit ones in `__qmill_packed__`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from qmill.checkpoints import dtypes, protocols, source_base
 
 # A 0-d unicode array holding JSON {path: logical dtype}; plain np.load reads it without pickle.
 DTYPES_MEMBER = "__qmill_dtypes__"
+# JSON {path: logical shape} of 4-bit arrays stored packed, two codes per byte.
+PACKED_MEMBER = "__qmill_packed__"
 _SUFFIX = ".npy"
 
 
@@ -39,16 +42,21 @@ class NpzSource(source_base.SourceBase):
 
     def _load_entries(self) -> None:
         members = [n[: -len(_SUFFIX)] for n in self._zip.namelist() if n.endswith(_SUFFIX)]
-        self._logical: dict[str, str] = {}
-        if DTYPES_MEMBER in members:
-            self._logical = json.loads(str(self._read_stored(DTYPES_MEMBER)))
-            members.remove(DTYPES_MEMBER)
+        records = {}
+        for member in (DTYPES_MEMBER, PACKED_MEMBER):
+            if member in members:
+                try:
+                    records[member] = json.loads(str(self._read_stored(member)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{self.path}: malformed {member} ({e})") from None
+                members.remove(member)
+        self._record = dtypes.Record(records.get(DTYPES_MEMBER), records.get(PACKED_MEMBER))
         self._entries = []
         for name in members:
             shape, stored = self._header(name)
             if stored.hasobject:
                 raise ValueError(f"{self.path}: {name} is an object array; qmill won't unpickle")
-            dtype = dtypes.carried_dtype(stored, self._logical.get(name))
+            dtype, shape = self._record.logical(name, stored, shape)
             self._entries.append(protocols.entry(name, dtype, shape))
         self._paths = {e.path for e in self._entries}
 
@@ -73,7 +81,10 @@ class NpzSource(source_base.SourceBase):
     def read(self, path: str) -> np.ndarray:
         if path not in self._paths:
             raise KeyError(f"no tensor {path!r} in {self.path}")
-        return dtypes.from_carrier(self._read_stored(path), self._logical.get(path))
+        try:
+            return self._record.restore(path, self._read_stored(path))
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
 
     def close(self) -> None:
         self._zip.close()

@@ -1,7 +1,8 @@
 """Writing .npz archives member by member, uncompressed like `np.savez`, into a staged file.
 
-npy describes only numpy's own dtypes: bfloat16, float8 and 4-bit arrays go into carriers (see
-dtypes.py) and their logical dtypes into a `__qmill_dtypes__` member written on commit.
+npy describes only numpy's own dtypes: 4-bit arrays are packed two codes per byte, bfloat16 and
+float8 go into carriers (see dtypes.py); their logical dtypes go into a `__qmill_dtypes__` member
+and the logical shapes of packed ones into `__qmill_packed__`, both written on commit.
 """
 
 from __future__ import annotations
@@ -13,36 +14,36 @@ import zipfile
 import numpy as np
 
 from qmill.checkpoints import dtypes, staging, writer_base
-from qmill.checkpoints.npz_source import DTYPES_MEMBER
+from qmill.checkpoints.npz_source import DTYPES_MEMBER, PACKED_MEMBER
 
 # numpy's own dtypes only; ml_dtypes types need a carrier (npy cannot name them).
 _NATIVE = dtypes.NUMPY_NATIVE
 
 
 class NpzWriter(writer_base.WriterBase):
-    separator = "/"
-
     def __init__(self, destination: str | os.PathLike, *, overwrite: bool = False) -> None:
         super().__init__()
         self._out = staging.StagedOutput(destination, overwrite=overwrite)
         self._zip = zipfile.ZipFile(self._out.staging, "w", allowZip64=True)
-        self._logical: dict[str, str] = {}
+        self._record = dtypes.Record()
 
     def _put(self, key: str, array: np.ndarray, origin: str) -> None:
-        if key == DTYPES_MEMBER:
+        if key in (DTYPES_MEMBER, PACKED_MEMBER):
             raise ValueError(f"{key} is reserved for qmill's dtype record")
-        stored, logical = dtypes.to_carrier(array, _NATIVE)
-        if logical:
-            self._logical[key] = logical
+        stored = self._record.store(key, array, _NATIVE)
         # write_array streams the member in bounded chunks; the archive never holds two.
         with self._zip.open(_member(key + ".npy"), "w", force_zip64=True) as f:
             np.lib.format.write_array(f, stored, allow_pickle=False)
 
     def _commit(self) -> None:
-        if self._logical:
-            record = np.array(json.dumps(self._logical, sort_keys=True))
-            with self._zip.open(_member(DTYPES_MEMBER + ".npy"), "w") as f:
-                np.lib.format.write_array(f, record, allow_pickle=False)
+        for name, record in (
+            (DTYPES_MEMBER, self._record.dtypes),
+            (PACKED_MEMBER, self._record.packed),
+        ):
+            if record:
+                text = np.array(json.dumps(record, sort_keys=True))
+                with self._zip.open(_member(name + ".npy"), "w") as f:
+                    np.lib.format.write_array(f, text, allow_pickle=False)
         self._zip.close()
         self._out.commit()
 

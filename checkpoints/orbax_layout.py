@@ -3,7 +3,8 @@
 A PyTree checkpoint directory (as `PyTreeCheckpointer` / `StandardCheckpointer` save it) holds
 `_METADATA` (the tree), `_CHECKPOINT_METADATA` (step metadata with `custom_metadata`) and the
 OCDBT/zarr array store. qmill records the logical dtypes of arrays stored in a carrier in
-`custom_metadata["qmill"]["dtypes"]`, Orbax's own slot for user metadata.
+`custom_metadata["qmill"]["dtypes"]` and the logical shapes of 4-bit arrays packed two codes
+per byte in `custom_metadata["qmill"]["packed"]`, Orbax's own slot for user metadata.
 """
 
 from __future__ import annotations

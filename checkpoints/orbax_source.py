@@ -42,7 +42,7 @@ class OrbaxSource(source_base.SourceBase):
         tree = getattr(tree_metadata, "tree", tree_metadata)
         custom = getattr(metadata, "custom_metadata", None) or {}
         qmill = custom.get(orbax_layout.QMILL_KEY, {})
-        self._logical: dict[str, str] = qmill.get("dtypes", {})
+        self._record = dtypes.Record(qmill.get("dtypes"), qmill.get("packed"))
         # Zero-size arrays, which Orbax cannot store: {path: {"dtype", "shape"}}.
         self._empty: dict[str, dict[str, Any]] = qmill.get("empty", {})
         self._steps: dict[str, tuple[_Step, ...]] = {}
@@ -54,9 +54,9 @@ class OrbaxSource(source_base.SourceBase):
                 # Strings and other non-array leaves are not tensors: they are not copied.
                 logger.warning("%s: skipping %s, a %s leaf", path, name, type(leaf).__name__)
                 continue
-            dtype = dtypes.carried_dtype(np.dtype(leaf.dtype), self._logical.get(name))
+            dtype, shape = self._record.logical(name, np.dtype(leaf.dtype), tuple(leaf.shape))
             self._steps[name] = steps
-            self._entries.append(protocols.entry(name, dtype, tuple(leaf.shape)))
+            self._entries.append(protocols.entry(name, dtype, shape))
         if self._empty:
             for name, spec in self._empty.items():
                 dtype = dtypes.logical_dtype(spec["dtype"])
@@ -83,7 +83,10 @@ class OrbaxSource(source_base.SourceBase):
         )
         for key, _ in steps:
             restored = restored[key]
-        return dtypes.from_carrier(np.asarray(restored), self._logical.get(path))
+        try:
+            return self._record.restore(path, np.asarray(restored))
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
 
     def close(self) -> None:
         self._checkpointer.close()

@@ -11,7 +11,8 @@ for a few thousand leaves) and nests the tree under `state/`. So the writer driv
    the writer keeps the union of the groups' `tree_metadata` entries (one per leaf).
 2. On commit the union is written as `_METADATA`, `handler.finalize` merges the OCDBT store into
    the checkpoint's root manifest (as after any Orbax save), `_CHECKPOINT_METADATA` records the
-   logical dtypes of carried arrays, and the staging directory is renamed to the destination.
+   logical dtypes of carried arrays and the logical shapes of packed 4-bit ones, and the
+   staging directory is renamed to the destination.
 
 The result is a plain PyTree checkpoint: `ocp.PyTreeCheckpointer().restore(path)` gives the
 nested tree. Peak memory is about two groups (the writer's copies and Orbax's own copy while it
@@ -40,8 +41,6 @@ GROUP_BYTES = 128 * 2**20
 
 
 class OrbaxWriter(writer_base.WriterBase):
-    separator = "/"
-
     def __init__(self, destination: str | os.PathLike, *, overwrite: bool = False) -> None:
         super().__init__()
         self._ocp = orbax_layout.import_orbax()
@@ -57,7 +56,7 @@ class OrbaxWriter(writer_base.WriterBase):
         self._inner: set[tuple[str, ...]] = set()
         self._tree_metadata: dict[str, Any] = {}
         self._last_metadata: dict[str, Any] | None = None
-        self._logical: dict[str, str] = {}
+        self._record = dtypes.Record()
         self._empty: dict[str, dict[str, Any]] = {}
 
     def _put(self, key: str, array: np.ndarray, origin: str) -> None:
@@ -68,9 +67,9 @@ class OrbaxWriter(writer_base.WriterBase):
             # and shape go into the custom metadata, and our reader recreates them.
             self._empty[key] = {"dtype": array.dtype.name, "shape": list(array.shape)}
             return
-        stored, logical = dtypes.to_carrier(array, orbax_layout.NATIVE)
-        if logical:
-            self._logical[key] = logical
+        # 4-bit arrays are packed although Orbax holds int4 and float4 natively: tensorstore
+        # spends a byte on each.
+        stored = self._record.store(key, array, orbax_layout.NATIVE)
         # A copy: the group outlives this call, and callers may reuse their buffers.
         self._group[keys] = np.array(stored, order="C")
         self._group_bytes += stored.nbytes
@@ -122,7 +121,11 @@ class OrbaxWriter(writer_base.WriterBase):
             "init_timestamp_nsecs": self._started_ns,
             "commit_timestamp_nsecs": time.time_ns(),
             "custom_metadata": {
-                orbax_layout.QMILL_KEY: {"dtypes": self._logical, "empty": self._empty}
+                orbax_layout.QMILL_KEY: {
+                    "dtypes": self._record.dtypes,
+                    "packed": self._record.packed,
+                    "empty": self._empty,
+                }
             },
         }
         (directory / orbax_layout.CHECKPOINT_METADATA).write_text(json.dumps(step_metadata))

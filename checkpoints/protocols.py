@@ -19,7 +19,8 @@ class TensorEntry:
     # The logical dtype (ml_dtypes for bfloat16, float8_*, int4), not the one a format stores.
     dtype: np.dtype
     shape: tuple[int, ...]
-    # Bytes of the logical array in memory: one byte per element for 4-bit types (ml_dtypes).
+    # Bytes of the logical array in memory: one byte per element for 4-bit types (ml_dtypes);
+    # on disk and on the wire they take half that (dtypes.packed_nbytes).
     nbytes: int
 
 
@@ -34,7 +35,9 @@ class TensorSource(Protocol):
     """A checkpoint opened for reading one tensor at a time; a context manager."""
 
     format: str  # "orbax" | "safetensors" | "npz"
-    separator: str  # "/" for orbax and npz, "." for safetensors
+    # How the source's own paths nest: "/" for orbax and npz, "." for safetensors names. (The
+    # parts a writer adds to a quantized leaf are '/'-joined in every format: P/array/qvalue.)
+    separator: str
 
     def entries(self) -> list[TensorEntry]:
         """All tensors, in a stable order (file order, or sorted tree order for Orbax)."""
@@ -61,7 +64,7 @@ class CheckpointWriter(Protocol):
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
         """Leaf `path` quantized: parts "qvalue", "scale" and optionally "zero_point" land at
-        path<sep>array<sep>qvalue etc. (the Qwix PTQ param layout)."""
+        path/array/qvalue etc. (the Qwix PTQ param layout), '/' in every format."""
         ...
 
     def commit(self) -> None: ...

@@ -18,11 +18,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qmill.checkpoints import files
+from qmill.checkpoints import dtypes, files
 
 METADATA_KEY = "__metadata__"
-# In __metadata__: JSON {tensor name: logical dtype} for tensors stored in a carrier dtype.
+# In __metadata__: JSON {tensor name: logical dtype} for tensors not stored as themselves, and
+# JSON {tensor name: logical shape} for 4-bit tensors packed two codes per byte (dtypes.py).
 DTYPES_KEY = "qmill.dtypes"
+PACKED_KEY = "qmill.packed"
+RECORD_KEYS = frozenset({DTYPES_KEY, PACKED_KEY})
 # The reference implementation refuses headers larger than this; so do we.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -75,6 +78,26 @@ def read_header(path: pathlib.Path) -> tuple[dict[str, dict[str, Any]], dict[str
     # File order: the order of the bytes on disk, so a full pass reads sequentially.
     tensors = dict(sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]))
     return tensors, metadata, 8 + length
+
+
+def record_metadata(record: dtypes.Record) -> dict[str, str]:
+    """The __metadata__ entries holding a shard's dtype record (none when it is empty)."""
+    out = {}
+    if record.dtypes:
+        out[DTYPES_KEY] = json.dumps(record.dtypes, sort_keys=True)
+    if record.packed:
+        out[PACKED_KEY] = json.dumps(record.packed, sort_keys=True, separators=(",", ":"))
+    return out
+
+
+def read_record(path: pathlib.Path, metadata: dict[str, str]) -> dtypes.Record:
+    """The dtype record in a file's __metadata__."""
+    try:
+        return dtypes.Record(
+            json.loads(metadata.get(DTYPES_KEY, "{}")), json.loads(metadata.get(PACKED_KEY, "{}"))
+        )
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: malformed qmill dtype record in __metadata__ ({e})") from None
 
 
 def _check_tensor(path: pathlib.Path, name: str, info: Any, data_bytes: int) -> None:

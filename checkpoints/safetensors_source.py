@@ -14,23 +14,22 @@ from qmill.checkpoints import safetensors_header as header_lib
 
 
 class _Location:
-    __slots__ = ("begin", "data_start", "logical", "shape", "shard", "stored")
+    __slots__ = ("begin", "data_start", "shape", "shard", "stored")
 
-    def __init__(
-        self, shard: int, data_start: int, info: dict[str, Any], logical: str | None
-    ) -> None:
+    def __init__(self, shard: int, data_start: int, info: dict[str, Any]) -> None:
         self.shard = shard
         self.data_start = data_start
         self.begin = info["data_offsets"][0]
         self.stored = header_lib.CODES[info["dtype"]]
         self.shape = tuple(info["shape"])
-        self.logical = logical
 
 
 class SafetensorsSource(source_base.SourceBase):
     """Shards in order, tensors in file order within each shard."""
 
     format = "safetensors"
+    # How the source's own names nest, by convention ("model.layers.0.mlp.up_proj.weight"). The
+    # parts qmill adds to a quantized leaf are always '/'-joined: P/array/qvalue.
     separator = "."
 
     def __init__(self, files: list[pathlib.Path], *, index: pathlib.Path | None = None) -> None:
@@ -41,19 +40,27 @@ class SafetensorsSource(source_base.SourceBase):
         self._where: dict[str, _Location] = {}
         self._entries: list[protocols.TensorEntry] = []
         self.metadata: dict[str, str] = {}
+        # One record for all shards: a tensor name is in exactly one of them.
+        self._record = dtypes.Record()
         for shard, path in enumerate(self.files):
             tensors, metadata, data_start = header_lib.read_header(path)
-            logical = json.loads(metadata.get(header_lib.DTYPES_KEY, "{}"))
+            record = header_lib.read_record(path, metadata)
             if shard == 0:
-                self.metadata = {k: v for k, v in metadata.items() if k != header_lib.DTYPES_KEY}
+                self.metadata = {
+                    k: v for k, v in metadata.items() if k not in header_lib.RECORD_KEYS
+                }
             for name, info in tensors.items():
                 if name in self._where:
                     other = self.files[self._where[name].shard]
                     raise ValueError(f"tensor {name} is in both {other} and {path}")
-                where = _Location(shard, data_start, info, logical.get(name))
+                where = _Location(shard, data_start, info)
                 self._where[name] = where
-                dtype = dtypes.carried_dtype(where.stored, where.logical)
-                self._entries.append(protocols.entry(name, dtype, where.shape))
+                if name in record.dtypes:
+                    self._record.dtypes[name] = record.dtypes[name]
+                if name in record.packed:
+                    self._record.packed[name] = record.packed[name]
+                dtype, shape = self._record.logical(name, where.stored, where.shape)
+                self._entries.append(protocols.entry(name, dtype, shape))
 
     @property
     def sharded(self) -> bool:
@@ -77,7 +84,10 @@ class SafetensorsSource(source_base.SourceBase):
         buffer = memoryview(array.reshape(-1).view(np.uint8))
         if array.nbytes and f.readinto(buffer) != array.nbytes:
             raise ValueError(f"{self.files[where.shard]}: truncated data for tensor {path}")
-        return dtypes.from_carrier(array, where.logical)
+        try:
+            return self._record.restore(path, array)
+        except ValueError as e:
+            raise ValueError(f"{self.files[where.shard]}: {e}") from None
 
     def _handle(self, shard: int) -> BinaryIO:
         if shard not in self._handles:

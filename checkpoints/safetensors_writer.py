@@ -9,7 +9,7 @@ safetensors source (output shard i holds what came from input shard i) or, other
 Memory and I/O: a safetensors header precedes the data but is known only at the end, so each
 shard's tensors are appended to a staging file as they arrive, behind space reserved for the
 header. When `like` tells which tensors will come (a quantized leaf P becomes at most three
-tensors P.array.*), the reservation is sized from its entries and commit writes the header in
+tensors P/array/*), the reservation is sized from its entries and commit writes the header in
 place, padded with spaces as the format allows. Otherwise, or when the header outgrows the space,
 commit copies the data behind the header in the kernel. Neither path holds more than the tensor
 being written.
@@ -33,15 +33,15 @@ SINGLE_NAME = "model.safetensors"
 _COPY_CHUNK = 64 * 2**20
 
 
-# Header bytes reserved per source entry: three tensors P.array.{qvalue,scale,zero_point} of
-# ~100 bytes of JSON plus the name each, and a qmill.dtypes record.
-_RESERVE_PER_ENTRY = 128
+# Header bytes reserved per source entry: three tensors P/array/{qvalue,scale,zero_point} of
+# ~90 bytes of JSON plus the name each, and the qmill.dtypes and qmill.packed records.
+_RESERVE_PER_ENTRY = 100
 _RESERVE_SLACK = 4096
 
 
 def header_reserve(entries: list[Any]) -> int:
     """Header bytes to reserve for the outputs of these source entries (a multiple of 8)."""
-    reserve = _RESERVE_SLACK + sum(4 * (len(e.path) + _RESERVE_PER_ENTRY) for e in entries)
+    reserve = _RESERVE_SLACK + sum(5 * (len(e.path) + _RESERVE_PER_ENTRY) for e in entries)
     return reserve + (-reserve % 8)
 
 
@@ -54,11 +54,11 @@ class _Shard:
         self._data: BinaryIO = open(data_path, "wb")  # noqa: SIM115 - closed in finish/close
         self._data.seek(8 + reserve if reserve else 0)
         self.tensors: dict[str, dict[str, Any]] = {}
-        self.logical: dict[str, str] = {}
+        self.record = dtypes.Record()
         self.nbytes = 0
 
     def add(self, key: str, array: np.ndarray) -> None:
-        stored, logical = dtypes.to_carrier(array, header_lib.NATIVE)
+        stored = self.record.store(key, array, header_lib.NATIVE)
         if stored.dtype.byteorder == ">":
             stored = stored.astype(stored.dtype.newbyteorder("<"))
         # order="C" without ascontiguousarray, which would turn a 0-d array into a 1-d one.
@@ -70,16 +70,12 @@ class _Shard:
             "shape": list(stored.shape),
             "data_offsets": [self.nbytes, self.nbytes + stored.nbytes],
         }
-        if logical:
-            self.logical[key] = logical
         self.nbytes += stored.nbytes
 
     def finish(self, path: pathlib.Path, metadata: dict[str, str]) -> None:
         """Writes the finished file at `path`."""
         self._data.close()
-        metadata = dict(metadata)
-        if self.logical:
-            metadata[header_lib.DTYPES_KEY] = json.dumps(self.logical, sort_keys=True)
+        metadata = dict(metadata) | header_lib.record_metadata(self.record)
         header = header_lib.encode_header(self.tensors, metadata)
         if self.reserve and len(header) - 8 <= self.reserve:
             with open(self.data_path, "r+b") as f:
@@ -120,8 +116,6 @@ def _append(src_path: pathlib.Path, offset: int, dst: BinaryIO, nbytes: int) -> 
 
 
 class SafetensorsWriter(writer_base.WriterBase):
-    separator = "."
-
     def __init__(
         self,
         destination: str | os.PathLike,
@@ -184,7 +178,7 @@ class SafetensorsWriter(writer_base.WriterBase):
         return current
 
     def _put(self, key: str, array: np.ndarray, origin: str) -> None:
-        self._shard_for(origin, array.nbytes).add(key, array)
+        self._shard_for(origin, dtypes.packed_nbytes(array.dtype, array.shape)).add(key, array)
 
     def _commit(self) -> None:
         if self._single_file:

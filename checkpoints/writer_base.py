@@ -1,8 +1,12 @@
 """Behaviour every writer shares: the context manager, the quantized-leaf layout, the guards.
 
 A format implements `_put(key, array, origin)`, `_commit()` and `_abort()`. `origin` is the
-source path a tensor belongs to (the leaf P for P<sep>array<sep>qvalue), which the sharded
-safetensors writer uses to keep every output tensor in the shard of its input.
+source path a tensor belongs to (the leaf P for P/array/qvalue), which the sharded safetensors
+writer uses to keep every output tensor in the shard of its input.
+
+One key layout in every format: a quantized leaf P becomes P/array/qvalue, P/array/scale and
+P/array/zero_point, '/'-joined whatever the format, P being the source's own path verbatim
+(a safetensors name keeps its dots: "model.layers.0.mlp.up_proj.weight/array/qvalue").
 """
 
 from __future__ import annotations
@@ -13,9 +17,16 @@ import numpy as np
 QUANTIZED_PARTS = ("qvalue", "scale", "zero_point")
 
 
-class WriterBase:
-    separator = "/"
+# Joins a quantized leaf's path to the parts qmill adds, in every format.
+SEPARATOR = "/"
 
+
+def quantized_key(path: str, part: str) -> str:
+    """Where part `part` of quantized leaf `path` is stored: path/array/part."""
+    return SEPARATOR.join((path, "array", part))
+
+
+class WriterBase:
     def __init__(self) -> None:
         self._state = "open"
         self._keys: set[str] = set()
@@ -43,7 +54,7 @@ class WriterBase:
             )
         for name in QUANTIZED_PARTS:
             if name in parts:
-                key = self.separator.join((path, "array", name))
+                key = quantized_key(path, name)
                 self._add(key, np.asarray(parts[name]), path)
 
     def commit(self) -> None:

@@ -22,10 +22,15 @@ def test_output_loads_with_numpy_without_pickle(tmp_path, sample):
         )
     with np.load(dest, allow_pickle=False) as archive:
         assert archive["params/Dense_0/kernel"].tobytes() == kernel.tobytes()
+        # 12 uint4 codes, two per byte, low nibble first.
         stored = archive["params/Dense_1/kernel/array/qvalue"]
-        assert stored.dtype == np.uint8 and stored.tolist() == qvalue.astype(int).tolist()
+        codes = qvalue.astype(int).reshape(-1)
+        assert stored.dtype == np.uint8 and stored.shape == (6,)
+        assert stored.tolist() == (codes[0::2] | codes[1::2] << 4).tolist()
         record = json.loads(str(archive["__qmill_dtypes__"]))
         assert record == {"params/Dense_1/kernel/array/qvalue": "uint4"}
+        shapes = json.loads(str(archive["__qmill_packed__"]))
+        assert shapes == {"params/Dense_1/kernel/array/qvalue": [4, 3]}
     with checkpoints.open_source(dest) as source:
         assert source.format == "npz" and source.separator == "/"
         assert [e.path for e in source.entries()] == [
@@ -33,7 +38,8 @@ def test_output_loads_with_numpy_without_pickle(tmp_path, sample):
             "params/Dense_1/kernel/array/qvalue",
             "params/Dense_1/kernel/array/scale",
         ]
-        assert source.read("params/Dense_1/kernel/array/qvalue").dtype == ml_dtypes.uint4
+        back = source.read("params/Dense_1/kernel/array/qvalue")
+        assert back.dtype == ml_dtypes.uint4 and back.tobytes() == qvalue.tobytes()
 
 
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])

@@ -35,35 +35,41 @@ def _hf_sharded(tmp_path, sample, shards=3, per_shard=2):
 def test_output_opens_with_the_reference_library(tmp_path, sample):
     dest = tmp_path / "out.safetensors"
     weight = sample(np.float32, (4, 3))
+    qvalue = sample(ml_dtypes.int4, (3, 3))
     with checkpoints.create_writer(dest, "safetensors") as writer:
         writer.write("w", weight)
         writer.write("step", np.array(5, np.int64))
-        writer.write_quantized(
-            "l.weight", {"qvalue": sample(ml_dtypes.int4, (2, 2)), "scale": np.ones((2, 1))}
-        )
+        writer.write_quantized("l.weight", {"qvalue": qvalue, "scale": np.ones((3, 1))})
         writer.write("bf16", sample(ml_dtypes.bfloat16, (2,)))
     with safetensors.safe_open(dest, "np") as f:
         assert set(f.keys()) == {
             "w",
             "step",
-            "l.weight.array.qvalue",
-            "l.weight.array.scale",
+            "l.weight/array/qvalue",
+            "l.weight/array/scale",
             "bf16",
         }
         assert f.get_tensor("w").tobytes() == weight.tobytes()
         assert f.get_tensor("step").shape == ()
-        # int4 travels as int8 with the same values; the logical dtype is in the metadata.
-        assert f.get_tensor("l.weight.array.qvalue").dtype == np.int8
-        assert json.loads(f.metadata()["qmill.dtypes"]) == {"l.weight.array.qvalue": "int4"}
+        # int4 is packed two codes per byte (9 codes, 5 bytes); its logical dtype and shape are
+        # in the metadata.
+        packed = f.get_tensor("l.weight/array/qvalue")
+        assert packed.dtype == np.uint8 and packed.shape == (5,)
+        codes = qvalue.astype(np.int8).view(np.uint8).reshape(-1) & 0x0F
+        assert packed[0] == codes[0] | codes[1] << 4 and packed[4] == codes[8]
+        assert json.loads(f.metadata()["qmill.dtypes"]) == {"l.weight/array/qvalue": "int4"}
+        assert json.loads(f.metadata()["qmill.packed"]) == {"l.weight/array/qvalue": [3, 3]}
     with checkpoints.open_source(dest) as source:
         assert [e.path for e in source.entries()] == [
             "w",
             "step",
-            "l.weight.array.qvalue",
-            "l.weight.array.scale",
+            "l.weight/array/qvalue",
+            "l.weight/array/scale",
             "bf16",
         ]
-        assert source.read("l.weight.array.qvalue").dtype == ml_dtypes.int4
+        assert source.entries()[2].shape == (3, 3)
+        back = source.read("l.weight/array/qvalue")
+        assert back.dtype == ml_dtypes.int4 and back.tobytes() == qvalue.tobytes()
 
 
 def test_reads_a_hugging_face_sharded_set_in_shard_then_file_order(tmp_path, sample):
@@ -97,7 +103,7 @@ def test_sharded_input_gives_sharded_output_with_an_index(tmp_path, sample):
     assert len(weight_map) == 12
     for i in range(6):
         for part in ("qvalue", "scale"):
-            assert weight_map[f"model.layers.{i}.mlp.up_proj.weight.array.{part}"] == names[i // 2]
+            assert weight_map[f"model.layers.{i}.mlp.up_proj.weight/array/{part}"] == names[i // 2]
     assert index["metadata"]["total_size"] == 6 * (32 + 32)
     for name in names:
         with safetensors.safe_open(out / name, "np") as f:
@@ -189,13 +195,17 @@ def test_header_space_reserved_from_like_is_used_or_outgrown(
         checkpoints.create_writer(tmp_path / "out.safetensors", "safetensors", like=source) as w,
     ):
         for e in source.entries():
-            w.write_quantized(
-                e.path, {"qvalue": source.read(e.path).astype(np.int8), "scale": np.ones(8)}
-            )
+            # int4: the header also holds the packed record, which must fit the reservation.
+            qvalue = source.read(e.path).clip(-8, 7).astype(ml_dtypes.int4)
+            w.write_quantized(e.path, {"qvalue": qvalue, "scale": np.ones(8)})
     with safetensors.safe_open(tmp_path / "out.safetensors", "np") as f:
-        got = f.get_tensor("layer.1.weight.array.qvalue")
-        assert got.tobytes() == tensors["layer.1.weight"].astype(np.int8).tobytes()
+        assert f.get_tensor("layer.1.weight/array/qvalue").shape == (64,)
         assert len(f.keys()) == 6
+    with checkpoints.open_source(tmp_path / "out.safetensors") as back:
+        got = back.read("layer.1.weight/array/qvalue")
+        assert (
+            got.tobytes() == tensors["layer.1.weight"].clip(-8, 7).astype(ml_dtypes.int4).tobytes()
+        )
 
 
 def test_a_shape_whose_byte_count_wraps_64_bits_is_refused(tmp_path):
