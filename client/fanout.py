@@ -10,6 +10,10 @@ not answered go back to the front of the feed for the others; a status that desc
 every replica has failed, the last error is raised: the CLI's retry (retry.call) then starts again,
 resuming.
 
+`streams=N` opens N streams per replica (each on a channel and TCP connection of its own), so one
+client drives N concurrent QuantizeParams calls even to a single server: while one stream's
+tensor is being quantized, another's is on the wire. A lost stream is handled as a lost replica.
+
 Outcomes are yielded as they complete, NOT in input order: pipeline.quantize_checkpoint records each
 one under its entry number and writes the checkpoint in checkpoint order afterwards, so the
 checkpoint is byte for byte the one a single server gives.
@@ -103,7 +107,9 @@ def _connect(
 ) -> client_lib.Client:
     """A Client to one replica; a resolved address checks the server's TLS certificate against
     the name it was resolved from."""
-    options = []
+    # A channel of its own per stream: gRPC would otherwise share one subchannel (one TCP
+    # connection, one sending thread's worth of throughput) among channels to the same target.
+    options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
     if replica.name and creds.tls:
         options.append(("grpc.ssl_target_name_override", replica.name))
     return client_lib.Client(replica.address, timeout=timeout, credentials=creds, options=options)
@@ -112,8 +118,10 @@ def _connect(
 class _Lane:
     """One replica's share of a call: its client and what it holds."""
 
-    def __init__(self, replica: Replica, client: client_lib.Client) -> None:
+    def __init__(self, replica: Replica, client: client_lib.Client, number: int = 0) -> None:
         self.replica = replica
+        # Which of the call's streams this is (0, 1, ...), over all replicas.
+        self.number = number
         self.client = client
         # Tensors taken and not yet handed to the caller: path -> bytes.
         self.held: dict[str, int] = {}
@@ -235,7 +243,8 @@ class FanoutClient:
             for outcome in client.quantize({"rules": [{"qtype": "int8"}]}, tensors):
                 ...  # in completion order
 
-    After a call, `answered_by` maps each path to the replica address that answered it and
+    After a call, `answered_by` maps each path to the replica address that answered it
+    (`answered_by_stream` to the number of the stream, 0 to replicas × streams - 1) and
     `lost` each dropped replica to its error; `resent` counts tensors sent again.
     """
 
@@ -246,10 +255,12 @@ class FanoutClient:
         timeout: float | None = None,
         credentials: credentials_lib.Credentials | None = None,
         tensors_per_replica: int = 4,
+        streams: int = 1,
         on_replica_lost: Callable[[str, errors.QmillError], None] | None = None,
         resolve: Resolver = _resolve,
     ) -> None:
-        """`targets`: a --server value (`a:1,b:2`, `dns:///name:port`) or a list of them."""
+        """`targets`: a --server value (`a:1,b:2`, `dns:///name:port`) or a list of them;
+        `streams`: concurrent QuantizeParams calls per replica."""
         items = [targets] if isinstance(targets, str) else list(targets)
         self.replicas: list[Replica] = []
         for item in items:
@@ -260,11 +271,15 @@ class FanoutClient:
             raise ValueError("FanoutClient needs at least one replica")
         if tensors_per_replica < 1:
             raise ValueError(f"tensors_per_replica must be >= 1, got {tensors_per_replica}")
+        if streams < 1:
+            raise ValueError(f"--streams must be >= 1, got {streams}")
+        self.streams = streams
         self.timeout = timeout
         self._credentials = credentials if credentials is not None else credentials_lib.default()
         self._depth = tensors_per_replica
         self._on_replica_lost = on_replica_lost
         self.answered_by: dict[str, str] = {}
+        self.answered_by_stream: dict[str, int] = {}
         self.lost: dict[str, errors.QmillError] = {}
         self.resent = 0
 
@@ -295,15 +310,19 @@ class FanoutClient:
         """
         recipe = recipes.load(recipe)  # read once, not by every replica's stream
         self.answered_by, self.lost, self.resent = {}, {}, 0
-        window = max(1, window_bytes // len(self.replicas))
+        self.answered_by_stream = {}
+        streams = [r for r in self.replicas for _ in range(self.streams)]
+        window = max(1, window_bytes // len(streams))
         feed = _Feed(iter(tensors), self._depth, window)
         events: queue.Queue[tuple[_Lane, outcome_lib.TensorOutcome | None]] = queue.Queue()
-        lanes = [_Lane(r, _connect(r, self.timeout, self._credentials)) for r in self.replicas]
+        lanes = [
+            _Lane(r, _connect(r, self.timeout, self._credentials), i) for i, r in enumerate(streams)
+        ]
         threads = [
             threading.Thread(
                 target=self._run_lane,
                 args=(lane, recipe, feed, events, window),
-                name=f"qmill-fanout-{lane.replica.address}",
+                name=f"qmill-fanout-{lane.number}-{lane.replica.address}",
                 daemon=True,
             )
             for lane in lanes
@@ -317,6 +336,7 @@ class FanoutClient:
                 if outcome is not None:
                     feed.taken_by_caller(lane, outcome)
                     self.answered_by[outcome.path] = lane.replica.address
+                    self.answered_by_stream[outcome.path] = lane.number
                     yield outcome
                     continue
                 running -= 1
@@ -328,7 +348,8 @@ class FanoutClient:
                 last = list(self.lost.values())[-1] if self.lost else None
                 raise errors.QmillError(
                     "UNAVAILABLE",
-                    f"all {len(lanes)} replicas failed"
+                    f"all {len(self.replicas)} replicas failed"
+                    + (f" ({len(lanes)} streams)" if self.streams > 1 else "")
                     + (f"; the last: {last.code}: {last.details}" if last else ""),
                 )
         finally:
