@@ -162,16 +162,43 @@ class Recipe(_message.Message):
     def __init__(self, rules: _Optional[_Iterable[_Union[Rule, _Mapping]]] = ..., convention: _Optional[_Union[Convention, str]] = ...) -> None: ...
 
 class QuantizeParamsRequest(_message.Message):
-    __slots__ = ("recipe", "header", "chunk", "upload_id")
+    __slots__ = ("recipe", "header", "chunk", "upload_id", "static_ranges")
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    STATIC_RANGES_FIELD_NUMBER: _ClassVar[int]
     recipe: Recipe
     header: TensorHeader
     chunk: TensorChunk
     upload_id: str
-    def __init__(self, recipe: _Optional[_Union[Recipe, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., upload_id: _Optional[str] = ...) -> None: ...
+    static_ranges: StaticRanges
+    def __init__(self, recipe: _Optional[_Union[Recipe, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., upload_id: _Optional[str] = ..., static_ranges: _Optional[_Union[StaticRanges, _Mapping]] = ...) -> None: ...
+
+class StaticRanges(_message.Message):
+    __slots__ = ("calibration_id", "quant_stats", "act_qtypes")
+    class ActQtypesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    QUANT_STATS_FIELD_NUMBER: _ClassVar[int]
+    ACT_QTYPES_FIELD_NUMBER: _ClassVar[int]
+    calibration_id: str
+    quant_stats: _containers.RepeatedCompositeFieldContainer[InlineTensor]
+    act_qtypes: _containers.ScalarMap[str, str]
+    def __init__(self, calibration_id: _Optional[str] = ..., quant_stats: _Optional[_Iterable[_Union[InlineTensor, _Mapping]]] = ..., act_qtypes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class InlineTensor(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: TensorHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class HowToQuantize(_message.Message):
     __slots__ = ("qtype", "channelwise_axes", "tiled_axes", "calibration_method")
@@ -377,18 +404,20 @@ class UploadStatus(_message.Message):
     def __init__(self, upload_id: _Optional[str] = ..., committed_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., sha256: _Optional[str] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
 class CalibrateStart(_message.Message):
-    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "return_ptq_params")
+    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "return_ptq_params", "program")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMS_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_PTQ_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     params_upload_id: str
     rules: _containers.RepeatedCompositeFieldContainer[ModelRule]
     calibration_id: str
     return_ptq_params: bool
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., return_ptq_params: _Optional[bool] = ...) -> None: ...
+    program: bytes
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., return_ptq_params: _Optional[bool] = ..., program: _Optional[bytes] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("start", "batch", "chunk")
@@ -435,20 +464,22 @@ class CalibrateResponse(_message.Message):
     def __init__(self, progress: _Optional[_Union[CalibrateProgress, _Mapping]] = ..., stat: _Optional[_Union[TensorHeader, _Mapping]] = ..., param: _Optional[_Union[TensorResult, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., summary: _Optional[_Union[CalibrateSummary, _Mapping]] = ...) -> None: ...
 
 class ExportOdmlRequest(_message.Message):
-    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "input_shape", "input_dtype")
+    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "input_shape", "input_dtype", "program")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMS_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     INPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     params_upload_id: str
     rules: _containers.RepeatedCompositeFieldContainer[ModelRule]
     calibration_id: str
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     input_dtype: DType
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    program: bytes
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[DType, str]] = ..., program: _Optional[bytes] = ...) -> None: ...
 
 class OdmlModelInfo(_message.Message):
     __slots__ = ("byte_length", "crc32c", "ops", "quantized_weights")
