@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from rich.console import Console
 
@@ -22,6 +23,7 @@ def _parser(with_serve_flags: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qmill", description="Quantization as a service for JAX checkpoints."
     )
+    parser.add_argument("--version", action="version", version=f"qmill {metadata.version('qmill')}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands.add_commands(sub)
     serve_help = "run the qmill gRPC server"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import pathlib
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qmill import checkpoints
-from qmill.checkpoints import pipeline
+from qmill.checkpoints import formats, hf_folder, pipeline, quantization_config
 from qmill.client import (
     admin,
     calibrate,
@@ -84,7 +85,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="times to retry, with exponential backoff, while the server is unavailable "
         "(default %(default)s; each retry resumes where the last attempt stopped)",
     )
-    q.add_argument("--report-json", help="also write the per-tensor report as JSON to this file")
+    q.add_argument(
+        "--report-json",
+        help="also write the report as JSON to this file: totals, recipe, timings, groups, the "
+        "lowest-SQNR tensors and every tensor's row",
+    )
+    q.add_argument(
+        "--table",
+        choices=report.TABLES,
+        default="summary",
+        help="summary (default): the lowest-SQNR tensors, the tensors grouped by qtype and "
+        "tiling or by why they were kept, the totals; full: every tensor",
+    )
+    q.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (each tensor's qtype and tiling, or why it is kept, and its bytes "
+        "before and after) without quantizing or writing anything",
+    )
     q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
     credentials.add_arguments(q)
@@ -107,8 +125,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     export_odml.add_command(sub)
 
 
+def _dry_run(args: argparse.Namespace, recipe: dict, out: Console) -> int:
+    if args.report_json:
+        raise ValueError("--dry-run writes nothing; drop --report-json")
+    output = pathlib.Path(args.output)
+    formats.check_destination(
+        args.source, output, overwrite=args.overwrite, output_format=args.format
+    )
+    if not args.overwrite and (output.exists() or output.is_symlink()):
+        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    from qmill.checkpoints import plan  # lazy: the plan comes from the engine (jax)
+
+    rows = plan.plan_checkpoint(args.source, recipe)
+    summary = report.Summary(rows, 0.0, str(args.source), str(args.output), recipe)
+    out.print(report.render(summary, args.table, plan=True))
+    return 0
+
+
 def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     recipe = recipes.load(args.recipe)
+    if args.dry_run:
+        return _dry_run(args, recipe, out)
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
 
@@ -154,27 +191,77 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         retry_if=lambda _: answered.is_set(),
     )
     seconds = time.monotonic() - started
-    if not args.quiet:
-        out.print(report.quality_table(rows))
-    out.print(report.totals_line(rows, seconds) + f" → {args.output}")
+    summary = report.Summary(
+        rows,
+        seconds,
+        str(args.source),
+        str(args.output),
+        pipeline.with_default_convention(recipe, _source_format(args.source)),
+        disk_before=report.disk_bytes(args.source),
+        disk_after=report.disk_bytes(args.output),  # what was written, stat'ed after commit
+    )
+    if args.quiet:
+        out.print(report.totals_line(summary), markup=False, highlight=False, soft_wrap=True)
+    else:
+        out.print(report.render(summary, args.table))
     if args.report_json:
-        report.write_json(rows, args.report_json)
+        report.write_json(summary, args.report_json)
     return 0
+
+
+def _source_format(path: str) -> str:
+    with checkpoints.open_source(path) as source:
+        return source.format
 
 
 def _inspect(args: argparse.Namespace, out: Console) -> int:
     with checkpoints.open_source(args.checkpoint) as source:
         entries = source.entries()
-        table = Table(title=f"{args.checkpoint} ({source.format})")
-        for name in ("path", "dtype", "shape", "bytes"):
-            table.add_column(name, justify="right" if name == "bytes" else "left")
+        table = Table(title=f"{args.checkpoint} ({source.format})", title_justify="left")
+        table.add_column("path", overflow="fold", min_width=24, ratio=1)
+        table.add_column("dtype", overflow="fold")
+        table.add_column("shape", overflow="fold")
+        table.add_column("bytes", justify="right")
         for e in entries:
             table.add_row(
                 e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{e.nbytes:,}"
             )
+        folder = _folder_lines(source) if isinstance(source, hf_folder.HfFolderSource) else []
     out.print(table)
-    out.print(f"{len(entries)} tensors, {sum(e.nbytes for e in entries):,} bytes")
+    for text in folder:
+        out.print(text, markup=False, highlight=False, soft_wrap=True)
+    # A quantized leaf P is stored as P/array/qvalue (+ scale, zero_point).
+    leaves = [e for e in entries if e.path.endswith(("/array/qvalue", ".array.qvalue"))]
+    dtypes = sorted({e.dtype.name for e in leaves})
+    quantized = f"; {len(leaves)} quantized leaves ({', '.join(dtypes)})" if leaves else ""
+    out.print(
+        f"{len(entries)} tensors, {sum(e.nbytes for e in entries):,} bytes{quantized}",
+        markup=False,
+        highlight=False,
+    )
     return 0
+
+
+def _folder_lines(source: hf_folder.HfFolderSource) -> list[str]:
+    """What a Hugging Face model folder holds besides its tensors."""
+    config = source.config
+    architectures = ", ".join(config.get("architectures") or []) or "-"
+    lines = [
+        f"Hugging Face model folder {source.folder}: model_type "
+        f"{config.get('model_type', '-')}, architectures {architectures}",
+        "weights: "
+        + ", ".join(f"{p.name} ({p.stat().st_size:,} bytes)" for p in source.weight_files()),
+    ]
+    copied, left_out = source.other_files()
+    names = ", ".join(str(p) for p in copied)
+    lines.append(f"other files ({len(copied)}, copied as they are when quantized): {names}")
+    if left_out:
+        lines.append(
+            "weights in other formats (left out when quantized): "
+            + ", ".join(str(p) for p in left_out)
+        )
+    lines.append(quantization_config.describe(config))
+    return lines
 
 
 def _client(args: argparse.Namespace) -> client_lib.Client:

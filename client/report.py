@@ -1,4 +1,11 @@
-"""Human and machine views of a quantization job: progress bar, quality table, JSON report."""
+"""Human and machine views of a quantization job: progress bar, tables, JSON report.
+
+Sizes are what was written: per tensor the bytes as stored (4-bit codes two to a byte, scales and
+zero points included), in total the files on disk, stat'ed after the output was committed. The
+80-column view shows whole paths (folded, never cut), the lowest-SQNR tensors, the quantized
+tensors grouped by qtype and tiling, the kept ones grouped by reason, and the totals; `full`
+lists every tensor.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,13 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
+import statistics
 from collections.abc import Sequence
+from typing import Any
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -18,6 +29,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from qmill.checkpoints import pipeline
 
@@ -58,6 +70,10 @@ class ProgressBar:
         )
 
 
+TABLES = ("summary", "full")
+WORST = 10  # lowest-SQNR tensors in the summary view and the JSON report
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -72,45 +88,187 @@ def _db(value: float) -> str:
     return "exact" if math.isinf(value) else f"{value:.1f}"
 
 
-def quality_table(rows: Sequence[pipeline.ReportRow]) -> Table:
-    table = Table(title="qmill: per-tensor quality", show_lines=False)
-    for name, justify in (
-        ("path", "left"),
-        ("shape", "left"),
-        ("dtype → qtype", "left"),
-        ("tiles", "left"),
-        ("SQNR dB", "right"),
-        ("bytes before → after", "right"),
-    ):
-        table.add_column(name, justify=justify)
+def _tiling(r: pipeline.ReportRow) -> str:
+    if r.qtype == "kept":
+        return "-"
+    return f"tiles {r.tiles}" if r.tiles else "per channel"
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files at `path`: one file, every file under a directory, or for a safetensors
+    index the index and the shards it names."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    if path.name.endswith(".safetensors.index.json"):
+        shards = set(json.loads(path.read_text()).get("weight_map", {}).values())
+        return path.stat().st_size + sum((path.parent / s).stat().st_size for s in shards)
+    return path.stat().st_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """A finished (or planned) run: its rows and what it read and wrote."""
+
+    rows: Sequence[pipeline.ReportRow]
+    seconds: float
+    source: str
+    output: str
+    recipe: dict[str, Any]
+    # Files on disk; None for a plan (nothing written).
+    disk_before: int | None = None
+    disk_after: int | None = None
+
+    @property
+    def quantized(self) -> list[pipeline.ReportRow]:
+        return [r for r in self.rows if r.qtype != "kept"]
+
+    def worst(self, n: int = WORST) -> list[pipeline.ReportRow]:
+        def key(r: pipeline.ReportRow) -> float:
+            return math.inf if math.isnan(r.sqnr_db) else r.sqnr_db
+
+        return sorted(self.quantized, key=key)[:n]
+
+    def groups(self) -> dict[str, list[pipeline.ReportRow]]:
+        """Rows by what became of them: "float32 → int4 tiles 1:128", "bfloat16 → int8 per
+        channel", "kept: why"."""
+        out: dict[str, list[pipeline.ReportRow]] = {}
+        for r in self.rows:
+            name = (
+                f"kept: {r.reason or 'kept'}"
+                if r.qtype == "kept"
+                else f"{r.dtype} → {r.qtype} {_tiling(r)}"
+            )
+            out.setdefault(name, []).append(r)
+        return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("kept"), kv[0])))
+
+
+def _short(n: float) -> str:
+    """3.0K, 306K, 2.2M: the row tables' sizes, kept narrow for 80 columns."""
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n:.0f}{unit}" if unit == "B" or n >= 100 else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}G"  # pragma: no cover
+
+
+def _rows_table(title: str, rows: Sequence[pipeline.ReportRow], *, sqnr: bool = True) -> Table:
+    # No vertical rules and narrow columns: at 80 columns the path keeps about 35 of them, and
+    # folds onto more lines rather than being cut, so every tensor can be found by its path.
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("path", overflow="fold", ratio=1)
+    table.add_column("shape", overflow="fold", max_width=11)
+    table.add_column("qtype", overflow="fold", max_width=11)
+    if sqnr:
+        table.add_column("SQNR", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
     for r in rows:
-        target = r.qtype if r.qtype != "kept" else f"kept ({r.reason})"
-        table.add_row(
-            r.path,
-            "×".join(map(str, r.shape)) or "scalar",
-            f"{r.dtype} → {target}",
-            r.tiles or "-",
-            _db(r.sqnr_db),
-            f"{_size(r.bytes_before)} → {_size(r.bytes_after)}",
-        )
+        qtype = "kept" if r.qtype == "kept" else f"{r.qtype} {r.tiles}".strip()
+        cells = [r.path, "×".join(map(str, r.shape)) or "scalar", qtype]
+        if sqnr:
+            cells.append(_db(r.sqnr_db))
+        table.add_row(*cells, f"{_short(r.bytes_before)} → {_short(r.bytes_after)}")
     return table
 
 
-def totals_line(rows: Sequence[pipeline.ReportRow], seconds: float) -> str:
+def _groups_table(summary: Summary, *, sqnr: bool = True) -> Table:
+    table = Table(title="by what became of them", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("group", overflow="fold", ratio=1)
+    table.add_column("tensors", justify="right")
+    table.add_column("bytes", justify="right", no_wrap=True)
+    if sqnr:
+        table.add_column("SQNR min/median", justify="right", no_wrap=True)
+    for name, rows in summary.groups().items():
+        values = [r.sqnr_db for r in rows if not math.isnan(r.sqnr_db)]
+        quality = f"{_db(min(values))} / {_db(statistics.median(values))}" if values else "-"
+        before = sum(r.bytes_before for r in rows)
+        after = sum(r.bytes_after for r in rows)
+        cells = [name, str(len(rows)), f"{_short(before)} → {_short(after)}"]
+        table.add_row(*cells, *([quality] if sqnr else []))
+    return table
+
+
+def render(summary: Summary, table: str = "summary", *, plan: bool = False) -> Group:
+    """What `qmill quantize` prints: the tensors (`full`) or the worst and the groups
+    (`summary`), then the totals."""
+    parts: list[Any] = []
+    if plan:
+        # A plan is read to check what happens to each tensor: every row, always.
+        parts.append(_rows_table("qmill: plan (nothing quantized)", summary.rows, sqnr=False))
+    elif table == "full":
+        parts.append(_rows_table("qmill: every tensor", summary.rows))
+    else:
+        worst = summary.worst()
+        title = f"lowest SQNR (dB): {len(worst)} of {len(summary.quantized)} quantized tensors"
+        parts.append(_rows_table(title + " (--table full: all)", worst))
+    parts.append(_groups_table(summary, sqnr=not plan))
+    parts.append(Text(totals_line(summary, plan=plan)))
+    return Group(*parts)
+
+
+def totals_line(summary: Summary, *, plan: bool = False) -> str:
+    rows = summary.rows
     before = sum(r.bytes_before for r in rows)
     after = sum(r.bytes_after for r in rows)
-    quantized = sum(r.qtype != "kept" for r in rows)
-    ratio = before / after if after else float("inf")
+    count = f"{len(summary.quantized)}/{len(rows)} tensors"
+    if plan:
+        ratio = before / after if after else float("inf")
+        return (
+            f"plan: {count} would be quantized, tensors {_size(before)} → {_size(after)} "
+            f"({ratio:.2f}× smaller); nothing was written"
+        )
+    disk_before, disk_after = summary.disk_before or 0, summary.disk_after or 0
+    ratio = disk_before / disk_after if disk_after else float("inf")
     return (
-        f"{quantized}/{len(rows)} tensors quantized, {_size(before)} → {_size(after)} "
-        f"({ratio:.2f}× smaller) in {seconds:.1f} s"
+        f"{count} quantized in {summary.seconds:.1f} s: {_size(disk_before)} → "
+        f"{_size(disk_after)} on disk ({ratio:.2f}× smaller; tensors {_size(before)} → "
+        f"{_size(after)}) → {summary.output}"
     )
 
 
-def write_json(rows: Sequence[pipeline.ReportRow], path: str | os.PathLike) -> None:
-    def clean(v: object) -> object:
-        return None if isinstance(v, float) and not math.isfinite(v) else v
+def _clean(v: object) -> object:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
-    data = [{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in rows]
+
+def _row(r: pipeline.ReportRow) -> dict[str, Any]:
+    return {k: _clean(v) for k, v in dataclasses.asdict(r).items()}
+
+
+def as_json(summary: Summary) -> dict[str, Any]:
+    """The machine view: totals, recipe, timings, groups, the worst tensors and every row."""
+    rows = summary.rows
+    before = sum(r.bytes_before for r in rows)
+    after = sum(r.bytes_after for r in rows)
+    groups = {
+        name: {
+            "tensors": len(g),
+            "bytes_before": sum(r.bytes_before for r in g),
+            "bytes_after": sum(r.bytes_after for r in g),
+        }
+        for name, g in summary.groups().items()
+    }
+    return {
+        "source": summary.source,
+        "output": summary.output,
+        "recipe": summary.recipe,
+        "timings": {"seconds": round(summary.seconds, 3)},
+        "totals": {
+            "tensors": len(rows),
+            "quantized": len(summary.quantized),
+            "kept": len(rows) - len(summary.quantized),
+            # Tensors as stored (4-bit codes two to a byte) ...
+            "tensor_bytes_before": before,
+            "tensor_bytes_after": after,
+            # ... and the files on disk (headers, index, copied files included).
+            "disk_bytes_before": summary.disk_before,
+            "disk_bytes_after": summary.disk_after,
+        },
+        "groups": groups,
+        "worst": [_row(r) for r in summary.worst()],
+        "tensors": [_row(r) for r in rows],
+    }
+
+
+def write_json(summary: Summary, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
-        json.dump({"tensors": data}, f, indent=1)
+        json.dump(as_json(summary), f, indent=1)

@@ -1,0 +1,74 @@
+"""`qmill quantize --dry-run`: what a recipe would do to each tensor, without quantizing.
+
+The plan comes from the engine's own rule matching and layout inference (engine.layout.plan_leaf,
+the function the embedded engine and the server quantize with), and the output's shapes from
+tracing the engine's quantizer abstractly (jax.eval_shape: shapes and dtypes, no arithmetic), so
+the bytes it predicts are those a real run writes. Nothing is read but the checkpoint's header,
+and nothing is written. The engine and JAX are imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from qmill.checkpoints import dtypes, formats, pipeline
+
+
+def plan_checkpoint(source_path: str | os.PathLike, recipe: dict[str, Any]) -> list[Any]:
+    """One pipeline.ReportRow per tensor, as a run with `recipe` would report it (without
+    SQNR): its qtype and tiling or the reason it is kept, and its bytes before and after.
+
+    Raises:
+        ValueError: the recipe is malformed, or a tensor's plan is refused (a tile that does not
+            divide its axis), as the run itself would.
+    """
+    from qmill.engine import layout, recipes  # lazy: pulls in jax
+
+    with formats.open_source(source_path) as source:
+        entries = source.entries()
+        recipe = pipeline.with_default_convention(recipe, source.format)
+    engine_recipe = recipes.recipe_from_mapping(recipe)
+    rows = []
+    for entry in entries:
+        plan = layout.plan_leaf(entry.path, entry.shape, entry.dtype, engine_recipe)
+        row = pipeline.ReportRow(
+            path=entry.path,
+            shape=tuple(entry.shape),
+            dtype=entry.dtype.name,
+            qtype=plan.qtype if plan.quantize else "kept",
+            sqnr_db=float("nan"),
+            mean_relative_error=float("nan"),
+            bytes_before=entry.nbytes,
+            bytes_after=_output_bytes(entry, plan) if plan.quantize else entry.nbytes,
+            reason=plan.reason,
+            tiles=",".join(f"{a}:{t}" for a, t in plan.tiled_axes),
+        )
+        rows.append(row)
+    return rows
+
+
+def _output_bytes(entry: Any, plan: Any) -> int:
+    """Bytes of qvalue, scale and zero point as stored (4-bit codes two to a byte)."""
+    import jax
+
+    from qmill.engine import qarray, qtypes
+
+    how = qarray.HowToQuantize(
+        qtype=plan.qtype,
+        channelwise_axes=plan.channelwise_axes,
+        tiled_axes=dict(plan.tiled_axes),
+        calibration_method=plan.calibration_method,
+    )
+    spec = jax.ShapeDtypeStruct(entry.shape, entry.dtype)
+    qvalue, scale, zero_point = jax.eval_shape(
+        lambda x: qarray.quantize_bytes(x, how, scale_dtype=plan.scale_dtype), spec
+    )
+    storage = qtypes.get(plan.qtype).storage
+    total = dtypes.packed_nbytes(np.dtype(storage), tuple(qvalue.shape))
+    for part in (scale, zero_point):
+        if part is not None:
+            total += dtypes.packed_nbytes(np.dtype(part.dtype), tuple(part.shape))
+    return total

@@ -1,0 +1,114 @@
+"""The report people read: 80 columns, whole paths, the worst tensors, kept ones grouped, and a
+JSON report with totals, recipe, timings and the worst tensors."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from qmill.checkpoints import pipeline
+from qmill.client import report
+
+LONG = "model.encoder.layers.11.self_attention.query_key_value_projection.weight"
+
+
+def _row(path, qtype="int8", sqnr=40.0, before=4096, after=1040, reason="", tiles=""):
+    return pipeline.ReportRow(
+        path=path,
+        shape=(32, 32),
+        dtype="float32",
+        qtype=qtype,
+        sqnr_db=sqnr if qtype != "kept" else float("nan"),
+        mean_relative_error=0.01,
+        bytes_before=before,
+        bytes_after=after if qtype != "kept" else before,
+        reason=reason,
+        tiles=tiles,
+    )
+
+
+def _summary() -> report.Summary:
+    rows = [_row(f"layers.{i}.mlp.weight", sqnr=40.0 + i) for i in range(20)]
+    rows.append(_row(LONG, "int4", sqnr=12.5, after=576, tiles="1:16"))
+    rows += [_row(f"layers.{i}.norm", "kept", reason="vectors stay in float") for i in range(5)]
+    rows.append(_row("step", "kept", reason="int32 tensors are never quantized", before=4))
+    recipe = {"rules": [{"path_regex": ".*", "qtype": "int8"}], "convention": "torch"}
+    return report.Summary(rows, 2.5, "src", "out", recipe, disk_before=110_000, disk_after=30_000)
+
+
+def _render(summary: report.Summary, table: str = "summary") -> list[str]:
+    console = Console(width=80, record=True, color_system=None)
+    console.print(report.render(summary, table))
+    return console.export_text().splitlines()
+
+
+def _path_column(lines: list[str], title: str) -> list[str]:
+    """The paths of the row table titled `title`, their folded pieces joined again."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    header = next(i for i in range(start, len(lines)) if "path" in lines[i] and "shape" in lines[i])
+    width = lines[header].index("shape")
+    paths: list[str] = []
+    for line in lines[header + 2 :]:
+        if not line.strip():
+            break
+        piece = line[:width].strip()
+        if line[width:].strip():  # a new row: its other cells are on its first line
+            paths.append(piece)
+        else:
+            paths[-1] += piece
+    return paths
+
+
+def test_80_columns_show_whole_paths_worst_first_and_kept_grouped():
+    summary = _summary()
+    lines = _render(summary)
+    assert max(len(line) for line in lines) <= 80
+    paths = _path_column(lines, "lowest SQNR")
+    # The 10 lowest-SQNR tensors, worst first, each path whole although it is wider than
+    # the column.
+    assert paths == [LONG] + [f"layers.{i}.mlp.weight" for i in range(9)]
+    text = "\n".join(lines)
+    assert any("kept: vectors" in line and " 5 " in line for line in lines), text
+    assert any("kept: int32" in line and " 1 " in line for line in lines), text
+    assert any("float32 → int8 per channel" in line and " 20 " in line for line in lines), text
+    # Totals: the files on disk before and after, and the tensors as stored.
+    assert "21/27 tensors quantized in 2.5 s: 107.4 KiB → 29.3 KiB on disk" in " ".join(lines)
+
+
+def test_full_table_lists_every_tensor():
+    summary = _summary()
+    lines = _render(summary, "full")
+    assert max(len(line) for line in lines) <= 80
+    assert _path_column(lines, "qmill: every tensor") == [r.path for r in summary.rows]
+
+
+def test_json_report_has_totals_recipe_timings_and_the_worst(tmp_path):
+    summary = _summary()
+    report.write_json(summary, tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["recipe"] == summary.recipe
+    assert data["timings"] == {"seconds": 2.5}
+    totals = data["totals"]
+    assert totals["tensors"] == 27 and totals["quantized"] == 21 and totals["kept"] == 6
+    assert totals["tensor_bytes_before"] == sum(r.bytes_before for r in summary.rows)
+    assert totals["tensor_bytes_after"] == 20 * 1040 + 576 + 5 * 4096 + 4
+    assert (totals["disk_bytes_before"], totals["disk_bytes_after"]) == (110_000, 30_000)
+    assert [w["path"] for w in data["worst"]][:2] == [LONG, "layers.0.mlp.weight"]
+    assert len(data["worst"]) == report.WORST
+    assert data["groups"]["kept: vectors stay in float"]["tensors"] == 5
+    # Kept tensors have no SQNR: null, not NaN (which is not JSON).
+    assert data["tensors"][-1]["sqnr_db"] is None and len(data["tensors"]) == 27
+
+
+def test_disk_bytes_counts_files_directories_and_an_index_with_its_shards(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a").write_bytes(b"x" * 10)
+    (tmp_path / "d" / "sub" / "b").write_bytes(b"x" * 5)
+    assert report.disk_bytes(tmp_path / "d") == 15
+    assert report.disk_bytes(tmp_path / "d" / "a") == 10
+    (tmp_path / "s1.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "s2.safetensors").write_bytes(b"x" * 50)
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    assert report.disk_bytes(index) == 150 + index.stat().st_size
