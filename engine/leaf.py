@@ -126,9 +126,35 @@ def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafR
             "scale blocks. Fix the checkpoint or skip this path with a rule"
         )
     codes, scale, zero_point = q
+    _check_scales(plan, np.asarray(scale), zero_point)
     return LeafResult(
         qvalue=qarray.storage_view(np.asarray(codes), plan.qtype),
         scale=np.asarray(scale),
         zero_point=None if zero_point is None else np.asarray(zero_point),
         quality=quality(*(float(v) for v in (signal, noise, abs_x, abs_err))),
+    )
+
+
+def _check_scales(plan: layout.LeafPlan, scale: np.ndarray, zero_point: np.ndarray | None) -> None:
+    """A scale that is not finite and positive is an error, never an output: whatever the cause
+    (a scale_dtype too narrow for the tensor's range, a calibration past float32), it writes
+    all-NaN or all-zero values that dequantize to garbage. Scales are one per block, so checking
+    them on the host costs nothing next to the tensor."""
+    scale32 = scale.astype(np.float32)
+    bad = ~(np.isfinite(scale32) & (scale32 > 0))
+    zero_bad = zero_point is not None and not np.isfinite(np.asarray(zero_point, np.float32)).all()
+    if not bad.any() and not zero_bad:
+        return
+    example = scale32[bad][0] if bad.any() else "a non-finite zero point"
+    if plan.scale_dtype is not None and np.dtype(plan.scale_dtype).itemsize < 4:
+        fix = f"scale_dtype {plan.scale_dtype} cannot hold this tensor's scales: use float32"
+    else:
+        fix = (
+            f"the tensor's range does not fit {plan.qtype} with calibration "
+            f"{plan.calibration_method!r}: use another calibration_method, or skip this path "
+            "with a rule"
+        )
+    raise ValueError(
+        f"{plan.path}: quantizing gave {int(bad.sum())} of {scale32.size} scales that are not "
+        f"finite and positive (e.g. {example}); {fix}"
     )
