@@ -35,6 +35,7 @@ from qmill.checkpoints.formats import FORMATS as FORMATS
 from qmill.checkpoints.formats import create_writer as create_writer
 from qmill.checkpoints.formats import format_for_destination as format_for_destination
 from qmill.checkpoints.formats import open_source as open_source
+from qmill.checkpoints.loader import load as load
 from qmill.checkpoints.protocols import CheckpointWriter as CheckpointWriter
 from qmill.checkpoints.protocols import TensorEntry as TensorEntry
 from qmill.checkpoints.protocols import TensorSource as TensorSource
@@ -46,5 +47,6 @@ __all__ = [
     "TensorSource",
     "create_writer",
     "format_for_destination",
+    "load",
     "open_source",
 ]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qmill.engine as qe
-from qmill.engine import flax_util, layout, leaf, qarray, zoo
+from qmill.engine import flax_util, layout, leaf, programs, qarray, zoo
 from qmill.engine import rules as rules_lib
 from qmill.engine.providers import odml
 from qmill.server import errors
@@ -97,6 +97,8 @@ class Session:
             self.stats = jax.tree.map(
                 lambda s: jnp.zeros(s.shape, s.dtype), flax_util.unbox(abstract["quant_stats"])
             )
+        # For QuantizeParams' static ranges by calibration id: each statistic's act qtype.
+        self.stat_qtypes = programs.stat_qtypes(self.stats, self.rules)
         self.batches = previous.batches if previous else 0
         self.examples = previous.examples if previous else 0
         model = self.model
@@ -205,5 +207,9 @@ def param_results(
                     quality=leaf.measure(x, deq),
                 ),
             )
+        elif how is not None:
+            # A static activation scale (WithAux around a float array): its PTQ param path is
+            # P/array, as the pure dict of an NNX model and qmill's key layout have it.
+            yield None, f"{path}/array", np.asarray(inner)
         else:
             yield None, path, np.asarray(inner)
