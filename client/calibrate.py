@@ -12,7 +12,15 @@ import dataclasses
 import os
 import pathlib
 import tomllib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,14 +46,55 @@ class CalibrateResult:
 
 
 def requests(
-    start: pb.CalibrateStart, batches: Iterable[np.ndarray]
+    start: pb.CalibrateStart, batches: Iterable[np.ndarray | Sequence[np.ndarray]]
 ) -> Iterator[pb.CalibrateRequest]:
-    """The start message, then each batch (header and chunks)."""
+    """The start message, then each batch (header and chunks). A program's batch is a tuple
+    of arrays, one per model input, sent one after the other."""
     yield pb.CalibrateRequest(start=start)
     for i, batch in enumerate(batches):
-        yield from wire.send(
-            pb.CalibrateRequest, "batch", f"batch_{i}", np.ascontiguousarray(batch)
-        )
+        arrays = batch if isinstance(batch, tuple | list) else (batch,)
+        for j, array in enumerate(arrays):
+            path = f"batch_{i}" if len(arrays) == 1 else f"batch_{i}/input_{j}"
+            yield from wire.send(pb.CalibrateRequest, "batch", path, np.ascontiguousarray(array))
+
+
+def static_ranges(
+    calibration_id: str = "",
+    stats: Mapping[str, np.ndarray] | None = None,
+    act_qtypes: Mapping[str, str] | None = None,
+) -> pb.StaticRanges:
+    """QuantizeParams' static ranges: a calibration id, or merged statistics (Calibrate's
+    `stats`, '/'-joined leaf paths) with the act qtype of each statistic."""
+    inline = []
+    for path, array in (stats or {}).items():
+        data = wire.to_bytes(np.ascontiguousarray(array))
+        header = wire.header_for(path, array, data)
+        inline.append(pb.InlineTensor(header=header, data=data.tobytes()))
+    return pb.StaticRanges(
+        calibration_id=calibration_id, quant_stats=inline, act_qtypes=dict(act_qtypes or {})
+    )
+
+
+def with_static_ranges(
+    requests: Iterable[pb.QuantizeParamsRequest], ranges: pb.StaticRanges | None
+) -> Iterator[pb.QuantizeParamsRequest]:
+    """QuantizeParams requests with `ranges` right after the recipe (none: unchanged)."""
+    for i, request in enumerate(requests):
+        yield request
+        if i == 0 and ranges is not None:
+            yield pb.QuantizeParamsRequest(static_ranges=ranges)
+
+
+async def async_with_static_ranges(
+    requests: AsyncIterable[pb.QuantizeParamsRequest], ranges: pb.StaticRanges | None
+) -> AsyncIterator[pb.QuantizeParamsRequest]:
+    """As with_static_ranges, for an async request stream."""
+    first = True
+    async for request in requests:
+        yield request
+        if first and ranges is not None:
+            yield pb.QuantizeParamsRequest(static_ranges=ranges)
+        first = False
 
 
 def _check_param(param: pb.TensorResult) -> None:

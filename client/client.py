@@ -91,16 +91,20 @@ class Client(_Base):
         tensors: Tensors,
         *,
         window_bytes: int = streaming.DEFAULT_WINDOW_BYTES,
+        static_ranges: pb.StaticRanges | None = None,
     ) -> Iterator[outcome_lib.TensorOutcome]:
         """Quantizes `tensors` (path, array) as `recipe` (a preset name such as "int8", a TOML
         recipe file or a mapping) says; yields outcomes in input order.
 
         At most `window_bytes` of tensors are sent and not yet answered (one always fits).
+        `static_ranges` (a calibration id or statistics) adds the static activation scales of
+        static-range quantization, as float outcomes after the tensors'.
         """
         window = streaming.Window(window_bytes)
         sent: dict[str, np.ndarray] = {}
         decoder = streaming.ResponseDecoder(sent)
         requests = streaming.requests(recipes.message(recipe), tensors, window, sent)
+        requests = calibrate_lib.with_static_ranges(requests, static_ranges)
         outcomes = self._connection.stream(
             "Quantizer", "QuantizeParams", requests, decoder.feed, finish=decoder.check_finished
         )
@@ -140,14 +144,20 @@ class Client(_Base):
             return self._connection.drive(steps)
 
     def quantize_upload(
-        self, recipe: recipes.Recipe, upload_id: str
+        self,
+        recipe: recipes.Recipe,
+        upload_id: str,
+        *,
+        static_ranges: pb.StaticRanges | None = None,
     ) -> Iterator[outcome_lib.TensorOutcome]:
         """QuantizeParams on a completed upload: the server reads the tensors, none is streamed.
 
-        Kept tensors come back without an array (the caller has the file it uploaded).
+        Kept tensors come back without an array (the caller has the file it uploaded);
+        `static_ranges` as for `quantize`.
         """
         decoder = streaming.ResponseDecoder({})
         requests = uploads.quantize_requests(recipes.message(recipe), upload_id)
+        requests = calibrate_lib.with_static_ranges(requests, static_ranges)
         return self._connection.stream(
             "Quantizer", "QuantizeParams", requests, decoder.feed, finish=decoder.check_finished
         )
@@ -211,12 +221,14 @@ class AsyncClient(_Base):
         tensors: Tensors | AsyncIterable[tuple[str, np.ndarray]],
         *,
         window_bytes: int = streaming.DEFAULT_WINDOW_BYTES,
+        static_ranges: pb.StaticRanges | None = None,
     ) -> AsyncIterator[outcome_lib.TensorOutcome]:
         """Quantizes `tensors` as `recipe` says; yields outcomes in input order."""
         window = streaming.AsyncWindow(window_bytes)
         sent: dict[str, np.ndarray] = {}
         decoder = streaming.ResponseDecoder(sent)
         requests = streaming.async_requests(recipes.message(recipe), tensors, window, sent)
+        requests = calibrate_lib.async_with_static_ranges(requests, static_ranges)
         outcomes = self._connection.stream(
             "Quantizer", "QuantizeParams", requests, decoder.feed, finish=decoder.check_finished
         )
@@ -249,10 +261,15 @@ class AsyncClient(_Base):
             return await self._connection.drive(steps)
 
     def quantize_upload(
-        self, recipe: recipes.Recipe, upload_id: str
+        self,
+        recipe: recipes.Recipe,
+        upload_id: str,
+        *,
+        static_ranges: pb.StaticRanges | None = None,
     ) -> AsyncIterator[outcome_lib.TensorOutcome]:
         decoder = streaming.ResponseDecoder({})
         requests = uploads.quantize_requests(recipes.message(recipe), upload_id)
+        requests = calibrate_lib.with_static_ranges(requests, static_ranges)
         return self._connection.stream(
             "Quantizer", "QuantizeParams", requests, decoder.feed, finish=decoder.check_finished
         )

@@ -48,6 +48,7 @@ CALIBRATE_PLATFORMS = ("cpu", "cuda")
 # Servers refuse larger artifacts unless configured otherwise (weights of export programs count).
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 _OP_ID = re.compile(r"(?P<op>.+?)\d+_(lhs|rhs)")
+_CUSTOM_CALL = re.compile(r"custom_call\s*@([\w.$-]+)|call_target_name\s*=\s*\"([^\"]*)\"")
 
 
 class ProgramError(ValueError):
@@ -152,6 +153,11 @@ def load(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, platform: str = "cp
         raise ProgramError(f"an export program is built for platform 'cpu' only; {rebuild}")
     if exported.nr_devices != 1:
         raise ProgramError(f"the program is sharded over {exported.nr_devices} devices; {rebuild}")
+    # A custom call runs whatever C function the server's XLA has registered under that name:
+    # qmill's programs need none, so none is run.
+    targets = sorted({a or b for a, b in _CUSTOM_CALL.findall(exported.mlir_module())})
+    if targets:
+        raise ProgramError(f"the program calls custom targets {targets[:5]}, which are not run")
     program = Program(
         kind=kind,
         exported=exported,
@@ -296,7 +302,7 @@ def _abstract(inputs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype) for x in inputs]
 
 
-def _stat_qtypes(stats: Any, rules: Sequence[rules_lib.QuantizationRule]) -> dict[str, str]:
+def stat_qtypes(stats: Any, rules: Sequence[rules_lib.QuantizationRule]) -> dict[str, str]:
     """statistic path -> the act qtype of the rule that made it (first matching rule wins)."""
     out = {}
     for path in {p.rsplit("/", 1)[0] for p in flat_paths(stats)}:
@@ -357,7 +363,7 @@ def calibration_program(
     exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
         _avals(params_tree), _avals(stats_tree), *specs
     )
-    data = serialize(CALIBRATE, exported, _stat_qtypes(stats_tree, rules))
+    data = serialize(CALIBRATE, exported, stat_qtypes(stats_tree, rules))
     return data, flat_paths(params_tree)
 
 

@@ -80,6 +80,7 @@ class Server:
                 limiter=self.limiter,
                 metrics=self.metrics,
                 upload_tensors=self.uploads.tensors,
+                calibrations=self.calibrations,
             ),
             self._grpc,
         )

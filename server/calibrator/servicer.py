@@ -16,12 +16,15 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
+import jax
 import numpy as np
 
+from qmill.engine import programs
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, codec, errors, limits, params, registry
+from qmill.server.calibrator import program_session
 from qmill.server.calibrator import session as session_lib
 from qmill.server.calibrator import store as store_lib
 from qmill.server.uploads import store as uploads_lib
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Prepared:
-    session: session_lib.Session
+    session: session_lib.Session | program_session.ProgramSession
     calibration_id: str
     model_key: str
     rules_key: str
@@ -52,8 +55,10 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         max_tensor_bytes: int,
         resolve: Callable[[pb.ModelSpec], tuple[Any, Any]] = registry.resolve,
         limiter: limits.ByteLimiter | None = None,
+        max_program_bytes: int = programs.DEFAULT_MAX_BYTES,
     ) -> None:
         self._executor = executor
+        self._max_program_bytes = max_program_bytes
         self._uploads = uploads_store
         self._calibrations = calibration_store
         self._max_tensor_bytes = max_tensor_bytes
@@ -61,20 +66,50 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         # Counts the batches held (None: unlimited).
         self._limiter = limiter
 
+    def _previous(self, start: pb.CalibrateStart, tenant: str, keys: tuple[str, str]):
+        """The calibration this call continues (None: a new one), made with the same model."""
+        if not start.calibration_id:
+            return None
+        previous = self._calibrations.load(tenant, start.calibration_id)
+        if (previous.model_key, previous.rules_key) != keys:
+            raise errors.FailedPrecondition(
+                f"calibration {start.calibration_id} was made with another model, config, "
+                "rules or program; continue it with the same ones, or start a new calibration"
+            )
+        return previous
+
+    def _prepare_program(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
+        if start.model.name or start.rules:
+            raise ValueError("send either a program or a model with rules, not both")
+        if start.return_ptq_params:
+            raise ValueError(
+                "return_ptq_params needs a registry model; with a program, send the params and "
+                "the calibration id to QuantizeParams (static_ranges)"
+            )
+        program = programs.load(
+            start.program, max_bytes=self._max_program_bytes, platform=jax.devices()[0].platform
+        )
+        keys = (program_session.model_key(program), "")
+        previous = self._previous(start, tenant, keys)
+        if not start.params_upload_id:
+            raise ValueError("params_upload_id is empty: upload the model's params first")
+        params = self._uploads.open_params(tenant, start.params_upload_id)
+        return _Prepared(
+            session=program_session.ProgramSession(program, params, previous),
+            calibration_id=start.calibration_id or store_lib.CalibrationStore.new_id(),
+            model_key=keys[0],
+            rules_key=keys[1],
+        )
+
     def _prepare(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
+        if start.program:
+            return self._prepare_program(start, tenant)
         entry, config = self._resolve(start.model)
         rules = codec.rules_from_proto(start.rules)
         session_lib.check_rules(rules)
         model_key = session_lib.model_key(entry.name, config)
         key = rules_key(start.rules)
-        previous = None
-        if start.calibration_id:
-            previous = self._calibrations.load(tenant, start.calibration_id)
-            if (previous.model_key, previous.rules_key) != (model_key, key):
-                raise errors.FailedPrecondition(
-                    f"calibration {start.calibration_id} was made with another model, config or "
-                    "rules; continue it with the same ones, or start a new calibration"
-                )
+        previous = self._previous(start, tenant, (model_key, key))
         if not start.params_upload_id:
             raise ValueError("params_upload_id is empty: upload the model's params first")
         params = self._uploads.open_params(tenant, start.params_upload_id)
@@ -98,6 +133,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 batches=s.batches,
                 examples=s.examples,
                 stats=stats,
+                stat_qtypes=s.stat_qtypes,
             )
         )
         ptq = []
@@ -115,13 +151,17 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         prep = await loop.run_in_executor(self._executor, self._prepare, start, tenant)
         new_batches = 0
         account = limits.Account(self._limiter, tenant) if self._limiter else None
+        # A program's batch is one tensor per model input; a registry model's is one tensor.
+        per_batch = getattr(prep.session, "inputs_per_batch", 0)
         try:
-            async for array, nbytes in _batches(requests, self._max_tensor_bytes, account):
-                work = loop.run_in_executor(self._executor, prep.session.add_batch, array)
+            async for arrays, nbytes in _grouped(
+                _batches(requests, self._max_tensor_bytes, account), per_batch
+            ):
+                work = loop.run_in_executor(self._executor, prep.session.add_batch, arrays)
                 if account is not None:
                     account.hold_until_done(work)  # the engine reads the bytes until it ends
                 await work
-                del array
+                del arrays
                 if account is not None:
                     account.release(nbytes)
                 new_batches += 1
@@ -140,7 +180,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         )
         for response in _results(stats, ptq):
             yield response
-        calls.annotate(model=start.model.name, batches=new_batches, calibration=prep.calibration_id)
+        model_name = start.model.name or "program"
+        calls.annotate(model=model_name, batches=new_batches, calibration=prep.calibration_id)
         yield pb.CalibrateResponse(
             summary=pb.CalibrateSummary(
                 calibration_id=prep.calibration_id,
@@ -164,6 +205,27 @@ def _results(stats: dict[str, Any], ptq: list) -> Iterator[pb.CalibrateResponse]
             # input_bytes is for reports only, as QuantizeParams' is.
             message, chunks = codec.quantized_result(plan, result, result.qvalue.nbytes)
         yield from codec.messages(pb.CalibrateResponse, "param", message, chunks)
+
+
+async def _grouped(
+    batches: AsyncIterator[tuple[np.ndarray, int]], n: int
+) -> AsyncIterator[tuple[Any, int]]:
+    """(arrays, bytes) per group of n tensors (n 0: each array alone, as registry models take)."""
+    group: list[np.ndarray] = []
+    held = 0
+    async for array, nbytes in batches:
+        if n == 0:
+            yield array, nbytes
+            continue
+        group.append(array)
+        held += nbytes
+        if len(group) == n:
+            yield group, held
+            group, held = [], 0
+    if group:
+        raise ValueError(
+            f"the stream ended inside a batch: {len(group)} of the program's {n} input tensors"
+        )
 
 
 async def _batches(

@@ -35,6 +35,9 @@ class Calibration:
     examples: int
     # Nested dict of numpy arrays (the quant_stats collection).
     stats: dict[str, Any]
+    # Statistic path ('<module>/<op>_<side>') -> the act qtype of its static scale, so that
+    # QuantizeParams can turn the stats into PTQ scales by calibration id alone.
+    stat_qtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _host_leaves(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -82,6 +85,7 @@ class CalibrationStore:
             batches=meta["batches"],
             examples=meta["examples"],
             stats=params.unflatten(flat),
+            stat_qtypes=meta.get("stat_qtypes", {}),
         )
 
     # The name other modules use: get(tenant, id) -> Calibration.
@@ -100,6 +104,7 @@ class CalibrationStore:
             "batches": cal.batches,
             "examples": cal.examples,
             "order": list(flat),
+            "stat_qtypes": dict(cal.stat_qtypes),
         }
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from concurrent import futures
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import calls, errors, limits
+from qmill.server import auth, calls, errors, limits
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
-from qmill.server.quantizer import capabilities, stream
+from qmill.server.calibrator import store as calibration_store
+from qmill.server.quantizer import capabilities, static_ranges, stream
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +26,11 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
         limiter: limits.ByteLimiter | None = None,
         metrics: metrics_lib.Metrics | None = None,
         upload_tensors: stream.UploadTensors | None = None,
+        calibrations: calibration_store.CalibrationStore | None = None,
     ) -> None:
         self._config = config
+        # StaticRanges naming a calibration id read it here (None: only inline statistics).
+        self._calibrations = calibrations
         # QuantizeParams naming an upload reads its tensors through this (None: UNIMPLEMENTED).
         self._upload_tensors = upload_tensors
         self._executor = executor
@@ -40,9 +45,16 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
     @errors.streaming
     async def QuantizeParams(self, request_iterator, context):
         stats = stream.CallStats()
+        requests, ranges = await static_ranges.split(aiter(request_iterator))
+        scales = {}
+        if ranges is not None:
+            tenant = auth.current_principal().tenant
+            scales = await asyncio.get_running_loop().run_in_executor(
+                self._executor, static_ranges.scales, ranges, tenant, self._calibrations
+            )
         try:
             async for response in stream.quantize_stream(
-                request_iterator,
+                requests,
                 self._executor,
                 self._config.max_tensor_bytes,
                 stats,
@@ -50,6 +62,9 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
                 metrics=self._metrics,
                 upload_tensors=self._upload_tensors,
             ):
+                if scales and response.WhichOneof("item") == "summary":
+                    for result in static_ranges.results(scales):
+                        yield result  # after the tensors, before the summary
                 yield response
         finally:
             # Joins the call's one log line (written by the observability interceptor).

@@ -1,0 +1,70 @@
+"""One Calibrate call with a program: the client's artifact run on this server's device.
+
+The program (engine/programs.py) takes (params, quant_stats, *inputs) and returns the updated
+quant_stats, so the statistics add batch after batch inside it, in the same order as a local QT
+run: a continued calibration starting from the stored stats gives the same sums bit for bit. No
+user code is imported; everything here is blocking JAX work, called only from the executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from qmill.engine import programs
+from qmill.server import errors
+from qmill.server import params as params_lib
+from qmill.server.calibrator import store
+
+
+def model_key(program: programs.Program) -> str:
+    """What a continuation must match: the same artifact (model, rules and batch shapes)."""
+    return f"program:{program.sha256}"
+
+
+class ProgramSession:
+    """The program, its params and the running stats of one Calibrate call."""
+
+    def __init__(
+        self,
+        program: programs.Program,
+        params: Mapping[str, Any],
+        previous: store.Calibration | None,
+    ) -> None:
+        if program.kind != programs.CALIBRATE:
+            raise programs.ProgramError(
+                f"Calibrate takes a calibrate program, not an {program.kind} one"
+            )
+        self.program = program
+        self.stat_qtypes = dict(program.stat_qtypes)
+        # Each batch is one tensor per model input.
+        self.inputs_per_batch = len(program.inputs)
+        flat = {k: np.asarray(v) for k, v in params_lib.flatten(params_lib.unwrap(params)).items()}
+        try:
+            tree = programs.tree_from_flat(program.params, flat, "params")
+        except programs.ProgramError as exc:
+            raise errors.FailedPrecondition(str(exc)) from None
+        self.params = jax.device_put(tree)
+        if previous is not None:
+            stats = {k: np.asarray(v) for k, v in params_lib.flatten(previous.stats).items()}
+            self.stats = jax.device_put(
+                programs.tree_from_flat(program.stats, stats, "stored statistics")
+            )
+        else:
+            self.stats = programs.zero_stats(program)
+        self.batches = previous.batches if previous else 0
+        self.examples = previous.examples if previous else 0
+        self._step = programs.calibrate_step(program)
+
+    def add_batch(self, arrays: Sequence[np.ndarray]) -> None:
+        xs = programs.check_inputs(self.program, arrays)
+        self.stats = self._step(self.params, self.stats, *xs)
+        self.batches += 1
+        self.examples += int(xs[0].shape[0]) if xs[0].ndim else 1
+
+    def host_stats(self) -> dict[str, Any]:
+        flat = {p: np.asarray(v) for p, v in programs.flat_paths(self.stats).items()}
+        return params_lib.unflatten(flat)
