@@ -105,6 +105,8 @@ def describe(config: dict[str, Any]) -> str:
     for group in (qc.get("config_groups") or {}).values():
         w = (group or {}).get("weights") or {}
         size = f" group_size {w['group_size']}" if w.get("group_size") else ""
+        if size and w.get("qmill_group_if_divisible"):
+            size += " (per channel where it does not divide)"
         targets = ",".join(group.get("targets") or [])
         parts.append(f"{w.get('type')}{w.get('num_bits')} {w.get('strategy')}{size} on {targets}")
     detail = "; ".join(parts) or qc.get("format", "")
