@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from qmill.client import credentials as credentials_lib
 from qmill.client import errors
 from qmill.proto import wire
+from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
@@ -30,6 +31,15 @@ _STUBS = {
     "Jobs": pb_grpc.JobsStub,
     "Admin": pb_grpc.AdminStub,
 }
+# Stream methods whose requests may also be bytes already serialized (wire.encoded_chunks: a
+# tensor's chunks with one copy instead of four), with their response type.
+_PASS_THROUGH = {("Quantizer", "QuantizeParams"): pb.QuantizeParamsResponse}
+
+
+def _serialize(request: Any) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
+
+
 # A step of a conversation: (service, method, request); the answer is sent back into it.
 Step = tuple[str, str, Any]
 Conversation = Generator[Step, Any, T]
@@ -55,9 +65,21 @@ class _Base:
         self._stubs: dict[str, Any] = {}
 
     def _method(self, service: str, method: str) -> Any:
+        if (service, method) in _PASS_THROUGH:
+            return self._pass_through(service, method)
         if service not in self._stubs:
             self._stubs[service] = _STUBS[service](self.channel)
         return getattr(self._stubs[service], method)
+
+    def _pass_through(self, service: str, method: str) -> Any:
+        key = f"{service}.{method}"
+        if key not in self._stubs:
+            self._stubs[key] = self.channel.stream_stream(
+                f"/qmill.v1.{service}/{method}",
+                request_serializer=_serialize,
+                response_deserializer=_PASS_THROUGH[service, method].FromString,
+            )
+        return self._stubs[key]
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is DEFAULT else timeout

@@ -28,6 +28,16 @@ def tensor_requests(path: str, array: np.ndarray) -> Iterator[pb.QuantizeParamsR
     return wire.send(pb.QuantizeParamsRequest, "header", path, array)
 
 
+def encoded_tensor_requests(
+    path: str, array: np.ndarray
+) -> Iterator[pb.QuantizeParamsRequest | bytes]:
+    """tensor_requests(path, array) with the chunks as serialized requests (one copy of the
+    data each); for the client's connection, which sends bytes as they are."""
+    data = wire.to_bytes(array)
+    yield pb.QuantizeParamsRequest(header=wire.header_for(path, array, data))
+    yield from wire.encoded_chunks(pb.QuantizeParamsRequest, data)
+
+
 def wire_bytes(array: np.ndarray) -> int:
     # The unit the server reports back as input_bytes, so acquire and release always balance.
     return wire.byte_length(wire.to_wire_dtype(array.dtype), array.shape)
@@ -75,14 +85,14 @@ def requests(
     tensors: Iterable[tuple[str, np.ndarray]],
     window: Window,
     sent: dict[str, np.ndarray],
-) -> Iterator[pb.QuantizeParamsRequest]:
+) -> Iterator[pb.QuantizeParamsRequest | bytes]:
     """The recipe, then each tensor once the window has room for it (until it closes)."""
     yield pb.QuantizeParamsRequest(recipe=recipe)
     for path, array in tensors:
         if not window.acquire(wire_bytes(array)):
             return
         sent[path] = array
-        yield from tensor_requests(path, array)
+        yield from encoded_tensor_requests(path, array)
 
 
 class AsyncWindow:
@@ -109,12 +119,12 @@ async def async_requests(
     tensors: Iterable[tuple[str, np.ndarray]] | AsyncIterable[tuple[str, np.ndarray]],
     window: AsyncWindow,
     sent: dict[str, np.ndarray],
-) -> AsyncIterator[pb.QuantizeParamsRequest]:
+) -> AsyncIterator[pb.QuantizeParamsRequest | bytes]:
     yield pb.QuantizeParamsRequest(recipe=recipe)
     async for path, array in _each(tensors):
         await window.acquire(wire_bytes(array))
         sent[path] = array
-        for request in tensor_requests(path, array):
+        for request in encoded_tensor_requests(path, array):
             yield request
 
 

@@ -18,7 +18,7 @@ from concurrent import futures
 import numpy as np
 
 from qmill.engine import layout, leaf
-from qmill.proto import wire
+from qmill.proto import memory, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth, codec, errors, limits
 from qmill.server import metrics as metrics_lib
@@ -76,8 +76,9 @@ async def _read_tensors(
             if kind == "header":
                 await inbox.announce(request.header)
             elif kind == "chunk":
-                inbox.add(request.chunk)
-                stats.bytes_received += len(request.chunk.data)
+                chunk = wire.chunk_of(request.chunk)  # its bytes copied out once, not twice
+                inbox.add(chunk)
+                stats.bytes_received += len(chunk.data)
             elif kind == "recipe":
                 raise ValueError("the recipe must be sent once, as the first message")
             else:
@@ -139,6 +140,8 @@ async def quantize_stream(
 ) -> AsyncIterator[pb.QuantizeParamsResponse]:
     """Responses for one QuantizeParams call, in the order the tensors arrived (or, with an
     upload_id, in the upload's order)."""
+    # Streams bring tensor after tensor of the same sizes: reuse their pages (once per process).
+    memory.keep_freed_buffers()
     first = await codec.first_item(requests, "recipe", "the recipe")
     recipe = codec.recipe_from_proto(first)
     tenant = auth.current_principal().tenant

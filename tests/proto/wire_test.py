@@ -115,3 +115,36 @@ def test_extra_bytes_are_refused():
     asm, _ = _assembler(np.arange(2, dtype=np.float32))
     with pytest.raises(wire.WireError, match="more than the announced"):
         asm.add(pb.TensorChunk(offset=0, data=b"\0" * 9))
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 70_000])
+@pytest.mark.parametrize("message", [pb.QuantizeParamsRequest, pb.QuantizeParamsResponse])
+def test_encoded_chunks_are_the_serialized_chunk_messages(size, message):
+    # Chunk and offset sizes cross the varint length boundaries (128, 16384); offset 0 is left
+    # out as protobuf leaves it out; the chunk field's number differs per message.
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    encoded = list(wire.encoded_chunks(message, data, 20_000))
+    expected = [message(chunk=c).SerializeToString() for c in wire.chunks(data, 20_000)]
+    assert encoded == expected
+    assert len(encoded) == -(-size // 20_000)
+
+
+def test_encoded_chunks_reassemble_through_the_receiver():
+    array = np.random.default_rng(1).normal(size=(33, 65)).astype(ml_dtypes.bfloat16)
+    data = wire.to_bytes(array)
+    receiver = wire.Receiver()
+    receiver.announce(wire.header_for("w", array, data))
+    for encoded in wire.encoded_chunks(pb.QuantizeParamsRequest, data, 1000):
+        receiver.add(wire.chunk_of(pb.QuantizeParamsRequest.FromString(encoded).chunk))
+    [(path, back)] = receiver.take()
+    assert path == "w" and back.tobytes() == array.tobytes()
+
+
+def test_a_chunk_read_once_is_checked_like_its_message():
+    array = np.arange(64, dtype=np.float32)
+    data = wire.to_bytes(array)
+    assembler = wire.Assembler(wire.header_for("w", array, data))
+    assembler.add(wire.Chunk(0, data[:100].tobytes()))
+    with pytest.raises(wire.WireError, match="chunk at offset 200, expected 100") as e:
+        assembler.add(wire.Chunk(200, data[200:].tobytes()))
+    assert e.value.code == "DATA_LOSS"
