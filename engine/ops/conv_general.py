@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from qmill.engine import qarray, qtypes
+from qmill.engine.ops import dot_general as dot_general_lib
 
 
 def get_how_to_quantize(
@@ -33,10 +34,6 @@ def get_how_to_quantize(
 
 def _only_along(s: jax.Array, axis: int) -> bool:
     return all(n == 1 for i, n in enumerate(s.shape) if i != axis)
-
-
-def _as_array(x: Any) -> jax.Array:
-    return qarray.dequantize(x) if isinstance(x, qarray.QArray) else jnp.asarray(x)
 
 
 def conv_general_dilated(
@@ -90,4 +87,5 @@ def conv_general_dilated(
             out = out * rhs.scale.astype(jnp.float32).reshape(shape_c)
             dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
             return out.astype(dtype)
-    return conv(_as_array(lhs), _as_array(rhs), preferred_element_type)
+    a, b, preferred_element_type = dot_general_lib.plain_operands(lhs, rhs, preferred_element_type)
+    return conv(a, b, preferred_element_type)

@@ -55,6 +55,24 @@ def _as_array(x: Any) -> jax.Array:
     return qarray.dequantize(x) if isinstance(x, qarray.QArray) else jnp.asarray(x)
 
 
+def plain_operands(lhs: Any, rhs: Any, preferred_element_type: Any) -> tuple[Any, Any, Any]:
+    """(lhs, rhs, preferred_element_type) for the jax.lax op on dequantized / plain operands.
+
+    jax.lax refuses mixed dtypes and multiplies int8 × int8 into int8 (overflowing). As the
+    reference does: integers × integers accumulate in int32 unless told otherwise, and mixed
+    dtypes (an int8 array × float32) are promoted to their common type first.
+    """
+    a, b = _as_array(lhs), _as_array(rhs)
+    if preferred_element_type is not None:
+        pass
+    elif jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
+        preferred_element_type = jnp.int32
+    if a.dtype != b.dtype:
+        common = jnp.result_type(a.dtype, b.dtype)
+        a, b = a.astype(common), b.astype(common)
+    return a, b, preferred_element_type
+
+
 def _native_pair(lhs: Any, rhs: Any) -> bool:
     if not (isinstance(lhs, qarray.QArray) and isinstance(rhs, qarray.QArray)):
         return False
@@ -190,7 +208,7 @@ def dot_general(
         out = _native(lhs, rhs, dims, preferred_element_type, precision)
         if out is not None:
             return out
-    a, b = _as_array(lhs), _as_array(rhs)
+    a, b, preferred_element_type = plain_operands(lhs, rhs, preferred_element_type)
     return jax.lax.dot_general(
         a, b, dims, precision=precision, preferred_element_type=preferred_element_type, **kwargs
     )
