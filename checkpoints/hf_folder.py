@@ -93,7 +93,8 @@ class HfFolderSource:
         """(files copied into the output, weight files in other formats left out), relative."""
         weights = {p.resolve() for p in self.weight_files()}
         copied, left_out = [], []
-        for root, dirs, names in os.walk(self.folder):
+        # Symlinked sub-folders are followed: their files are part of the model as much.
+        for root, dirs, names in os.walk(self.folder, followlinks=True):
             dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
             for name in sorted(names):
                 path = pathlib.Path(root) / name

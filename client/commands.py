@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qmill import checkpoints
+from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import formats, hf_folder, pipeline, quantization_config
 from qmill.client import (
     admin,
@@ -223,8 +224,10 @@ def _inspect(args: argparse.Namespace, out: Console) -> int:
         table.add_column("shape", overflow="fold")
         table.add_column("bytes", justify="right")
         for e in entries:
+            # As stored: 4-bit codes take half a byte each on disk (and on the wire).
+            stored = checkpoint_dtypes.packed_nbytes(e.dtype, e.shape)
             table.add_row(
-                e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{e.nbytes:,}"
+                e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{stored:,}"
             )
         folder = _folder_lines(source) if isinstance(source, hf_folder.HfFolderSource) else []
     out.print(table)
@@ -234,8 +237,9 @@ def _inspect(args: argparse.Namespace, out: Console) -> int:
     leaves = [e for e in entries if e.path.endswith(("/array/qvalue", ".array.qvalue"))]
     dtypes = sorted({e.dtype.name for e in leaves})
     quantized = f"; {len(leaves)} quantized leaves ({', '.join(dtypes)})" if leaves else ""
+    stored = sum(checkpoint_dtypes.packed_nbytes(e.dtype, e.shape) for e in entries)
     out.print(
-        f"{len(entries)} tensors, {sum(e.nbytes for e in entries):,} bytes{quantized}",
+        f"{len(entries)} tensors, {stored:,} bytes{quantized}",
         markup=False,
         highlight=False,
     )
