@@ -17,7 +17,7 @@ from concurrent import futures
 
 import numpy as np
 
-from qmill.engine import layout, leaf
+from qmill.engine import layout, leaf, recipes
 from qmill.proto import memory, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth, codec, errors, limits
@@ -156,37 +156,74 @@ async def quantize_stream(
     reader = asyncio.create_task(
         _read_tensors(requests, queue, max_tensor_bytes, stats, account, upload)
     )
-    loop = asyncio.get_running_loop()
+    # Quantizing runs a tensor ahead of sending: tensor k+1 is quantized while k's results are
+    # on the wire and k+2 arrives (one finished result may wait between the two).
+    results: asyncio.Queue = asyncio.Queue(maxsize=1)
+    engine = _Engine(executor, quantize, recipe, stats, account, metrics)
+    quantizer = asyncio.create_task(engine.run(queue, results))
     try:
-        while (item := await queue.get()) is not _END:
+        while (item := await results.get()) is not _END:
             if isinstance(item, BaseException):
                 raise item
-            header, array = item
-            plan = layout.plan_leaf(header.path, tuple(header.shape), array.dtype, recipe)
-            if not plan.quantize:
-                del array
+            header, plan, result = item
+            if result is None:
                 yield pb.QuantizeParamsResponse(result=codec.kept_result(plan, header.byte_length))
                 _answered(account, metrics, header, "kept")
                 continue
-            work = loop.run_in_executor(executor, quantize, array, plan)
-            if account is not None:
-                account.hold_until_done(work)  # the engine thread reads the bytes until it ends
-            started = time.monotonic()
-            result = await work
-            if metrics is not None:
-                metrics.quantize_seconds.observe(time.monotonic() - started)
-            del array
-            stats.tensors_quantized += 1
             message, chunks = codec.quantized_result(plan, result, header.byte_length)
+            del result
             for response in codec.messages(pb.QuantizeParamsResponse, "result", message, chunks):
-                stats.bytes_sent += len(response.chunk.data)
                 yield response
+            # From the parts' headers: reading response.chunk.data would copy every chunk again.
+            stats.bytes_sent += sum(part.byte_length for part in message.parts)
             _answered(account, metrics, header, "quantized")
         yield pb.QuantizeParamsResponse(summary=stats.summary())
     finally:
         reader.cancel()
+        quantizer.cancel()
         if account is not None:
             account.close()  # whatever the call still holds (cancelled, failed) goes back now
+
+
+@dataclasses.dataclass
+class _Engine:
+    """Takes assembled tensors off one queue and puts (header, plan, result or None for a kept
+    tensor) on another, then _END (or the exception that stopped it)."""
+
+    executor: futures.Executor
+    quantize: Callable[[np.ndarray, layout.LeafPlan], leaf.LeafResult]
+    recipe: recipes.Recipe
+    stats: CallStats
+    account: limits.Account | None
+    metrics: metrics_lib.Metrics | None
+
+    async def run(self, tensors: asyncio.Queue, results: asyncio.Queue) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while (item := await tensors.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                header, array = item
+                plan = layout.plan_leaf(header.path, tuple(header.shape), array.dtype, self.recipe)
+                if not plan.quantize:
+                    del array
+                    await results.put((header, plan, None))
+                    continue
+                work = loop.run_in_executor(self.executor, self.quantize, array, plan)
+                if self.account is not None:
+                    self.account.hold_until_done(work)  # the engine thread reads the bytes
+                started = time.monotonic()
+                result = await work
+                if self.metrics is not None:
+                    self.metrics.quantize_seconds.observe(time.monotonic() - started)
+                del array
+                self.stats.tensors_quantized += 1
+                await results.put((header, plan, result))
+            await results.put(_END)
+        except asyncio.CancelledError:
+            raise  # the call is over; nobody takes results any more
+        except BaseException as exc:  # handed to the responder, which owns the call's status
+            await results.put(exc)
 
 
 def _answered(
