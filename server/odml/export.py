@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from qmill.engine import model as model_lib
+from qmill.engine import programs
 from qmill.engine import rules as rules_lib
 from qmill.engine.providers import odml
 
@@ -88,7 +89,7 @@ def export_tflite(
       odml.LiteRtUnsupported: a rule asks for something LiteRT cannot store.
       ValueError: missing statistics, params that don't fit the model, a bad input.
     """
-    capi, ir, passmanager, schema = _require()
+    schema = _require()[3]
     provider = odml.OdmlConversionProvider(rules, params, quant_stats)
     model = model_lib.quantize_model(module, provider)
     if not hasattr(model, "apply"):
@@ -99,7 +100,32 @@ def export_tflite(
         return model.apply({"params": constants}, x)
 
     exported = jax.export.export(jax.jit(forward), platforms=["cpu"])(input)
-    n_out = len(exported.out_avals)
+    tflite = convert(exported)
+    ops, weights = describe(tflite, schema)
+    info = ExportInfo(
+        ops=ops, quantized_weights=weights, fake_quants=tuple(provider.records.values())
+    )
+    return tflite, info
+
+
+def export_program(program: programs.Program) -> tuple[bytes, ExportInfo]:
+    """Converts a client's export program (engine/programs.py: the model already traced under
+    OdmlConversionProvider, weights and scales inside) to a .tflite flatbuffer."""
+    if program.kind != programs.EXPORT:
+        raise programs.ProgramError(
+            f"ExportOdml takes an export program, not a {program.kind} one: build it with "
+            "`qmill export-program --kind export` (qmill.engine.programs.export_program)"
+        )
+    schema = _require()[3]
+    tflite = convert(program.exported)
+    ops, weights = describe(tflite, schema)
+    return tflite, ExportInfo(ops=ops, quantized_weights=weights, fake_quants=())
+
+
+def convert(exported: jax.export.Exported) -> bytes:
+    """The LiteRT converter in strict QDQ mode on an exported (cpu, single-platform) function."""
+    capi, ir, passmanager, _ = _require()
+    n_in, n_out = len(exported.in_avals), len(exported.out_avals)
     with _convert_lock:
         ctx = ir.Context()
         capi.prepare_mlir_context(ctx)
@@ -109,18 +135,14 @@ def export_tflite(
             mlir_module = stablehlo.deserialize_portable_artifact(
                 ctx, exported.mlir_module_serialized
             )
+            inputs = ["input"] if n_in == 1 else [f"input_{i}" for i in range(n_in)]
             outputs = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
-            capi.set_signature(mlir_module.operation, "serving_default", ["input"], outputs)
+            capi.set_signature(mlir_module.operation, "serving_default", inputs, outputs)
             config = capi.ConvertToTFLConfig()
             config.model_origin_framework = "JAX"
             config.strict_qdq_mode = True
             capi.run_convert_to_tfl_passes(mlir_module, passmanager.PassManager(), config)
-            tflite = bytes(capi.export_flatbuffer_to_bytes(mlir_module.operation))
-    ops, weights = describe(tflite, schema)
-    info = ExportInfo(
-        ops=ops, quantized_weights=weights, fake_quants=tuple(provider.records.values())
-    )
-    return tflite, info
+            return bytes(capi.export_flatbuffer_to_bytes(mlir_module.operation))
 
 
 def describe(tflite: bytes, schema: Any = None) -> tuple[tuple[str, ...], dict[str, int]]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
+from qmill.engine import programs
 from qmill.engine.providers import odml
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -45,12 +46,35 @@ def _lookup(fn: Callable[..., Any], *args: Any, what: str) -> Any:
 
 
 class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
-    def __init__(self, executor: futures.Executor, backends: Backends | None) -> None:
+    def __init__(
+        self,
+        executor: futures.Executor,
+        backends: Backends | None,
+        *,
+        max_program_bytes: int = programs.DEFAULT_MAX_BYTES,
+    ) -> None:
         self._executor = executor
+        self._max_program_bytes = max_program_bytes
         # None: this server has no model registry / stores wired in (answered FAILED_PRECONDITION).
         self._backends = backends
 
+    def _export_program(self, request: pb.ExportOdmlRequest) -> tuple[bytes, Any]:
+        if request.model.name or request.params_upload_id or request.rules:
+            raise ValueError(
+                "send either a program or a model with params and rules, not both: the "
+                "program carries its weights, scales and input shapes"
+            )
+        # Export programs are lowered for cpu whatever this server runs on: the converter reads
+        # the cpu lowering, it does not run it.
+        program = programs.load(request.program, max_bytes=self._max_program_bytes)
+        try:
+            return export.export_program(program)
+        except export.OdmlUnavailable as exc:
+            raise errors.Unimplemented(str(exc)) from exc
+
     def _export(self, request: pb.ExportOdmlRequest, tenant: str) -> tuple[bytes, Any]:
+        if request.program:
+            return self._export_program(request)
         if self._backends is None:
             raise errors.FailedPrecondition(
                 "this server has no model registry or upload store configured for ExportOdml"
@@ -91,4 +115,4 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
         yield pb.ExportOdmlResponse(info=codec.odml_info(tflite, info.ops, info.quantized_weights))
         for chunk in codec.byte_chunks(tflite):
             yield pb.ExportOdmlResponse(chunk=chunk)
-        calls.annotate(tflite_bytes=len(tflite), model=request.model.name)
+        calls.annotate(tflite_bytes=len(tflite), model=request.model.name or "program")
