@@ -251,7 +251,11 @@ def as_json(summary: Summary) -> dict[str, Any]:
         "source": summary.source,
         "output": summary.output,
         "recipe": summary.recipe,
-        "timings": {"seconds": round(summary.seconds, 3)},
+        "timings": {
+            "seconds": round(summary.seconds, 3),
+            # Source tensor bytes per second, reading through writing (0 for a plan).
+            "mib_per_second": round(before / 2**20 / summary.seconds, 3) if summary.seconds else 0,
+        },
         "totals": {
             "tensors": len(rows),
             "quantized": len(summary.quantized),

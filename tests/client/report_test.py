@@ -88,7 +88,8 @@ def test_json_report_has_totals_recipe_timings_and_the_worst(tmp_path):
     report.write_json(summary, tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["recipe"] == summary.recipe
-    assert data["timings"] == {"seconds": 2.5}
+    before = sum(r.bytes_before for r in summary.rows)
+    assert data["timings"] == {"seconds": 2.5, "mib_per_second": round(before / 2**20 / 2.5, 3)}
     totals = data["totals"]
     assert totals["tensors"] == 27 and totals["quantized"] == 21 and totals["kept"] == 6
     assert totals["tensor_bytes_before"] == sum(r.bytes_before for r in summary.rows)
