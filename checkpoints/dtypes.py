@@ -143,6 +143,11 @@ class Record:
     ) -> None:
         self.dtypes: dict[str, str] = dict(dtypes or {})
         self.packed: dict[str, list[int]] = {k: list(v) for k, v in (packed or {}).items()}
+        for key, shape in self.packed.items():
+            if self.dtypes.get(key) not in PACKED_4BIT:
+                raise ValueError(f"tensor {key} is recorded as packed but not as a 4-bit dtype")
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"tensor {key} has a packed shape {shape} that is not a shape")
 
     def store(self, key: str, array: np.ndarray, native: Container[str]) -> np.ndarray:
         """`array` as the format stores it (packed, carried or itself), recorded under `key`."""
@@ -170,6 +175,6 @@ class Record:
             try:
                 dtype = logical_dtype(self.dtypes[key])
                 return unpack_4bit(stored, dtype, tuple(self.packed[key]))
-            except (KeyError, ValueError) as e:
+            except ValueError as e:
                 raise ValueError(f"tensor {key}: {e}") from None
         return from_carrier(stored, self.dtypes.get(key))

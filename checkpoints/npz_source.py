@@ -50,7 +50,10 @@ class NpzSource(source_base.SourceBase):
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{self.path}: malformed {member} ({e})") from None
                 members.remove(member)
-        self._record = dtypes.Record(records.get(DTYPES_MEMBER), records.get(PACKED_MEMBER))
+        try:
+            self._record = dtypes.Record(records.get(DTYPES_MEMBER), records.get(PACKED_MEMBER))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.path}: malformed qmill dtype record ({e})") from None
         self._entries = []
         for name in members:
             shape, stored = self._header(name)

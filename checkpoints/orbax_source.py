@@ -42,7 +42,10 @@ class OrbaxSource(source_base.SourceBase):
         tree = getattr(tree_metadata, "tree", tree_metadata)
         custom = getattr(metadata, "custom_metadata", None) or {}
         qmill = custom.get(orbax_layout.QMILL_KEY, {})
-        self._record = dtypes.Record(qmill.get("dtypes"), qmill.get("packed"))
+        try:
+            self._record = dtypes.Record(qmill.get("dtypes"), qmill.get("packed"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: malformed qmill dtype record ({e})") from None
         # Zero-size arrays, which Orbax cannot store: {path: {"dtype", "shape"}}.
         self._empty: dict[str, dict[str, Any]] = qmill.get("empty", {})
         self._steps: dict[str, tuple[_Step, ...]] = {}

@@ -108,3 +108,21 @@ def test_a_packed_record_that_does_not_fit_the_data_is_named(tmp_path):
         assert source.entries()[0].shape == (9,)
         with pytest.raises(ValueError, match=r"bad\.safetensors: tensor w: packed 4-bit data"):
             source.read("w")
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"qmill.packed": json.dumps({"w": [4]})}, "packed but not as a 4-bit dtype"),
+        (
+            {"qmill.dtypes": json.dumps({"w": "int4"}), "qmill.packed": json.dumps({"w": [-1]})},
+            "not a shape",
+        ),
+        ({"qmill.packed": "{"}, "malformed qmill dtype record"),
+    ],
+)
+def test_a_malformed_packed_record_is_refused_on_open(tmp_path, record, message):
+    path = tmp_path / "bad.safetensors"
+    safetensors.numpy.save_file({"w": np.zeros(2, np.uint8)}, path, metadata=record)
+    with pytest.raises(ValueError, match=message):
+        checkpoints.open_source(path)
