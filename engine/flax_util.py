@@ -11,7 +11,7 @@ to model classes and survives Flax transforms (nn.scan, nnx.vmap...), which call
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +52,23 @@ def current_module_and_call() -> tuple[Any, Any]:
     return module, call_frame
 
 
+def get_current_module() -> Any:
+    """The Flax module (Linen or NNX) whose method is running the caller.
+
+    Raises:
+      ValueError: the caller is not inside a module's method.
+    """
+    module, _ = current_module_and_call()
+    if module is None:
+        raise ValueError("no Flax module is running here; call this from a module's method.")
+    return module
+
+
+def get_current_module_path() -> tuple[str, ...]:
+    """The path of the running module (NNX: as set by quantize_model)."""
+    return module_path(get_current_module())
+
+
 def module_path(module: Any) -> tuple[str, ...]:
     if isinstance(module, nn.Module):
         return tuple(str(p) for p in module.path)
@@ -68,8 +85,13 @@ def unbox(value: Any) -> Any:
     )
 
 
-def find_param(array: Any, module: Any) -> provenance.WeightRef | None:
-    """Returns where ``array`` came from if it is (a view of) a parameter of ``module``."""
+def find_param(array: Any, module: Any = None) -> provenance.WeightRef | None:
+    """Returns where ``array`` came from if it is (a view of) a parameter of ``module``.
+
+    The result is the param's name (a str, as the seeds return it) carrying its module and the
+    views that led to ``array``; None for anything else. ``module`` defaults to the running one.
+    """
+    module = get_current_module() if module is None else module
     ref = provenance.lookup(array)
     if ref is not None:
         return ref if ref.owner is module else None
@@ -152,17 +174,122 @@ def get_and_delete_variable(module: Any, collection: str, name: str) -> Any:
     return value
 
 
-def get_or_create_param(module: Any, name: str, init: Callable[[], Any]) -> Any:
-    """Returns the unboxed param ``name`` of the module, creating it with ``init()`` if absent."""
+def get_or_create_param(
+    name: str,
+    init_fn: Callable[[], Any],
+    nnx_param_type: type[nnx.Variable] = nnx.Param,
+    *,
+    module: Any = None,
+) -> Any:
+    """Returns the unboxed param ``name`` of the module, creating it with ``init_fn()`` if absent.
+
+    ``module`` defaults to the running one; NNX params are created as ``nnx_param_type``.
+    """
+    module = get_current_module() if module is None else module
     if isinstance(module, nn.Module):
-        return unbox(module.param(name, lambda *_: init()))
+        return unbox(module.param(name, lambda *_: init_fn()))
     existing = getattr(module, name, None)
     if existing is None:
-        value = init()
+        value = init_fn()
         # nnx.data: a pytree holding Variables in a new attribute must be declared as data.
-        setattr(module, name, nnx.data(jax.tree.map(nnx.Param, value)))
+        setattr(module, name, nnx.data(jax.tree.map(nnx_param_type, value)))
         return value
     return unbox(existing)
+
+
+def get_or_create_variable(
+    collection: str, name: str, init_fn: Callable[[], Any], *, module: Any = None
+) -> Any:
+    """The variable ``name`` of ``collection`` in the module (boxed: nn.Variable / nnx.Variable),
+    created with ``init_fn()`` if absent. NNX collections map to variable types by name
+    ("params" -> nnx.Param, "quant_stats" -> QuantStat, others as nnx registers them)."""
+    module = get_current_module() if module is None else module
+    if isinstance(module, nn.Module):
+        if module.scope is None:
+            raise ValueError("the Linen module is not bound; call this inside init/apply.")
+        # scope.variable, unlike module.variable, also works outside compact methods.
+        return module.scope.variable(collection, name, init_fn)
+    kind = _variable_type(collection)
+    existing = getattr(module, name, None)
+    if existing is None:
+        existing = kind(init_fn())
+        setattr(module, name, existing)
+    elif not isinstance(existing, kind):
+        raise ValueError(
+            f"{name!r} of the module is a {type(existing).__name__}, not a {kind.__name__} of "
+            f"collection {collection!r}; use another name."
+        )
+    return existing
+
+
+def _variable_type(collection: str) -> type[nnx.Variable]:
+    from qmill.engine.providers import qt  # cycle: QuantStat is defined by the QT provider
+
+    known = {"params": nnx.Param, "quant_stats": qt.QuantStat}
+    if collection in known:
+        return known[collection]
+    return nnx.variable_type_from_name(collection, allow_register=True)
+
+
+def make_rng(rng_stream: str, *, module: Any = None) -> jax.Array:
+    """A new key from ``rng_stream`` of the module (Linen: its rngs; NNX: its ``rngs`` attribute).
+
+    Raises:
+      ValueError: the module has no such stream.
+    """
+    module = get_current_module() if module is None else module
+    if isinstance(module, nn.Module):
+        if not module.has_rng(rng_stream):
+            raise ValueError(
+                f"no {rng_stream!r} rng stream; pass rngs={{{rng_stream!r}: key}} to init/apply."
+            )
+        return module.make_rng(rng_stream)
+    rngs = getattr(module, "rngs", None)
+    if not isinstance(rngs, nnx.Rngs):
+        raise ValueError(
+            f"the NNX module {type(module).__name__} has no `rngs` attribute (an nnx.Rngs) to "
+            f"draw {rng_stream!r} from; store the module's nnx.Rngs as self.rngs."
+        )
+    return rngs[rng_stream]()
+
+
+def update_sharding(
+    spec: Sequence[Any],
+    *,
+    shape: Sequence[int] | None = None,
+    split: Collection[int] | None = None,
+    merge: Collection[int] | None = None,
+    transpose: Sequence[int | None] | None = None,
+) -> tuple[Any, ...]:
+    """A partition spec (one entry per axis) for an array derived from one with ``spec``.
+
+    Args:
+      spec: the original array's spec.
+      shape: the derived array's shape: axes of size 1 (a scale's reduced axes) get None.
+      split: axes split in two (tiling: a -> (a, tile)); each becomes (its entry, None).
+      merge: the inverse of split, with the same axes (of the original, unsplit array).
+      transpose: the derived array's axes as original axes (None: a new axis, unsharded).
+
+    Raises:
+      ValueError: more than one of split / merge / transpose, or a shape of another rank.
+    """
+    if sum(bool(x) for x in (split, merge, transpose)) > 1:
+        raise ValueError("update_sharding takes at most one of split, merge and transpose.")
+    out = list(spec)
+    if split:
+        out = [e for i, a in enumerate(spec) for e in ((a, None) if i in split else (a,))]
+    elif merge:
+        # Axis i of the merged array is followed, in spec, by its tile axis and by one tile axis
+        # for each merged axis before it; drop the tile axes.
+        drop = {i + n + 1 for n, i in enumerate(sorted(merge))}
+        out = [a for j, a in enumerate(spec) if j not in drop]
+    elif transpose:
+        out = [None if i is None else spec[i] for i in transpose]
+    if shape is not None:
+        if len(shape) != len(out):
+            raise ValueError(f"shape {tuple(shape)} has {len(shape)} axes but the spec {len(out)}.")
+        out = [None if d == 1 else a for a, d in zip(out, shape, strict=True)]
+    return tuple(out)
 
 
 def replace_param(module: Any, name: str, value: Any) -> None:

@@ -167,15 +167,75 @@ def is_patched(path: str) -> bool:
         return path in _patches
 
 
-def wrap(fn: Callable[..., Any], get_handlers: Callable[[], Mapping[str, Handler]]) -> Any:
-    """Returns ``fn`` running under ``intercepted(get_handlers())`` at every call."""
+def current_handler(path: str) -> Handler | None:
+    """The handler of ``path`` in this thread's innermost ``intercepted`` block, or None.
+
+    Unlike the dispatchers this ignores ``suspended``: it answers "which provider is running",
+    which a handler may ask too.
+    """
+    return _state.stack[-1].get(path) if _state.stack else None
+
+
+def _identity_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    return args, kwargs
+
+
+def wrap(
+    fn: Callable[..., Any],
+    get_handlers: Callable[[], Mapping[str, Handler]],
+    *,
+    input_transform: Callable[[Any, Any], tuple[Any, Any]] = _identity_inputs,
+    output_transform: Callable[[Any], Any] = lambda out: out,
+    should_intercept: Callable[[], bool] = lambda: True,
+    disable_jit: bool = False,
+) -> Any:
+    """Returns ``fn`` running under ``intercepted(get_handlers())`` at every call.
+
+    Args:
+      fn: the function to wrap.
+      get_handlers: called at each call for the target -> handler map.
+      input_transform: (args, kwargs) -> (args, kwargs), applied before ``fn`` runs.
+      output_transform: applied to ``fn``'s result, outside the intercepted block.
+      should_intercept: when it returns False, ``fn`` runs plainly (no transforms either).
+      disable_jit: run ``fn`` with jax.jit disabled, so that jitted library functions run their
+        Python code (and reach the handlers) instead of a cached compiled version.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with intercepted(get_handlers()):
+        if not should_intercept():
+            return fn(*args, **kwargs)
+        args, kwargs = input_transform(args, kwargs)
+        with contextlib.ExitStack() as stack:
+            if disable_jit:
+                import jax  # here: this module is imported by code that must not need jax
+
+                stack.enter_context(jax.disable_jit())
+            stack.enter_context(intercepted(get_handlers()))
+            out = fn(*args, **kwargs)
+        return output_transform(out)
+
+    return wrapper
+
+
+# The seeds' name for wrap.
+wrap_func_intercepted = wrap
+
+
+def disable_interceptions(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Returns ``fn`` running with this thread's interceptions off: it reaches the originals."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with suspended():
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def has_attribute(path: str) -> bool:
+    """Whether the dotted target exists in the installed libraries."""
+    return resolve(path) is not None
 
 
 class LateBound:

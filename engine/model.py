@@ -63,11 +63,13 @@ def _wrap_method(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         provider = getattr(type(self), _PROVIDER_ATTR, None) or getattr(self, _PROVIDER_ATTR)
+        # Hooks for providers that quantize the model's inputs / output too (the ODML ones).
+        _, args, kwargs = provider.process_model_inputs(self, args, kwargs)
         with _running(provider, self):
             out = method(self, *args, **kwargs)
-        # Hook for providers that quantize the model's output too (the ODML ones).
         hook = getattr(provider, "model_output", None)
-        return out if hook is None else hook(self, out)
+        out = out if hook is None else hook(self, out)
+        return provider.process_model_output(method.__name__, out)
 
     return wrapper
 

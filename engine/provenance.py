@@ -12,7 +12,6 @@ module running the op, is a weight; anything else is an activation.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,13 +19,28 @@ from typing import Any
 from qmill.engine import interception
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightRef:
-    """Where a weight operand came from."""
+class WeightRef(str):
+    """Where a weight operand came from: the param's name (as a str) plus its module and views.
+
+    A str so that it is what the seeds' ``find_param`` returns (the param name, compared and
+    printed as one); ``owner`` and ``views`` say more for the providers here.
+    """
 
     owner: Any  # the module holding the parameter
-    name: str  # the parameter's attribute / variable name
-    views: tuple[str, ...] = ()  # view ops applied after reading it, in order
+    views: tuple[str, ...]  # view ops applied after reading it, in order
+
+    def __new__(cls, owner: Any, name: str, views: tuple[str, ...] = ()) -> WeightRef:
+        ref = super().__new__(cls, name)
+        ref.owner, ref.views = owner, tuple(views)
+        return ref
+
+    @property
+    def name(self) -> str:
+        """The parameter's attribute / variable name."""
+        return str.__str__(self)
+
+    def with_views(self, views: tuple[str, ...]) -> WeightRef:
+        return WeightRef(self.owner, self.name, views)
 
 
 class _State(threading.local):
@@ -79,7 +93,7 @@ def _view_handler(view_name: str) -> Callable[[Callable[..., Any]], Callable[...
             ref = lookup(array)
             if ref is not None:
                 views = ref.views if out is array else (*ref.views, view_name)
-                track(out, dataclasses.replace(ref, views=views))
+                track(out, ref.with_views(views))
             return out
 
         return handler

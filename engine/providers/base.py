@@ -16,33 +16,59 @@ from typing import Any
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
-from qmill.engine import flax_util, provenance, qarray, rules
+from qmill.engine import flax_util, provenance, qarray
+from qmill.engine import rules as qrules
 
 
 class QuantizationProvider:
-    """Base class of the providers; subclasses add op handlers in ``get_intercept_map``."""
+    """Base class of the providers; subclasses add op handlers in ``get_intercept_map``.
 
-    def __init__(self, rules_: Sequence[rules.QuantizationRule]) -> None:
-        self._rules = tuple(rules_)
+    ``rules`` may be given by position or keyword (``PtqProvider(rules=...)``, as the seeds
+    write it); the first matching rule wins.
+    """
+
+    # The seeds' flag: run the quantized methods with jax.jit disabled (never needed here, since
+    # interception patches attributes rather than code objects; kept for subclasses that set it).
+    disable_jit: bool = False
+
+    def __init__(self, rules: Sequence[qrules.QuantizationRule] | None = None) -> None:
+        if rules is None:
+            raise TypeError(f"{type(self).__name__} needs rules=[QuantizationRule(...), ...].")
+        if isinstance(rules, qrules.QuantizationRule):
+            raise TypeError("rules must be a sequence of QuantizationRule; wrap the rule in [].")
+        for rule in rules:
+            if not isinstance(rule, qrules.QuantizationRule):
+                raise TypeError(f"rules must hold QuantizationRule objects, got {rule!r}.")
+        self._rules = tuple(rules)
         self._used: set[int] = set()
         self._used_lock = threading.Lock()
 
     @property
-    def rules(self) -> tuple[rules.QuantizationRule, ...]:
+    def rules(self) -> tuple[qrules.QuantizationRule, ...]:
         return self._rules
 
-    def get_unused_rules(self) -> list[rules.QuantizationRule]:
-        """Rules that have not matched any op run so far (usually a mistyped module_path)."""
+    def current_rule(self, op_name: str) -> qrules.QuantizationRule | None:
+        """The rule for ``op_name`` run by the current module, without counting an op."""
+        module, _ = flax_util.current_module_and_call()
+        path = "/".join(flax_util.module_path(module)) if module is not None else ""
+        return qrules.find_rule(self._rules, path, op_name)[1]
+
+    def get_unused_rules(self) -> list[qrules.QuantizationRule]:
+        """Rules that have not matched any op run so far (usually a mistyped module_path).
+
+        Asked before any quantized model has run, every rule is unused: that is an answer, not an
+        error.
+        """
         with self._used_lock:
             return [r for i, r in enumerate(self._rules) if i not in self._used]
 
     def current_rule_and_op_id(
         self, op_name: str
-    ) -> tuple[rules.QuantizationRule | None, str | None, Any]:
+    ) -> tuple[qrules.QuantizationRule | None, str | None, Any]:
         """(rule or None, op id or None, module or None) for an op run by the caller."""
         module, call = flax_util.current_module_and_call()
         path = "/".join(flax_util.module_path(module)) if module is not None else ""
-        index, rule = rules.find_rule(self._rules, path, op_name)
+        index, rule = qrules.find_rule(self._rules, path, op_name)
         if index is not None:
             with self._used_lock:
                 self._used.add(index)
@@ -74,10 +100,30 @@ class QuantizationProvider:
         """Dotted target -> handler while a model quantized by this provider runs."""
         return {
             **provenance.view_handlers(),
+            # qconfig.CURRENT_RULE_TARGET (qconfig imports this module).
+            "qmill.engine.qconfig.get_current_rule": self.current_rule,
             "flax.linen.Module.param": self.nn_param,
             "flax.linen.dtypes.promote_dtype": self.promote_dtype,
             "flax.nnx.nn.dtypes.promote_dtype": self.nnx_promote_dtype,
         }
+
+    def get_interceptors(self) -> list[Callable[[], dict[str, Callable[..., Any]]]]:
+        """Factories of the handler maps a quantized method runs under, outermost first.
+
+        One map for every provider here; the seeds let a provider stack several.
+        """
+        return [self.get_intercept_map]
+
+    def process_model_inputs(
+        self, model: Any, model_args: Sequence[Any], model_kwargs: dict[str, Any]
+    ) -> tuple[Any, Sequence[Any], dict[str, Any]]:
+        """Hook run before a quantized method: returns (model, args, kwargs) unchanged here."""
+        return model, model_args, model_kwargs
+
+    def process_model_output(self, method_name: str, model_output: Any) -> Any:
+        """Hook run on a quantized method's output: unchanged here (see ``model_output``)."""
+        del method_name
+        return model_output
 
 
 class OpsProvider(QuantizationProvider):

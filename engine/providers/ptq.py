@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import flax.struct
 import jax
+import numpy as np
 from flax import linen as nn
 from flax import nnx
 
@@ -48,6 +49,14 @@ class WithAux(Generic[A]):
     def get_value(self) -> WithAux[A]:
         return flax_util.unbox(self)
 
+    def __jax_array__(self) -> jax.Array:
+        """``jnp.asarray(w)``: the array, dequantized if it is a QArray."""
+        array = flax_util.unbox(self.array)
+        return qarray.dequantize(array) if isinstance(array, qarray.QArray) else array
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.__jax_array__(), dtype=dtype)
+
     def __getitem__(self, key: Any) -> WithAux[A]:
         if key is Ellipsis:  # nnx modules read params with `variable[...]`
             return flax_util.unbox(self)
@@ -65,10 +74,10 @@ class WithAux(Generic[A]):
 
 
 class PtqProvider(base.OpsProvider):
-    """Quantized weights (replaced in the model on first use) and quantized compute."""
+    """Quantized weights (replaced in the model on first use) and quantized compute.
 
-    def __init__(self, rules_: Sequence[rules.QuantizationRule]) -> None:
-        super().__init__(rules_)
+    ``PtqProvider(rules)`` or ``PtqProvider(rules=rules)``.
+    """
 
     # ---- ops -------------------------------------------------------------------------------
 
@@ -239,6 +248,8 @@ def quantize_act(
         return qarray.quantize(array, how)
     # An NNX PTQ model converted from a QT one finds the QT statistics here and consumes them.
     stat = flax_util.get_and_delete_variable(module, "quant_stats", act_name)
+    if stat is not None:
+        _check_collected(stat, module, act_name)
     created_zero_point = []
 
     def init() -> WithAux[jax.Array]:
@@ -254,13 +265,27 @@ def quantize_act(
         created_zero_point.append(zero_point)
         return WithAux(scale, how)
 
-    scale = flax_util.get_or_create_param(module, f"{act_name}_scale", init)
+    scale = flax_util.get_or_create_param(f"{act_name}_scale", init, module=module)
     zp_name = f"{act_name}_zero_point"
     if created_zero_point and created_zero_point[0] is not None:
-        zero_point = flax_util.get_or_create_param(module, zp_name, lambda: created_zero_point[0])
+        zero_point = flax_util.get_or_create_param(
+            zp_name, lambda: created_zero_point[0], module=module
+        )
     else:
         zero_point = flax_util.get_variable(module, "params", zp_name)
     return qarray.quantize_with_scale_zero_point(array, how.qtype, scale.array, zero_point)
+
+
+def _check_collected(stat: Any, module: Any, act_name: str) -> None:
+    """Refuses a statistic that saw no batch: it would average to zeros and give scale 1.0."""
+    count = stat["count"]
+    if isinstance(count, jax.core.Tracer) or int(count) > 0:
+        return
+    where = "/".join((*flax_util.module_path(module), act_name))
+    raise ValueError(
+        f"the activation statistics of {where} were never collected (count 0): run the QT model "
+        "on calibration batches before converting it to PTQ, or drop act_static_scale."
+    )
 
 
 _MISSING = object()

@@ -49,10 +49,10 @@ def ste(x: jax.Array, fq: jax.Array) -> jax.Array:
 
 
 class QtProvider(base.OpsProvider):
-    """Fake-quantized forward (and optionally backward) for quantization-aware training."""
+    """Fake-quantized forward (and optionally backward) for quantization-aware training.
 
-    def __init__(self, rules_: Sequence[rules.QuantizationRule]) -> None:
-        super().__init__(rules_)
+    ``QtProvider(rules)`` or ``QtProvider(rules=rules)``.
+    """
 
     def dot_general(
         self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs

@@ -69,7 +69,8 @@ def test_qat_refuses_what_litert_cannot_store(mlp):
     tiled = [qe.QuantizationRule(weight_qtype="int8", tile_size=2)]
     with pytest.raises(odml.LiteRtUnsupported, match="tile_size"):
         qe.quantize_model(MLP(), qe.OdmlQatProvider(tiled)).init(jax.random.key(0), x)
-    dynamic = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
+    # act_qtype alone is static-range under the ODML providers; an explicit False is dynamic.
+    dynamic = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=False)]
     with pytest.raises(odml.LiteRtUnsupported, match="act_static_scale"):
         qe.quantize_model(MLP(), qe.OdmlQatProvider(dynamic)).init(jax.random.key(0), x)
     fp8 = [qe.QuantizationRule(weight_qtype="float8_e4m3fn")]
