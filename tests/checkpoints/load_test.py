@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import ml_dtypes
@@ -31,6 +30,7 @@ from qmill.client import Client
 from qmill.client import calibrate as client_calibrate
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
+from tests.e2e import processes
 
 SUFFIX = {"orbax": "", "safetensors": ".safetensors", "npz": ".npz"}
 MODEL_INPUT = jax.random.uniform(jax.random.key(0), (8, 16))
@@ -173,7 +173,7 @@ def test_cli_output_loads_into_the_ptq_models(fp_checkpoint, tmp_path, fmt, qtyp
     out = tmp_path / f"q{SUFFIX[fmt]}"
     args = [str(fp_checkpoint), "-o", str(out), "--format", fmt, "--recipe", str(recipe), "-q"]
     run = subprocess.run(
-        [sys.executable, "-m", "qmill.cli", "quantize", *args],
+        [*processes.qmill(), "quantize", *args],
         capture_output=True, text=True, timeout=300, env=os.environ,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -190,6 +190,11 @@ def test_a_sharded_safetensors_output_loads_as_one_tree(tmp_path):
     assert set(tree) == {"model.layers.0.w", "model.norm"}  # a safetensors name keeps its dots
     assert tree["model.layers.0.w"]["array"]["qvalue"].tobytes() == qvalue.tobytes()
     assert isinstance(tree["model.norm"], np.ndarray)
+    cpu = jax.devices("cpu")[0]
+    on_device = checkpoints.load(tmp_path / "sharded", device=cpu)
+    qvalue_on_device = on_device["model.layers.0.w"]["array"]["qvalue"]
+    assert isinstance(qvalue_on_device, jax.Array) and qvalue_on_device.devices() == {cpu}
+    assert np.asarray(qvalue_on_device).tobytes() == qvalue.tobytes()
 
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_named(fp_checkpoint, tmp_path):
