@@ -52,10 +52,14 @@ def from_mapping(fields: Mapping[str, Any]) -> pb.Recipe:
     if unknown:
         raise ValueError(f"unknown recipe key(s) {unknown}; valid: ['convention', 'rules']")
     convention = fields.get("convention", "auto")
-    if convention not in _CONVENTIONS:
+    if not isinstance(convention, str) or convention not in _CONVENTIONS:
         raise ValueError(f"convention {convention!r} is not one of {sorted(_CONVENTIONS)}")
     message = pb.Recipe(convention=_CONVENTIONS[convention])
-    for index, rule in enumerate(fields.get("rules") or ()):
+    rules = fields.get("rules") or ()
+    # A TOML file says `rules = 1.5` as easily as [[rules]]: refuse it as the user's mistake.
+    if not isinstance(rules, list | tuple) or not all(isinstance(r, Mapping) for r in rules):
+        raise ValueError(f"rules must be a list of tables ([[rules]] in TOML), got {rules!r}")
+    for index, rule in enumerate(rules):
         unknown = sorted(set(rule) - set(RULE_FIELDS))
         if unknown:
             raise ValueError(
