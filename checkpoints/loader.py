@@ -82,8 +82,10 @@ def fill(like: Any, tree: Any, where: str = "") -> Any:
     are not arrays (how a weight was quantized, its qtype) come from `like`. Keys `tree` has and
     `like` lacks are kept as they are.
     """
-    if hasattr(like, "unbox") and not dataclasses.is_dataclass(like):
-        like = like.unbox()  # flax.linen.Partitioned and other boxes around a param
+    if hasattr(like, "unbox") and hasattr(like, "replace_boxed"):
+        # flax.linen.Partitioned and other metadata boxes around a param: fill what they hold
+        # and keep the box, as the model's own params have it.
+        return like.replace_boxed(fill(like.unbox(), tree, where))
     here = where or "the checkpoint's root"
     if isinstance(like, Mapping):
         if not isinstance(tree, Mapping):

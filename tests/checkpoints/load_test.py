@@ -263,3 +263,14 @@ def test_remote_srq_params_load_into_the_ptq_model(srq, tmp_path, fmt):
     expected = ptq_model.apply({"params": expected_params}, x)
     got = ptq_model.apply({"params": loaded}, x)
     assert np.asarray(got).tobytes() == np.asarray(expected).tobytes()
+
+
+def test_fill_keeps_flax_boxes_and_dataclass_fields_that_are_not_arrays():
+    abstract = jax.ShapeDtypeStruct((2, 3), np.float32)
+    like = {"w": nn.Partitioned(abstract, names=("in", "out")), "b": abstract}
+    value = np.ones((2, 3), np.float32)
+    filled = checkpoints.loader.fill(like, {"w": value, "b": value, "extra": value})
+    assert isinstance(filled["w"], nn.Partitioned) and filled["w"].names == ("in", "out")
+    assert filled["w"].value is value and filled["b"] is value and filled["extra"] is value
+    with pytest.raises(ValueError, match=r"w: the model wants float32\[2, 3\]"):
+        checkpoints.loader.fill(like, {"w": np.ones(3, np.float32), "b": value})
