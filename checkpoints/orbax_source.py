@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, orbax_layout, protocols, source_base
+from qmill.checkpoints import dtypes, files, orbax_layout, protocols, source_base
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class OrbaxSource(source_base.SourceBase):
         self._ocp = orbax_layout.import_orbax()
         # Absolute: Orbax finds no metadata under a relative path.
         self.path = path.absolute()
+        files.require_regular_tree(self.path)  # before Orbax opens anything inside
         self._checkpointer = self._ocp.PyTreeCheckpointer()
         metadata = self._checkpointer.metadata(self.path)
         tree_metadata = getattr(metadata, "item_metadata", None)
