@@ -6,13 +6,22 @@ seed-compatible public surface.
 
 from qmill.engine import averaging as averaging
 from qmill.engine import calibration as calibration
+from qmill.engine import checkpoint_utils as checkpoint_utils
+from qmill.engine import flax_util as flax_util
 from qmill.engine import interception as interception
 from qmill.engine import numerics as numerics
 from qmill.engine import qarray as qarray
+from qmill.engine import qconfig as qconfig
 from qmill.engine import qtypes as qtypes
 from qmill.engine import tiling as tiling
 from qmill.engine import zoo as zoo
 from qmill.engine.averaging import SimpleMovingAverage as SimpleMovingAverage
+from qmill.engine.checkpoint_utils import (
+    process_prequantized_params as process_prequantized_params,
+)
+from qmill.engine.checkpoint_utils import (
+    restore_quantization_rules as restore_quantization_rules,
+)
 from qmill.engine.model import quantize_model as quantize_model
 from qmill.engine.providers.base import QuantizationProvider as QuantizationProvider
 from qmill.engine.providers.lora import LoRAParam as LoRAParam
@@ -52,14 +61,19 @@ __all__ = [
     "apply_lora_to_model",
     "averaging",
     "calibration",
+    "checkpoint_utils",
     "dequantize",
+    "flax_util",
     "interception",
     "numerics",
+    "process_prequantized_params",
     "qarray",
+    "qconfig",
     "qtypes",
     "quantize",
     "quantize_model",
     "quantize_params",
+    "restore_quantization_rules",
     "tiling",
     "zoo",
 ]
