@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from qmill import checkpoints
-from qmill.client import credentials, errors, uploads
+from qmill.client import credentials, errors, programs, uploads
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -275,10 +275,15 @@ def add_command(sub: Any) -> None:
         "calibrate", help="activation statistics (and static-range PTQ params) from a server"
     )
     c.add_argument("--server", required=True, help="HOST:PORT")
-    c.add_argument("--model", required=True, help="model name in the server's registry")
+    programs.add_model_arguments(c, "model name in the server's registry")
     c.add_argument("--config", default="", help="the model's config as a JSON object")
-    uploads.add_params_arguments(c)
-    c.add_argument("--batches", required=True, help=".npy file of inputs, examples on axis 0")
+    programs.add_params_arguments(c)
+    c.add_argument(
+        "--batches",
+        required=True,
+        help=".npy file of inputs, examples on axis 0 (a program: one file per model input, "
+        "comma-separated)",
+    )
     c.add_argument("--batch-size", type=int, default=32, help="examples per batch (default 32)")
     c.add_argument("--calibration-id", default="", help="continue this calibration")
     c.add_argument(
@@ -298,6 +303,10 @@ def run_command(
 ) -> int:
     """Runs `qmill calibrate` on `client`; returns the exit code."""
     rules = load_rules(args.rules)
+    if not args.model:
+        return _run_program(client, args, rules, print_line)
+    if not (args.params or args.params_upload_id):
+        raise ValueError("--model needs the model's params: --params or --params-upload-id")
     batches = load_batches(args.batches, args.batch_size)
     start = pb.CalibrateStart(
         model=pb.ModelSpec(name=args.model, config_json=args.config),
@@ -307,6 +316,39 @@ def run_command(
         return_ptq_params=bool(args.ptq_output),
     )
     result = client.calibrate(start, batches)
+    _report(result, args, print_line)
+    if args.ptq_output:
+        n = write_ptq(result, args.ptq_output, overwrite=args.overwrite)
+        quantized = sum(1 for p in result.params.values() if "qvalue" in p)
+        print_line(f"PTQ params: {n} tensors ({quantized} quantized) → {args.ptq_output}")
+    return 0
+
+
+def _run_program(
+    client: client_lib.Client,
+    args: argparse.Namespace,
+    rules: list[pb.ModelRule],
+    print_line: Callable[[str], None],
+) -> int:
+    """`qmill calibrate --artifact | --model-fn`: the program runs on the server; --ptq-output
+    then asks QuantizeParams for the static-range params of the uploaded params."""
+    program, upload_id, batch_size, floats = programs.calibration_program(
+        client, args, rules, print_line
+    )
+    start = pb.CalibrateStart(
+        program=program, params_upload_id=upload_id, calibration_id=args.calibration_id
+    )
+    batches = programs.load_batches(args.batches, batch_size, print_line)
+    result = client.calibrate(start, batches)
+    _report(result, args, print_line)
+    if args.ptq_output:
+        cid = result.summary.calibration_id
+        n = programs.write_srq(client, upload_id, cid, rules, floats, args)
+        print_line(f"PTQ params: {n} tensors (static ranges of {cid}) → {args.ptq_output}")
+    return 0
+
+
+def _report(result: CalibrateResult, args: argparse.Namespace, print_line) -> None:
     s = result.summary
     print_line(
         f"calibration {s.calibration_id}: {s.batches_total} batches, {s.examples_total} "
@@ -320,8 +362,3 @@ def run_command(
             raise FileExistsError(f"{args.stats_output} exists; pass --overwrite to replace it")
         os.replace(tmp, args.stats_output)
         print_line(f"statistics → {args.stats_output}")
-    if args.ptq_output:
-        n = write_ptq(result, args.ptq_output, overwrite=args.overwrite)
-        quantized = sum(1 for p in result.params.values() if "qvalue" in p)
-        print_line(f"PTQ params: {n} tensors ({quantized} quantized) → {args.ptq_output}")
-    return 0

@@ -28,6 +28,7 @@ from qmill.client import (
     export_odml,
     fanout,
     jobs,
+    programs,
     recipes,
     report,
     retry,
@@ -124,6 +125,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     credentials.add_arguments(c)
 
     export_odml.add_command(sub)
+    programs.add_command(sub)  # export-program: a model as a program file (no server)
 
 
 def _dry_run(args: argparse.Namespace, recipe: dict, out: Console) -> int:
@@ -302,6 +304,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         return _quantize(args, out, err)
     if args.command == "inspect":
         return _inspect(args, out)
+    if args.command == "export-program":
+        return programs.run_local(args, line)
     modules = {
         "export-odml": export_odml,
         "admin": admin,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qmill.client import credentials, uploads
+from qmill.client import credentials, programs, uploads
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -96,7 +96,7 @@ def add_command(sub: Any) -> None:
     """Adds `qmill export-odml` to the CLI's subparsers."""
     e = sub.add_parser("export-odml", help="export a LiteRT (.tflite) model from a server")
     e.add_argument("--server", required=True, help="HOST:PORT")
-    e.add_argument("--model", required=True, help="model name in the server's registry")
+    programs.add_model_arguments(e, "model name in the server's registry")
     e.add_argument(
         "--config",
         "--model-config",
@@ -104,9 +104,13 @@ def add_command(sub: Any) -> None:
         default="",
         help="the model's config as a JSON object (as for `qmill calibrate`)",
     )
-    uploads.add_params_arguments(e)
+    programs.add_params_arguments(e)
     e.add_argument(
         "--calibration-id", default="", help="for static-range rules (w8a8): `qmill calibrate`"
+    )
+    e.add_argument(
+        "--stats",
+        help="--model-fn with w8a8: the statistics `qmill calibrate --stats-output` wrote",
     )
     e.add_argument("--rules", default="int8", choices=sorted(PRESETS), help="default int8")
     e.add_argument("--input-shape", default="1,8,8,1", help="one model input, batch first")
@@ -119,6 +123,11 @@ def run_command(
     client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
 ) -> int:
     """Runs `qmill export-odml` on `client`; returns the exit code."""
+    if not args.model:
+        request = programs.export_request(args, PRESETS[args.rules])
+        return _write(client.export_odml(request, args.output), print_line)
+    if not (args.params or args.params_upload_id):
+        raise ValueError("--model needs the model's params: --params or --params-upload-id")
     try:
         shape = [int(d) for d in args.input_shape.split(",") if d.strip()]
     except ValueError:
@@ -133,7 +142,10 @@ def run_command(
         input_shape=shape,
         input_dtype=pb.DTYPE_F32,
     )
-    result = client.export_odml(request, args.output)
+    return _write(client.export_odml(request, args.output), print_line)
+
+
+def _write(result: ExportResult, print_line: Callable[[str], None]) -> int:
     weights = ", ".join(f"{k} {v}" for k, v in sorted(result.info.quantized_weights.items()))
     print_line(f"wrote {result.path} ({result.info.byte_length:,} bytes; weights: {weights})")
     print_line("ops: " + " ".join(result.info.ops))

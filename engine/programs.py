@@ -16,7 +16,8 @@ on its own device, and never imports or unpickles user code. Two kinds:
              adds a platform-index argument the converter would take for an input).
 
 An artifact is ``MAGIC``, a 4-byte little-endian header length, a JSON header (format, kind, the
-act qtype of each statistic) and the ``jax.export`` serialization. Paths are '/'-joined tree keys.
+act qtype of each statistic, the input shapes) and the ``jax.export`` serialization. Paths are
+'/'-joined tree keys.
 """
 
 from __future__ import annotations
@@ -109,7 +110,17 @@ def flat_paths(tree: Any) -> dict[str, Any]:
 
 
 def serialize(kind: str, exported: jax.export.Exported, stat_qtypes: Mapping[str, str]) -> bytes:
-    header = json.dumps({"format": FORMAT, "kind": kind, "stat_qtypes": dict(stat_qtypes)})
+    args, _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+    inputs = args[2:] if kind == CALIBRATE else args
+    header = json.dumps(
+        {
+            "format": FORMAT,
+            "kind": kind,
+            "stat_qtypes": dict(stat_qtypes),
+            # For clients without jax (qmill.checkpoints.model_fn.read_header): batch shapes.
+            "inputs": [[list(a.shape), np.dtype(a.dtype).name] for a in inputs],
+        }
+    )
     raw = header.encode()
     return MAGIC + struct.pack("<I", len(raw)) + raw + bytes(exported.serialize())
 
