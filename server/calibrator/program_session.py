@@ -8,7 +8,10 @@ user code is imported; everything here is blocking JAX work, called only from th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import collections
+import hashlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +21,39 @@ from qmill.engine import programs
 from qmill.server import errors
 from qmill.server import params as params_lib
 from qmill.server.calibrator import store
+
+# Deserializing a program and compiling its step take ~1 s; clients call Calibrate again and
+# again with the same artifact (one call per data shard, continuations): keep the last few.
+_CACHE_SIZE = 8
+_cache: collections.OrderedDict[str, tuple[programs.Program, Callable[..., Any]]] = (
+    collections.OrderedDict()
+)
+_cache_lock = threading.Lock()
+
+
+def load(data: bytes, *, max_bytes: int, platform: str) -> programs.Program:
+    """programs.load, cached by the artifact's SHA-256 (with its compiled step)."""
+    if len(data) > max_bytes:
+        programs.load(data, max_bytes=max_bytes)  # raises, saying the limit
+    key = f"{hashlib.sha256(data).hexdigest()}/{platform}"
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key][0]
+    program = programs.load(data, max_bytes=max_bytes, platform=platform)
+    with _cache_lock:
+        _cache[key] = (program, programs.calibrate_step(program))
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return program
+
+
+def _step(program: programs.Program) -> Callable[..., Any]:
+    with _cache_lock:
+        for cached, step in _cache.values():
+            if cached is program:
+                return step
+    return programs.calibrate_step(program)
 
 
 def model_key(program: programs.Program) -> str:
@@ -57,7 +93,7 @@ class ProgramSession:
             self.stats = programs.zero_stats(program)
         self.batches = previous.batches if previous else 0
         self.examples = previous.examples if previous else 0
-        self._step = programs.calibrate_step(program)
+        self._step = _step(program)
 
     def add_batch(self, arrays: Sequence[np.ndarray]) -> None:
         xs = programs.check_inputs(self.program, arrays)

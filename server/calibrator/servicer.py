@@ -86,7 +86,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 "return_ptq_params needs a registry model; with a program, send the params and "
                 "the calibration id to QuantizeParams (static_ranges)"
             )
-        program = programs.load(
+        program = program_session.load(
             start.program, max_bytes=self._max_program_bytes, platform=jax.devices()[0].platform
         )
         keys = (program_session.model_key(program), "")
