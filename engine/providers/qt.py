@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import averaging, flax_util, qarray, rules
+from qmill.engine import averaging, flax_util, qarray, rules, stochastic_rounding
 from qmill.engine.providers import base, op_adapter
 
 
@@ -251,26 +251,25 @@ class _BwdConfig:
 
 
 def stochastic_noise_fn(
-    method: str, key: jax.Array, noise_axes: Sequence[int] = (0,)
+    method: str,
+    key: jax.Array,
+    noise_axes: Sequence[int] = (0,),
+    *,
+    channelwise_noise_axes: Sequence[int] | None = None,
 ) -> qarray.NoiseFn:
-    """Noise for stochastic rounding: uniform in [-0.5, 0.5), added to x / scale before rounding.
+    """Noise for stochastic rounding (see stochastic_rounding.py), as a HowToQuantize noise_fn.
 
-    Rounding to nearest after adding it rounds up with probability equal to the fractional part,
-    so the quantized value is unbiased over keys. The noise varies along ``noise_axes`` only and
-    is broadcast over the other axes (fewer random numbers; still unbiased per element).
-    "low_bit_uniform" draws 8-bit noise (256 levels) instead of full-precision floats.
+    The noise varies along ``channelwise_noise_axes`` (the seeds' name; ``noise_axes`` is the
+    same, by position) and is broadcast over the other axes. "uniform" draws float noise,
+    "low_bit_uniform" 8-bit noise.
     """
-    if method not in ("uniform", "low_bit_uniform"):
+    if method not in stochastic_rounding.NOISE:
         raise ValueError(f"stochastic rounding {method!r}; expected 'uniform' or 'low_bit_uniform'")
+    axes = tuple(noise_axes if channelwise_noise_axes is None else channelwise_noise_axes)
+    draw = stochastic_rounding.NOISE[method]
 
     def noise(shape: tuple[int, ...]) -> jax.Array:
-        varying = {a % len(shape) for a in noise_axes} if shape else set()
-        drawn = tuple(s if a in varying else 1 for a, s in enumerate(shape))
-        if method == "low_bit_uniform":
-            u = jax.random.randint(key, drawn, 0, 256).astype(jnp.float32) / 256.0
-        else:
-            u = jax.random.uniform(key, drawn, jnp.float32)
-        return jnp.broadcast_to(u - 0.5, shape)
+        return jnp.broadcast_to(draw(shape, key=key, channelwise_noise_axes=axes), shape)
 
     return noise
 

@@ -1,0 +1,165 @@
+"""dot_general for quantized training: quantized forward, optionally quantized backward (QT).
+
+Forward: each operand with a qtype is fake-quantized (quantized and dequantized) as the PTQ op
+would quantize it, and the float op runs on the result; the gradient reaches the operands
+straight through the rounding (STE). Backward: the output gradient g is fake-quantized once for
+each operand's gradient when that side has a grad qtype. For dlhs (g contracted with rhs over
+rhs's free axes) g gets a scale per index of its batch and lhs axes, optionally tiled along the
+first contracted axis (``dlhs_tile_size``); for drhs likewise with the rhs axes. The residuals
+are the fake-quantized operands, so the backward pass sees the values the forward pass used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from qmill.engine import interception, qarray
+from qmill.engine.ops import dot_general as dot_general_lib
+from qmill.engine.providers import op_adapter
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotGeneralQtConfig:
+    """How dot_general_qt quantizes each side, forward and backward (qtype None: not at all)."""
+
+    # Forward pass: the operands, as PTQ's dot_general would (per channel, tile_size tiles the
+    # contracting axes).
+    lhs_qtype: Any = None
+    rhs_qtype: Any = None
+    tile_size: int | float | None = None
+    lhs_calibration_method: str = "absmax"
+    rhs_calibration_method: str = "absmax"
+    # One scale for the whole operand instead of one per channel.
+    lhs_disable_channelwise_axes: bool = False
+    rhs_disable_channelwise_axes: bool = False
+    # Backward pass: the output gradient, as used for the lhs gradient.
+    dlhs_grad_qtype: Any = None
+    dlhs_grad_calibration_method: str = "absmax"
+    # Tile size along the first axis the lhs gradient contracts (None: one scale along it).
+    dlhs_tile_size: int | float | None = None
+    # Stochastic rounding noise (a HowToQuantize noise_fn), e.g. from qt.stochastic_noise_fn.
+    dlhs_stochastic_rounding_noise_fn: Callable[..., jax.Array] | None = None
+    dlhs_grad_disable_channelwise_axes: bool = False
+    # The same for the output gradient as used for the rhs gradient.
+    drhs_grad_qtype: Any = None
+    drhs_grad_calibration_method: str = "absmax"
+    drhs_tile_size: int | float | None = None
+    drhs_stochastic_rounding_noise_fn: Callable[..., jax.Array] | None = None
+    drhs_grad_disable_channelwise_axes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GradQuant:
+    """How one operand's gradient quantizes g: qtype None leaves it in floating point."""
+
+    qtype: Any
+    calibration_method: str
+    tile_size: int | float | None
+    noise_fn: Callable[..., jax.Array] | None
+    per_tensor: bool
+
+
+def fake_quant(x: jax.Array, how: qarray.HowToQuantize | None) -> jax.Array:
+    """x quantized and dequantized (in x's dtype); x itself when ``how`` is None."""
+    if how is None:
+        return x
+    return qarray.dequantize(qarray.quantize(x, how)).astype(x.dtype)
+
+
+def _maybe_per_tensor(how: qarray.HowToQuantize, per_tensor: bool) -> qarray.HowToQuantize:
+    return dataclasses.replace(how, channelwise_axes=()) if per_tensor else how
+
+
+def quantize_grad(
+    g: jax.Array, layout: op_adapter.GradLayout, side: str, quant: GradQuant
+) -> jax.Array:
+    """g fake-quantized for the gradient of operand ``side`` ("lhs" or "rhs")."""
+    if quant.qtype is None:
+        return g
+    own = layout.lhs_free if side == "lhs" else layout.rhs_free
+    contracted = layout.rhs_free if side == "lhs" else layout.lhs_free
+    tiled = {contracted[0]: quant.tile_size} if quant.tile_size and contracted else {}
+    how = qarray.HowToQuantize(
+        qtype=quant.qtype,
+        channelwise_axes=() if quant.per_tensor else (*layout.batch, *own),
+        tiled_axes=tiled,
+        calibration_method=quant.calibration_method,
+        noise_fn=quant.noise_fn,
+    )
+    return fake_quant(g, how)
+
+
+def qt_call(op, layout, lhs_how, rhs_how, dlhs: GradQuant, drhs: GradQuant, lhs, rhs):
+    """op(lhs, rhs) with the operands fake-quantized and the gradients quantized as given."""
+
+    @jax.custom_vjp
+    def run(a, b):
+        return op(fake_quant(a, lhs_how), fake_quant(b, rhs_how))
+
+    @interception.disable_interceptions
+    def fwd(a, b):
+        qa, qb = fake_quant(a, lhs_how), fake_quant(b, rhs_how)
+        return op(qa, qb), (qa, qb)
+
+    def bwd(residuals, g):
+        _, vjp = jax.vjp(op, *residuals)
+        da, _ = vjp(quantize_grad(g, layout, "lhs", dlhs))
+        _, db = vjp(quantize_grad(g, layout, "rhs", drhs))
+        return da, db
+
+    run.defvjp(fwd, bwd)
+    return run(lhs, rhs)
+
+
+def grad_quants(config: Any) -> tuple[GradQuant, GradQuant]:
+    """The dlhs / drhs settings of a QT config (fields missing on conv configs are None)."""
+
+    def side(prefix: str) -> GradQuant:
+        return GradQuant(
+            getattr(config, f"{prefix}_grad_qtype"),
+            getattr(config, f"{prefix}_grad_calibration_method"),
+            getattr(config, f"{prefix}_tile_size", None),
+            getattr(config, f"{prefix}_stochastic_rounding_noise_fn", None),
+            getattr(config, f"{prefix}_grad_disable_channelwise_axes"),
+        )
+
+    return side("dlhs"), side("drhs")
+
+
+def dot_general_qt(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    config: DotGeneralQtConfig,
+) -> jax.Array:
+    """jax.lax.dot_general with QT's quantized forward and backward passes (see the module)."""
+    ndims = (lhs.ndim, rhs.ndim)
+    get = functools.partial(
+        dot_general_lib.get_how_to_quantize,
+        dimension_numbers=dimension_numbers,
+        ndims=ndims,
+        tile_size=config.tile_size,
+    )
+    hows = []
+    for for_lhs, prefix in ((True, "lhs"), (False, "rhs")):
+        qtype = getattr(config, f"{prefix}_qtype")
+        if qtype is None:
+            hows.append(None)
+            continue
+        how = get(
+            for_lhs=for_lhs,
+            qtype=qtype,
+            calibration_method=getattr(config, f"{prefix}_calibration_method"),
+        )
+        hows.append(_maybe_per_tensor(how, getattr(config, f"{prefix}_disable_channelwise_axes")))
+    layout = op_adapter.dot_general_grad_layout(dimension_numbers, ndims)
+
+    def op(a, b):
+        return jax.lax.dot_general(a, b, dimension_numbers)
+
+    return qt_call(op, layout, hows[0], hows[1], *grad_quants(config), lhs, rhs)
