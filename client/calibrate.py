@@ -336,7 +336,9 @@ def _run_program(
         client, args, rules, print_line
     )
     start = pb.CalibrateStart(
-        program=program, params_upload_id=upload_id, calibration_id=args.calibration_id
+        params_upload_id=upload_id,
+        calibration_id=args.calibration_id,
+        **programs.program_fields(client, program),
     )
     batches = programs.load_batches(args.batches, batch_size, print_line)
     result = client.calibrate(start, batches)

@@ -124,7 +124,8 @@ def run_command(
 ) -> int:
     """Runs `qmill export-odml` on `client`; returns the exit code."""
     if not args.model:
-        request = programs.export_request(args, PRESETS[args.rules])
+        data = programs.export_program(args, PRESETS[args.rules])
+        request = pb.ExportOdmlRequest(**programs.program_fields(client, data))
         return _write(client.export_odml(request, args.output), print_line)
     if not (args.params or args.params_upload_id):
         raise ValueError("--model needs the model's params: --params or --params-upload-id")

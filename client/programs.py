@@ -57,6 +57,24 @@ def add_params_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Programs up to this size travel inside the request; larger ones as an upload (the server's
+# message limit is 8 MiB by default, and an export program carries the model's weights).
+INLINE_BYTES = 4 * 1024 * 1024
+
+
+def upload_program(client: client_lib.Client, data: bytes) -> str:
+    """Uploads an artifact (a safetensors file of one uint8 tensor "program"); its upload id."""
+    content = safetensors.numpy.save({"program": np.frombuffer(data, np.uint8)})
+    return client.upload(content, name="program").upload_id
+
+
+def program_fields(client: client_lib.Client, data: bytes) -> dict[str, Any]:
+    """{"program": bytes} for a small artifact, else {"program_upload_id": id} (uploaded)."""
+    if len(data) <= INLINE_BYTES:
+        return {"program": data}
+    return {"program_upload_id": upload_program(client, data)}
+
+
 def rule_dicts(rules: Sequence[pb.ModelRule]) -> list[dict[str, Any]]:
     """ModelRule messages as the dicts qmill.checkpoints.model_fn takes."""
     fields = [f.name for f in pb.ModelRule.DESCRIPTOR.fields]
@@ -160,8 +178,8 @@ def write_srq(
     return n
 
 
-def export_request(args: argparse.Namespace, rules: Sequence[pb.ModelRule]) -> pb.ExportOdmlRequest:
-    """ExportOdml's request with a program: read from --artifact or built from --model-fn."""
+def export_program(args: argparse.Namespace, rules: Sequence[pb.ModelRule]) -> bytes:
+    """An export program: read from --artifact or built from --model-fn."""
     if args.artifact:
         data = pathlib.Path(args.artifact).read_bytes()
         kind = model_fn.read_header(data).get("kind")
@@ -170,7 +188,7 @@ def export_request(args: argparse.Namespace, rules: Sequence[pb.ModelRule]) -> p
                 f"--artifact {args.artifact} is not an export program (kind {kind!r}): make one "
                 "with `qmill export-program --kind export`"
             )
-        return pb.ExportOdmlRequest(program=data)
+        return data
     fn = model_fn.load(args.model_fn)
     params = read_params(args.params) if args.params else None
     stats = None
@@ -179,8 +197,7 @@ def export_request(args: argparse.Namespace, rules: Sequence[pb.ModelRule]) -> p
             stats = {k: f[k] for k in f.files}
     elif any(r.act_static_scale for r in rules):
         raise ValueError("static-range rules need --stats (from `qmill calibrate --stats-output`)")
-    data = model_fn.export_program(fn, rule_dicts(rules), params, stats)
-    return pb.ExportOdmlRequest(program=data)
+    return model_fn.export_program(fn, rule_dicts(rules), params, stats)
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -211,7 +228,7 @@ def run_local(args: argparse.Namespace, print_line: Callable[[str], None]) -> in
     rules = calibrate.load_rules(args.rules)
     args.artifact = None
     if args.kind == "export":
-        data = export_request(args, rules).program
+        data = export_program(args, rules)
     else:
         fn = model_fn.load(args.model_fn)
         params = read_params(args.params) if args.params else None

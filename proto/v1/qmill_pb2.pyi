@@ -404,20 +404,22 @@ class UploadStatus(_message.Message):
     def __init__(self, upload_id: _Optional[str] = ..., committed_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., sha256: _Optional[str] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
 class CalibrateStart(_message.Message):
-    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "return_ptq_params", "program")
+    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "return_ptq_params", "program", "program_upload_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMS_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_PTQ_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     params_upload_id: str
     rules: _containers.RepeatedCompositeFieldContainer[ModelRule]
     calibration_id: str
     return_ptq_params: bool
     program: bytes
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., return_ptq_params: _Optional[bool] = ..., program: _Optional[bytes] = ...) -> None: ...
+    program_upload_id: str
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., return_ptq_params: _Optional[bool] = ..., program: _Optional[bytes] = ..., program_upload_id: _Optional[str] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("start", "batch", "chunk")
@@ -464,7 +466,7 @@ class CalibrateResponse(_message.Message):
     def __init__(self, progress: _Optional[_Union[CalibrateProgress, _Mapping]] = ..., stat: _Optional[_Union[TensorHeader, _Mapping]] = ..., param: _Optional[_Union[TensorResult, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., summary: _Optional[_Union[CalibrateSummary, _Mapping]] = ...) -> None: ...
 
 class ExportOdmlRequest(_message.Message):
-    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "input_shape", "input_dtype", "program")
+    __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "input_shape", "input_dtype", "program", "program_upload_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMS_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
@@ -472,6 +474,7 @@ class ExportOdmlRequest(_message.Message):
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     INPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     params_upload_id: str
     rules: _containers.RepeatedCompositeFieldContainer[ModelRule]
@@ -479,7 +482,8 @@ class ExportOdmlRequest(_message.Message):
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     input_dtype: DType
     program: bytes
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[DType, str]] = ..., program: _Optional[bytes] = ...) -> None: ...
+    program_upload_id: str
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., params_upload_id: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[ModelRule, _Mapping]]] = ..., calibration_id: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[DType, str]] = ..., program: _Optional[bytes] = ..., program_upload_id: _Optional[str] = ...) -> None: ...
 
 class OdmlModelInfo(_message.Message):
     __slots__ = ("byte_length", "crc32c", "ops", "quantized_weights")

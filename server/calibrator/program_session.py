@@ -56,6 +56,33 @@ def _step(program: programs.Program) -> Callable[..., Any]:
     return programs.calibrate_step(program)
 
 
+def program_bytes(
+    inline: bytes,
+    upload_id: str,
+    tensors: Callable[[str, str], Sequence[Any]],
+    tenant: str,
+    max_bytes: int,
+) -> bytes:
+    """The artifact of a request: inline, or the uint8 tensor "program" of an upload (its size
+    checked before it is read)."""
+    if inline and upload_id:
+        raise ValueError("send program or program_upload_id, not both")
+    if not upload_id:
+        return inline
+    stored = {t.path: t for t in tensors(tenant, upload_id)}
+    t = stored.get("program")
+    if t is None or len(stored) != 1 or np.dtype(t.dtype) != np.uint8:
+        raise ValueError(
+            f"upload {upload_id} is not a program: upload a safetensors file with one uint8 "
+            "tensor named 'program' (qmill.client.programs.upload_program does)"
+        )
+    if t.nbytes > max_bytes:
+        raise programs.ProgramError(
+            f"the program has {t.nbytes:,} bytes, over this server's limit of {max_bytes:,}"
+        )
+    return np.asarray(t.read()).tobytes()
+
+
 def model_key(program: programs.Program) -> str:
     """What a continuation must match: the same artifact (model, rules and batch shapes)."""
     return f"program:{program.sha256}"

@@ -86,8 +86,15 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 "return_ptq_params needs a registry model; with a program, send the params and "
                 "the calibration id to QuantizeParams (static_ranges)"
             )
+        data = program_session.program_bytes(
+            start.program,
+            start.program_upload_id,
+            self._uploads.tensors,
+            tenant,
+            self._max_program_bytes,
+        )
         program = program_session.load(
-            start.program, max_bytes=self._max_program_bytes, platform=jax.devices()[0].platform
+            data, max_bytes=self._max_program_bytes, platform=jax.devices()[0].platform
         )
         keys = (program_session.model_key(program), "")
         previous = self._previous(start, tenant, keys)
@@ -102,7 +109,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         )
 
     def _prepare(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
-        if start.program:
+        if start.program or start.program_upload_id:
             return self._prepare_program(start, tenant)
         entry, config = self._resolve(start.model)
         rules = codec.rules_from_proto(start.rules)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
+import numpy as np
+
 from qmill.engine import programs
 from qmill.engine.providers import odml
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -58,7 +60,7 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
         # None: this server has no model registry / stores wired in (answered FAILED_PRECONDITION).
         self._backends = backends
 
-    def _export_program(self, request: pb.ExportOdmlRequest) -> tuple[bytes, Any]:
+    def _export_program(self, request: pb.ExportOdmlRequest, tenant: str) -> tuple[bytes, Any]:
         if request.model.name or request.params_upload_id or request.rules:
             raise ValueError(
                 "send either a program or a model with params and rules, not both: the "
@@ -66,15 +68,30 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
             )
         # Export programs are lowered for cpu whatever this server runs on: the converter reads
         # the cpu lowering, it does not run it.
-        program = programs.load(request.program, max_bytes=self._max_program_bytes)
+        data = request.program
+        if request.program_upload_id:
+            if data:
+                raise ValueError("send program or program_upload_id, not both")
+            if self._backends is None:
+                raise errors.FailedPrecondition("this server has no upload store configured")
+            tree = _lookup(
+                self._backends.load_params, tenant, request.program_upload_id, what="upload"
+            )
+            if set(tree) != {"program"}:
+                raise ValueError(
+                    f"upload {request.program_upload_id} is not a program: upload a safetensors "
+                    "file with one uint8 tensor named 'program'"
+                )
+            data = np.asarray(tree["program"], np.uint8).tobytes()
+        program = programs.load(data, max_bytes=self._max_program_bytes)
         try:
             return export.export_program(program)
         except export.OdmlUnavailable as exc:
             raise errors.Unimplemented(str(exc)) from exc
 
     def _export(self, request: pb.ExportOdmlRequest, tenant: str) -> tuple[bytes, Any]:
-        if request.program:
-            return self._export_program(request)
+        if request.program or request.program_upload_id:
+            return self._export_program(request, tenant)
         if self._backends is None:
             raise errors.FailedPrecondition(
                 "this server has no model registry or upload store configured for ExportOdml"

@@ -14,6 +14,7 @@ from flax import nnx
 import qmill.engine as qe
 from qmill.client import Client, errors
 from qmill.client import calibrate as client_calibrate
+from qmill.client import programs as client_programs
 from qmill.engine import programs
 from qmill.engine.providers import qt
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -83,7 +84,13 @@ def test_remote_calibrate_and_srq_equal_local_srq(setup) -> None:
     batches = _batches(3, seed=1)
     first = client.calibrate(_start(program, upload_id), batches[:2])
     cid = first.summary.calibration_id
-    second = client.calibrate(_start(program, upload_id, calibration_id=cid), batches[2:])
+    # The continuation names the program by upload (as one over the message limit travels).
+    start = pb.CalibrateStart(
+        program_upload_id=client_programs.upload_program(client, program),
+        params_upload_id=upload_id,
+        calibration_id=cid,
+    )
+    second = client.calibrate(start, batches[2:])
     assert (second.summary.batches_total, second.summary.examples_total) == (3, 24)
 
     want = _local_srq(model, batches)
@@ -116,6 +123,7 @@ def _calibrations(data_dir: pathlib.Path) -> list[str]:
         ("shape", "takes [8, 3]"),
         ("count", "ended inside a batch"),
         ("nan", "NaN or Inf values in 1 example(s) (first: example 5)"),
+        ("not-a-program", "is not a program"),
     ],
 )
 def test_bad_programs_and_batches_are_invalid_argument(setup, case, message) -> None:
@@ -135,8 +143,11 @@ def test_bad_programs_and_batches_are_invalid_argument(setup, case, message) -> 
         m = m.copy()
         m[5, 0] = np.nan
         batches = [(x, m)]
+    start = _start(program, upload_id)
+    if case == "not-a-program":  # the params upload named as the program
+        start = pb.CalibrateStart(program_upload_id=upload_id, params_upload_id=upload_id)
     with pytest.raises(errors.QmillError) as exc:
-        client.calibrate(_start(program, upload_id), batches)
+        client.calibrate(start, batches)
     assert exc.value.code == "INVALID_ARGUMENT" and message in exc.value.details
     assert _calibrations(data_dir) == before  # nothing stored
     # The server keeps serving: a good call right after works.

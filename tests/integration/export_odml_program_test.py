@@ -12,6 +12,7 @@ from flax import nnx
 
 import qmill.engine as qe
 from qmill.client import Client, errors
+from qmill.client import programs as client_programs
 from qmill.engine import programs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import params as params_lib
@@ -103,6 +104,8 @@ def test_bad_export_programs_are_invalid_argument(client, tmp_path, case) -> Non
         client.export_odml(request, tmp_path / "bad.tflite")
     assert exc.value.code == "INVALID_ARGUMENT", exc.value.details
     assert not (tmp_path / "bad.tflite").exists()
-    # The server keeps serving.
-    ok = client.export_odml(pb.ExportOdmlRequest(program=artifact), tmp_path / "ok.tflite")
+    # The server keeps serving (here the program travels as an upload).
+    uploaded = client_programs.upload_program(client, artifact)
+    request = pb.ExportOdmlRequest(program_upload_id=uploaded)
+    ok = client.export_odml(request, tmp_path / "ok.tflite")
     assert ok.info.quantized_weights["INT8"] == 3
