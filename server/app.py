@@ -66,7 +66,9 @@ class Server:
         )
         self.calibrations = calibration_store.CalibrationStore(data_dir / "calibrations")
         self._add_services()
-        self.jobs = jobs_servicer.add_to_server(self._grpc, config, self.metrics, job_peer_backends)
+        self.jobs = jobs_servicer.add_to_server(
+            self._grpc, config, self.metrics, job_peer_backends, limiter=self.limiter
+        )
         self.health = _add_health(self._grpc, config)
         self.port = _bind(self._grpc, config)
 

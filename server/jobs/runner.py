@@ -14,26 +14,40 @@ deleted when the job ends; a server stopping keeps it for the resumed job.
 
 One job runs at a time: a job already uses every core through JAX, and queued jobs keep their
 order. Cancelling stops the job before its next tensor and deletes its partial output; the
-destination is never written, because the check runs before the checkpoint is committed.
+destination is never written, because the check runs before the checkpoint is committed. A job
+runs in a thread of its own, so a cancel also reaches one stuck where no check runs (a read that
+blocks, a long engine call): after CANCEL_GRACE_SECONDS the job is marked cancelled and left to
+end on its own -- its thread stops at its next check and writes no state -- and the next job
+starts.
+
+A job's tensors are counted under --max-inflight-bytes as a stream's are (room.py), so jobs and
+streams together stay within the server's limit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import pathlib
 import queue
 import threading
 from collections.abc import Callable
 
-from qmill.checkpoints import embedded, errors, pipeline, staging
+from qmill.checkpoints import embedded, errors, formats, pipeline, staging
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors as server_errors
+from qmill.server import limits
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
+from qmill.server.jobs import room as room_lib
 from qmill.server.jobs import scratch as scratch_lib
 from qmill.server.jobs import store as store_lib
 
 log = logging.getLogger(__name__)
+
+# How long a cancelled job gets to stop at its own next check before it is left behind.
+CANCEL_GRACE_SECONDS = 2.0
 
 
 class _Stop(Exception):
@@ -85,8 +99,12 @@ class JobRunner:
         new_backend: Callable[[], pipeline.Backend] = embedded.EmbeddedClient,
         scratch: scratch_lib.Scratch | None = None,
         max_tensor_bytes: int | None = None,
+        limiter: limits.ByteLimiter | None = None,
     ) -> None:
         self.store = store
+        # The server's in-flight limiter; bridged to the job thread once the loop is known.
+        self._limiter = limiter
+        self._room: room_lib.Room | None = None
         # A job's tensors obey --max-tensor-bytes as streamed ones do: a small sparse file that
         # declares a 2 GiB tensor must not make the server allocate it.
         self._max_tensor_bytes = max_tensor_bytes
@@ -102,12 +120,22 @@ class JobRunner:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._lock = threading.Lock()
         self._current: str | None = None
+        # The running job's own cancel flag: a job left behind keeps its set flag.
         self._cancel = threading.Event()
+        # Jobs left behind by a cancel: their threads may still run but change no state.
+        self._abandoned: set[str] = set()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="qmill-jobs", daemon=True)
 
     def start(self) -> None:
-        """Queues the jobs a previous server left QUEUED or RUNNING, then starts the thread."""
+        """Queues the jobs a previous server left QUEUED or RUNNING, then starts the thread.
+
+        Called on the server's event loop, whose limiter the jobs then reserve under."""
+        if self._limiter is not None:
+            try:
+                self._room = room_lib.Room(self._limiter, asyncio.get_running_loop())
+            except RuntimeError:  # started outside an event loop (unit tests): no limiter
+                self._room = None
         for record in self.store.list(tenant=None, states=list(store_lib.ACTIVE)):
             if record.state == pb.JOB_STATE_RUNNING:
                 self._update(
@@ -127,7 +155,8 @@ class JobRunner:
         self._queue.put(job_id)
 
     def cancel(self, job_id: str) -> store_lib.JobRecord:
-        """Cancels a queued job now, a running one before its next tensor."""
+        """Cancels a queued job now; a running one stops at its next check, or is left behind
+        after CANCEL_GRACE_SECONDS wherever it is stuck."""
         with self._lock:
             record = self.store.get(job_id)
             assert record is not None
@@ -148,21 +177,64 @@ class JobRunner:
                 if record is None or record.state != pb.JOB_STATE_QUEUED:
                     continue  # cancelled while queued
                 self._current = job_id
-                self._cancel.clear()
+                self._cancel = threading.Event()
                 self._update(job_id, state=pb.JOB_STATE_RUNNING, message="running")
             try:
-                self._run(record)
+                self._supervise(record, self._cancel)
             finally:
                 with self._lock:
                     self._current = None
 
-    def _check(self) -> None:
-        if self._cancel.is_set():
+    def _supervise(self, record: store_lib.JobRecord, cancel: threading.Event) -> None:
+        """Runs the job in a thread of its own; leaves it behind when a cancel cannot reach it
+        within CANCEL_GRACE_SECONDS. (A stopping server waits for it as before: stop() joins
+        this thread with a timeout, and a job still RUNNING is resumed by the next server.)"""
+        done = threading.Event()
+        where: dict[str, str] = {}  # the job's resolved destination, once known
+
+        def run() -> None:
+            try:
+                self._run(record, functools.partial(self._check, cancel), where)
+            finally:
+                done.set()
+
+        name = f"qmill-job-{record.job_id[:8]}"
+        threading.Thread(target=run, name=name, daemon=True).start()
+        while not done.wait(0.1):
+            if cancel.is_set() and not done.wait(CANCEL_GRACE_SECONDS):
+                break
+        else:
+            return
+        with self._lock:
+            if done.is_set():
+                return  # it ended by itself just now
+            self._abandoned.add(record.job_id)
+            log.warning("job %s cancelled while stuck (e.g. a blocked read); left behind", name)
+            if "destination" in where:
+                self._remove_partial(where["destination"])
+            self._finish(record.job_id, pb.JOB_STATE_CANCELLED, "cancelled", force=True)
+
+    def _check(self, cancel: threading.Event) -> None:
+        if cancel.is_set():
             raise _Stop(cancelled=True)
         if self._stopping.is_set():
             raise _Stop(cancelled=False)
 
-    def _run(self, record: store_lib.JobRecord) -> None:
+    def _reserving(
+        self, backend: pipeline.Backend, record: store_lib.JobRecord, source: str, check
+    ) -> pipeline.Backend:
+        """`backend` with its tensors counted under the server's in-flight limit."""
+        if self._room is None:
+            return backend
+        with formats.open_source(source) as opened:
+            sizes = [e.nbytes for e in opened.entries() if e.dtype.name in pipeline.QUANTIZABLE]
+        return room_lib.ReservingBackend(
+            backend, self._room, tenant=record.tenant, largest=max(sizes, default=0), check=check
+        )
+
+    def _run(
+        self, record: store_lib.JobRecord, check: Callable[[], None], where: dict[str, str]
+    ) -> None:
         destination = record.destination
         try:
             source, destination = self.paths.check_job(
@@ -171,27 +243,27 @@ class JobRunner:
             # Object-store URLs: the source is downloaded, the output written locally and
             # uploaded once complete (scratch.py); local paths pass through unchanged.
             staged = self.scratch.stage(
-                record.job_id, source, destination, overwrite=record.overwrite, check=self._check
+                record.job_id, source, destination, overwrite=record.overwrite, check=check
             )
             source, destination = staged.source, staged.destination
+            where["destination"] = destination
             with self._new_backend() as backend:
                 pipeline.quantize_checkpoint(
                     source,
                     destination,
                     record.recipe,
-                    backend=backend,
+                    backend=self._reserving(backend, record, source, check),
                     output_format=record.output_format or None,
                     overwrite=staged.overwrite,
                     progress=_Progress(self, record.job_id),
-                    check=self._check,
+                    check=check,
                     max_tensor_bytes=self._max_tensor_bytes,
                 )
                 spread = peers_lib.describe_spread(backend)
-            staged.publish(overwrite=record.overwrite, check=self._check)
+            staged.publish(overwrite=record.overwrite, check=check)
         except _Stop as stop:
             if stop.cancelled:
-                path = pathlib.Path(destination).absolute()
-                staging.remove(path.with_name(path.name + staging.PARTIAL_SUFFIX))
+                self._remove_partial(destination)
                 self._finish(record.job_id, pb.JOB_STATE_CANCELLED, "cancelled")
             return  # stopping: left RUNNING, resumed by the next server
         except errors.OutputError as e:
@@ -210,15 +282,24 @@ class JobRunner:
                 record.job_id, pb.JOB_STATE_SUCCEEDED, f"wrote {record.destination}{spread}"
             )
 
+    @staticmethod
+    def _remove_partial(destination: str) -> None:
+        path = pathlib.Path(destination).absolute()
+        staging.remove(path.with_name(path.name + staging.PARTIAL_SUFFIX))
+
     def _finish(
-        self, job_id: str, state: int, message: str, *, error: str = ""
+        self, job_id: str, state: int, message: str, *, error: str = "", force: bool = False
     ) -> store_lib.JobRecord:
+        if job_id in self._abandoned and not force:
+            return self.store.get(job_id)  # a job left behind: its state is already final
         log.info("job %s %s%s", job_id, store_lib.state_name(state), f": {error}" if error else "")
         # Before the state changes: whoever sees the job ended sees its scratch gone.
         self.scratch.discard(job_id)
-        return self._update(job_id, state=state, message=message, error=error)
+        return self._update(job_id, state=state, message=message, error=error, force=force)
 
-    def _update(self, job_id: str, **fields: object) -> store_lib.JobRecord:
+    def _update(self, job_id: str, *, force: bool = False, **fields: object) -> store_lib.JobRecord:
+        if job_id in self._abandoned and not force:
+            return self.store.get(job_id)  # progress of a job left behind is not reported
         record = self.store.update(job_id, **fields)
         if "state" in fields:
             self._notify()

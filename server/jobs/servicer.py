@@ -17,7 +17,7 @@ import grpc
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import auth, codec, errors
+from qmill.server import auth, codec, errors, limits
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
 from qmill.server.jobs import object_store, urls
@@ -162,8 +162,11 @@ def add_to_server(
     config: config_lib.ServerConfig,
     metrics: metrics_lib.Metrics,
     job_peer_backends: peers_lib.JobPeerBackends | None = None,
+    *,
+    limiter: limits.ByteLimiter | None = None,
 ) -> runner_lib.JobRunner:
-    """Registers the Jobs service; returns its runner, for the server to start and stop."""
+    """Registers the Jobs service; returns its runner, for the server to start and stop. With
+    `limiter`, jobs count their tensors under the server's in-flight limit as streams do."""
     policy = paths_lib.PathPolicy.from_config(config)
     log.info("jobs: %s", policy.describe())
     store = store_lib.JobStore(jobs_db_path(config))
@@ -180,6 +183,7 @@ def add_to_server(
         new_backend=new_backend,
         scratch=scratch,
         max_tensor_bytes=config.max_tensor_bytes,
+        limiter=limiter,
     )
     pb_grpc.add_JobsServicer_to_server(JobsServicer(runner), server)
     return runner
