@@ -1,22 +1,27 @@
 """End-to-end: quantize a synthetic checkpoint through `qmill serve` vs raw gRPC byte streaming.
 
     python bench/e2e_bench.py [--gib 0.5] [--tensor-mib 32] [--recipes int8,int4,nf4,fp8]
-                              [--replicas 1,3] [--repeat 2] [--json bench/results/e2e.json]
+                              [--replicas 1,3] [--streams 1,2,4] [--repeat 2]
+                              [--json bench/results/e2e.json]
 
 Both runs send the same bytes over loopback in 4 MiB messages, in the same session on the same
 machine, each against a server in its own process:
 - baseline: a bare grpc server (sync API, generic handler) that only counts the bytes it receives;
-  measured before and after the qmill runs (`--repeat` times each), the best is the baseline;
+  measured before and after the qmill runs (`--repeat` times each) and once before each case,
+  the best is the baseline;
 - qmill: `qmill quantize SRC -o DST --server` (client process) against `qmill serve` (server
   process): read, send, quantize, stream back, write. With `--replicas N`, N server processes
   and `--server a,b,c` (client/fanout.py spreads the tensors over them). The servers of one
   replica count are started once and serve every recipe; each recipe first warms every server's
   compile cache with one tensor (as a long-running server's is), then runs `--repeat` times.
-Reported per (replica count, recipe): the best throughput, its ratio to the raw baseline, and
-peak RSS of the qmill client (its own VmHWM, read as it exits: ru_maxrss from wait4 would
-include this bench process's, which Linux carries across fork and exec) and of the largest
-server process (VmHWM, reset through
-/proc/PID/clear_refs before each run). On one machine the replicas share its cores (and
+  With `--streams N`, the client opens N concurrent QuantizeParams streams to each server
+  (`qmill quantize --streams N`).
+Reported per (replica count, recipe, streams): the best throughput, its ratio to the raw
+baseline, peak RSS of the qmill client (its own VmHWM, read as it exits: ru_maxrss from wait4
+would include this bench process's, which Linux carries across fork and exec) and of the largest
+server process (VmHWM, reset through /proc/PID/clear_refs before each run), and the CPU seconds
+(user + system) the client and all servers used in each run: on a shared machine those move less
+than wall-clock throughput. On one machine the replicas share its cores (and
 accelerator): N > 1 shows the fan-out's overhead and the CPU-bound speed-up at most, not a
 cluster's scaling.
 """
@@ -30,6 +35,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import shutil
 import socket
 import subprocess
@@ -124,8 +130,9 @@ def reset_peak_rss(pid: int) -> None:
     pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
-def raw_baseline(path: pathlib.Path) -> float:
-    """Seconds to push the tensors' bytes (read from the file) to a counting server."""
+def raw_baseline(path: pathlib.Path) -> tuple[float, float]:
+    """(seconds, CPU seconds of sender and server together) to push the tensors' bytes (read
+    from the file) to a counting server."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-c", RAW_SERVER, str(port)], stdout=subprocess.PIPE, text=True
@@ -146,12 +153,19 @@ def raw_baseline(path: pathlib.Path) -> float:
                         for offset in range(0, data.size, CHUNK):
                             yield data[offset : offset + CHUNK].tobytes()
 
+                cpu = cpu_seconds(proc.pid) + _own_cpu_seconds()
                 start = time.perf_counter()
                 push(chunks(), timeout=600)
-                return time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                return seconds, cpu_seconds(proc.pid) + _own_cpu_seconds() - cpu
     finally:
         proc.terminate()
         proc.wait()
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # all of this process's threads
+    return usage.ru_utime + usage.ru_stime
 
 
 def _wait_until_up(address: str) -> None:
@@ -185,8 +199,16 @@ def qmill_servers(count: int) -> Iterator[list[tuple[int, str]]]:
             server.wait()
 
 
-def _quantize_args(src: str, dst: str, server: str, recipe: str) -> list[str]:
-    return ["quantize", src, "-o", dst, "--server", server, "--recipe", recipe, "-q"]
+def _quantize_args(src: str, dst: str, server: str, recipe: str, streams: int = 1) -> list[str]:
+    args = ["quantize", src, "-o", dst, "--server", server, "--recipe", recipe, "-q"]
+    # Only when asked: a tree from before --streams existed can still be measured.
+    return args + (["--streams", str(streams)] if streams != 1 else [])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _quantize_cmd(src: str, dst: str, server: str, recipe: str) -> list[str]:
@@ -205,19 +227,29 @@ def warm(path: pathlib.Path, servers: list[tuple[int, str]], recipe: str) -> Non
 
 
 def quantize_once(
-    path: pathlib.Path, out: pathlib.Path, servers: list[tuple[int, str]], recipe: str
-) -> tuple[float, float, float]:
-    """(seconds, client peak RSS MB, largest server peak RSS MB during the run) of one
-    `qmill quantize` through `servers` (`--server a,b,c` when more than one)."""
+    path: pathlib.Path,
+    out: pathlib.Path,
+    servers: list[tuple[int, str]],
+    recipe: str,
+    streams: int = 1,
+) -> tuple[float, float, float, float, float]:
+    """(seconds, client peak RSS MB, largest server peak RSS MB during the run, client CPU
+    seconds, servers' CPU seconds) of one `qmill quantize` through `servers` (`--server a,b,c`
+    when more than one)."""
     for pid, _ in servers:
         reset_peak_rss(pid)
     target = ",".join(address for _, address in servers)
+    server_cpu = sum(cpu_seconds(pid) for pid, _ in servers)
     start = time.perf_counter()
     hwm_file = out.with_name("client-hwm")
-    command = [sys.executable, "-c", CLIENT, *_quantize_args(str(path), str(out), target, recipe)]
-    client = subprocess.Popen(command, env={**os.environ, "QMILL_BENCH_HWM": str(hwm_file)})
-    _, status, _ = os.wait4(client.pid, 0)
+    args = _quantize_args(str(path), str(out), target, recipe, streams)
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, *args], env={**os.environ, "QMILL_BENCH_HWM": str(hwm_file)}
+    )
+    _, status, usage = os.wait4(client.pid, 0)
     seconds = time.perf_counter() - start
+    server_cpu = sum(cpu_seconds(pid) for pid, _ in servers) - server_cpu
+    client_cpu = usage.ru_utime + usage.ru_stime
     client.returncode = os.waitstatus_to_exitcode(status)
     if client.returncode != 0:
         raise RuntimeError(f"qmill quantize failed with exit code {client.returncode}")
@@ -225,7 +257,7 @@ def quantize_once(
     server_mb = max(peak_rss_mb(pid) for pid, _ in servers)
     client_mb = int(hwm_file.read_text()) / 1024
     hwm_file.unlink()
-    return seconds, client_mb, server_mb
+    return seconds, client_mb, server_mb, client_cpu, server_cpu
 
 
 def environment() -> dict[str, str]:
@@ -246,7 +278,32 @@ def environment() -> dict[str, str]:
     }
 
 
-def main() -> int:
+def _case(
+    path: pathlib.Path,
+    mb: float,
+    servers: list[tuple[int, str]],
+    recipe: str,
+    streams: int,
+    repeat: int,
+) -> dict[str, object]:
+    """One (replica count, recipe, streams) case: `repeat` runs, the best counts."""
+    out = path.with_name("out.safetensors")
+    tries = [quantize_once(path, out, servers, recipe, streams) for _ in range(repeat)]
+    seconds = min(t[0] for t in tries)
+    return {
+        "replicas": len(servers),
+        "streams": streams,
+        "recipe": recipe,
+        "seconds": [round(t[0], 2) for t in tries],
+        "qmill_MB_per_s": round(mb / seconds, 1),
+        "client_peak_rss_MB": round(max(t[1] for t in tries), 1),
+        "server_peak_rss_MB": round(max(t[2] for t in tries), 1),
+        "client_cpu_s": [round(t[3], 2) for t in tries],
+        "server_cpu_s": [round(t[4], 2) for t in tries],
+    }
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -259,16 +316,28 @@ def main() -> int:
         help="local `qmill serve` processes to spread the checkpoint over; a list (1,3) runs "
         "each count in turn against the same baseline (default 1)",
     )
+    parser.add_argument(
+        "--streams",
+        default="1",
+        help="concurrent QuantizeParams streams per server (`qmill quantize --streams`); a list "
+        "(1,2,4) runs each in turn (default 1)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each case; best counts")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument(
         "--workdir", default=None, help="where to put the checkpoints (default: a temp dir)"
     )
     args = parser.parse_args()
-    counts = [int(n) for n in args.replicas.split(",")]
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    if min(counts) < 1:
-        parser.error("--replicas: counts must be >= 1")
+    args.replicas = [int(n) for n in args.replicas.split(",")]
+    args.streams = [int(n) for n in args.streams.split(",")]
+    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if min(args.replicas) < 1 or min(args.streams) < 1:
+        parser.error("--replicas, --streams: counts must be >= 1")
+    return args
+
+
+def main() -> int:
+    args = _parse_args()
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="qmill-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -277,28 +346,19 @@ def main() -> int:
         path, nbytes = make_checkpoint(work / "synthetic.safetensors", count, args.tensor_mib)
         mb = nbytes / 1e6
         raw = [raw_baseline(path) for _ in range(args.repeat)]
-        for n in counts:
+        for n in args.replicas:
             with qmill_servers(n) as servers:
-                for recipe in recipes:
+                for recipe in args.recipes:
                     warm(path, servers, recipe)
-                    out = work / "out.safetensors"
-                    tries = [quantize_once(path, out, servers, recipe) for _ in range(args.repeat)]
-                    seconds = min(t[0] for t in tries)
-                    runs.append(
-                        {
-                            "replicas": n,
-                            "recipe": recipe,
-                            "seconds": [round(t[0], 2) for t in tries],
-                            "qmill_MB_per_s": round(mb / seconds, 1),
-                            "client_peak_rss_MB": round(max(t[1] for t in tries), 1),
-                            "server_peak_rss_MB": round(max(t[2] for t in tries), 1),
-                        }
-                    )
-                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+                    for streams in args.streams:
+                        # Interleaved: the machine may be shared, and its load moves.
+                        raw.append(raw_baseline(path))
+                        runs.append(_case(path, mb, servers, recipe, streams, args.repeat))
+                        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
         raw += [raw_baseline(path) for _ in range(args.repeat)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    raw_mb_s = mb / min(raw)
+    raw_mb_s = mb / min(seconds for seconds, _ in raw)
     for run in runs:  # ratio = qmill throughput / raw gRPC throughput of the same session
         run["ratio"] = round(run["qmill_MB_per_s"] / raw_mb_s, 3)
     result = {
@@ -307,9 +367,11 @@ def main() -> int:
         "tensors": count,
         "largest_tensor_MB": round(nbytes / count / 1e6, 1),
         "raw_grpc_MB_per_s": round(raw_mb_s, 1),
-        "raw_grpc_MB_per_s_all": [round(mb / s, 1) for s in raw],
+        "raw_grpc_MB_per_s_all": [round(mb / s, 1) for s, _ in raw],
+        # Sender + server CPU seconds of each raw run (compare with client_cpu_s + server_cpu_s).
+        "raw_grpc_cpu_s_all": [round(cpu, 2) for _, cpu in raw],
         "rss_target_MB": round(3 * nbytes / count / 1e6 + 500, 1),
-        # One entry per (replica count, recipe).
+        # One entry per (replica count, recipe, streams).
         "runs": runs,
     }
     text = json.dumps(result, indent=1)

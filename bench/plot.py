@@ -1,7 +1,9 @@
-"""Plots the recorded benchmark results: throughput per qtype (engine) and per replica count (e2e).
+"""Plots the recorded benchmark results: throughput per qtype (engine), per replica count (e2e)
+and per number of concurrent streams to one server (e2e --streams).
 
     pip install -e ".[bench]"
     python bench/plot.py [--engine bench/results/engine-cpu.json] [--e2e bench/results/e2e.json]
+                         [--streams bench/results/e2e-streams.json]
                          [-o bench/results/throughput.png]
 
 Reads the JSON files that `engine_bench.py --json` and `e2e_bench.py --json` write; draws
@@ -69,10 +71,45 @@ def _e2e_panel(ax, doc: dict) -> None:
     ax.legend(fontsize=7)
 
 
+def _streams_panel(ax, doc: dict) -> None:
+    """Throughput against the number of concurrent streams to one server, per recipe."""
+    runs = [r for r in doc["runs"] if r["replicas"] == 1]
+    recipes = list(dict.fromkeys(r["recipe"] for r in runs))
+    counts = sorted({r.get("streams", 1) for r in runs})
+    width = 0.8 / len(recipes)
+    for i, recipe in enumerate(recipes):
+        mbs = [
+            next(
+                (
+                    r["qmill_MB_per_s"]
+                    for r in runs
+                    if r["recipe"] == recipe and r.get("streams", 1) == n
+                ),
+                0,
+            )
+            for n in counts
+        ]
+        xs = [j + i * width for j in range(len(counts))]
+        bars = ax.bar(xs, mbs, width, label=recipe)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    raw = doc["raw_grpc_MB_per_s"]
+    ax.axhline(raw, color="grey", linestyle="--", linewidth=1)
+    ax.text(
+        len(counts) - 0.5, raw, f"raw gRPC, 1 stream {raw:.0f} MB/s", va="bottom", ha="right",
+        fontsize=7,
+    )  # fmt: skip
+    ax.set_xticks([j + width * (len(recipes) - 1) / 2 for j in range(len(counts))], counts)
+    ax.set_xlabel("concurrent streams to one server (qmill quantize --streams N)")
+    ax.set_ylabel("MB/s of float checkpoint")
+    ax.set_title(f"parallel streams, {doc['checkpoint_MB']:.0f} MB checkpoint")
+    ax.legend(fontsize=7)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default=str(RESULTS / "engine-cpu.json"))
     parser.add_argument("--e2e", default=str(RESULTS / "e2e.json"))
+    parser.add_argument("--streams", default=str(RESULTS / "e2e-streams.json"))
     parser.add_argument("-o", "--output", default=str(RESULTS / "throughput.png"))
     args = parser.parse_args()
     try:
@@ -84,7 +121,7 @@ def main() -> int:
         print("matplotlib is missing: pip install -e '.[bench]'", file=sys.stderr)
         return 1
     docs = {}
-    for name, path in (("engine", args.engine), ("e2e", args.e2e)):
+    for name, path in (("engine", args.engine), ("e2e", args.e2e), ("streams", args.streams)):
         if pathlib.Path(path).is_file():
             docs[name] = json.loads(pathlib.Path(path).read_text())
         else:
@@ -97,6 +134,8 @@ def main() -> int:
         _engine_panel(next(panels), docs["engine"], "bytes")
     if "e2e" in docs:
         _e2e_panel(next(panels), docs["e2e"])
+    if "streams" in docs:
+        _streams_panel(next(panels), docs["streams"])
     source = docs.get("e2e") or docs["engine"]
     fig.suptitle(f"{source.get('machine', '')} — {source.get('date', '')}", fontsize=8)
     fig.tight_layout()

@@ -183,6 +183,7 @@ async def quantize_stream(
         quantizer.cancel()
         if account is not None:
             account.close()  # whatever the call still holds (cancelled, failed) goes back now
+        memory.give_back_free_memory()  # the pages kept for this call's next tensor
 
 
 @dataclasses.dataclass
