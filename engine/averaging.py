@@ -51,7 +51,17 @@ def calibration(stat: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 class SimpleMovingAverage:
-    """The averaging of the seeds' API: the mean of every calibration seen so far."""
+    """The averaging of the seeds' API: the mean of every calibration seen so far.
+
+    ``bootstrap_steps``: while a statistic has seen at most this many calibrations,
+    ``get_calibration`` returns the ``default_calibration`` it is given (typically the current
+    batch's own), so early, noisy averages are not used.
+    """
+
+    def __init__(self, bootstrap_steps: int = 0) -> None:
+        if int(bootstrap_steps) != bootstrap_steps or bootstrap_steps < 0:
+            raise ValueError(f"bootstrap_steps must be a non-negative int, got {bootstrap_steps!r}")
+        self.bootstrap_steps = int(bootstrap_steps)
 
     def init(self, calibration_: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         return init(calibration_)
@@ -59,7 +69,31 @@ class SimpleMovingAverage:
     def update(
         self, stat: Mapping[str, jax.Array], calibration_: Mapping[str, jax.Array]
     ) -> dict[str, jax.Array]:
+        """Adds one calibration.
+
+        Raises:
+          ValueError: a calibration whose shapes differ from the statistic's (silently
+            broadcasting them would hide a configuration error).
+        """
+        for key, value in calibration_.items():
+            have = jnp.shape(stat[_PREFIX + key])
+            if have != jnp.shape(value):
+                raise ValueError(
+                    f"calibration {key!r} has shape {jnp.shape(value)} but the statistic holds "
+                    f"{have}; were the stats collected with another tiling or batch layout?"
+                )
         return update(stat, calibration_)
 
-    def get_calibration(self, stat: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        return calibration(stat)
+    def get_calibration(
+        self,
+        stat: Mapping[str, jax.Array],
+        default_calibration: Mapping[str, jax.Array] | None = None,
+    ) -> dict[str, jax.Array]:
+        """The averaged calibration, or ``default_calibration`` (when given) while the count is
+        at most ``bootstrap_steps``; the average then takes the default's dtypes."""
+        averaged = calibration(stat)
+        if default_calibration is None:
+            return averaged
+        default = dict(default_calibration)
+        averaged = {k: v.astype(jnp.asarray(default[k]).dtype) for k, v in averaged.items()}
+        return jax.lax.cond(stat["count"] > self.bootstrap_steps, lambda: averaged, lambda: default)

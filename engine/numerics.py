@@ -17,6 +17,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -359,3 +360,33 @@ def from_qtype(q: jax.Array, qtype: qtypes.QType | str, dtype: jnp.dtype) -> jax
         levels = np.asarray(qt.levels, np.float32).astype(dtype).astype(wide_dtype(dtype))
         return jnp.take(jnp.asarray(levels), q.astype(jnp.int32), axis=0)
     return fit(q.astype(wide_dtype(dtype)), dtype)
+
+
+def get_symmetric_bound(qtype: Any) -> float:
+    """B in ``scale = absmax / B`` for symmetric quantization to `qtype` (NUMERICS.md, "Bounds").
+
+    Raises:
+      ValueError: not a qtype (e.g. bfloat16): the message lists the valid ones.
+    """
+    return float(qtypes.get(qtype).bound)
+
+
+def get_asymmetric_bound(qtype: Any) -> tuple[float, float]:
+    """(qmin, qmax) that asymmetric quantization to `qtype` maps a [min, max] range onto.
+
+    Raises:
+      ValueError: a qtype without asymmetric quantization (only int4, int8, int16 have it).
+    """
+    qt = qtypes.get(qtype)
+    if qt.asymmetric_range is None:
+        raise ValueError(
+            f"{qt.name} doesn't support asymmetric quantization; use int4, int8 or int16, or a "
+            "symmetric calibration (absmax)"
+        )
+    lo, hi = qt.asymmetric_range
+    return float(lo), float(hi)
+
+
+def should_quantize(dtype: Any) -> bool:
+    """Whether arrays of `dtype` are quantizable (bfloat16, float16, float32, float64)."""
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)

@@ -29,6 +29,15 @@ import numpy as np
 
 from qmill.engine import calibration as calibration_lib
 from qmill.engine import numerics, qarray_ops, qtypes, tiling
+from qmill.engine.qarray_util import broadcast_to as broadcast_to
+from qmill.engine.qarray_util import call_with_generic_broadcast as call_with_generic_broadcast
+from qmill.engine.qarray_util import clip_gradient_to_calibration as clip_gradient_to_calibration
+from qmill.engine.qarray_util import clip_to_calibration as clip_to_calibration
+from qmill.engine.qarray_util import (
+    get_accumulator_and_result_type as get_accumulator_and_result_type,
+)
+from qmill.engine.qarray_util import get_scale_shape as get_scale_shape
+from qmill.engine.qarray_util import get_tiled_axes as get_tiled_axes
 
 # A noise function for stochastic rounding: shape -> noise added to x / scale before rounding
 # (uniform in [-0.5, 0.5) gives unbiased rounding).
@@ -67,6 +76,25 @@ class HowToQuantize:
         set_("tiled_axes", tuple(sorted((int(a), t) for a, t in items)))
         calibration_lib.parse(self.calibration_method)  # fail early on a bad method
         set_("scale_dtype", _dtype_name(self.scale_dtype))
+        self._check_required_tile()
+
+    def _check_required_tile(self) -> None:
+        """mx / nv formats: refused at construction, as the reference does, unless their tile is
+        given on some axis (a float tile depends on the shape: checked again in `tiles`)."""
+        required = qtypes.get(self.qtype).required_tile
+        if required is None:
+            return
+        if not self.tiled_axes:
+            raise ValueError(
+                f"Format {self.qtype} requires `tiled_axes` to be specified: a tile of "
+                f"{required} elements along the axis whose blocks share a scale"
+            )
+        for axis, tile in self.tiled_axes:
+            if isinstance(tile, int) and tile != required:
+                raise ValueError(
+                    f"Format {self.qtype} requires a tile size of {required}, but axis {axis} "
+                    f"got {tile}"
+                )
 
     @property
     def tiled_axes_dict(self) -> dict[int, int | float]:
@@ -82,11 +110,9 @@ class HowToQuantize:
             for axis, tile in self.tiled_axes:
                 if tiles[axis] != required:
                     raise ValueError(
-                        f"{self.qtype} requires a tile size of {required}, but axis {axis} got "
-                        f"{tiles[axis]} (tiled_axes={{{axis}: {tile}}})"
+                        f"Format {self.qtype} requires a tile size of {required}, but axis "
+                        f"{axis} got {tiles[axis]} (tiled_axes={{{axis}: {tile}}})"
                     )
-            if not self.tiled_axes:
-                raise ValueError(f"{self.qtype} requires tiled_axes with a tile of {required}")
         return tiles
 
 
@@ -141,7 +167,7 @@ class QArray:
         return qarray_ops.getitem(self, key)
 
 
-def validate(qa: QArray) -> None:
+def validate(qa: QArray) -> None:  # the reference's validate_qarray
     """Checks shapes and dtypes when the leaves are arrays (leaves may be anything in pytree maps).
 
     Raises:
@@ -371,3 +397,7 @@ def quantize_api(
         calibration_method=calibration_method,
     )
     return quantize(array, how, scale_dtype=scale_dtype)
+
+
+# The reference's name for `validate`.
+validate_qarray = validate

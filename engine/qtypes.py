@@ -189,6 +189,36 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+class QTypeName(str):
+    """A canonical qtype name that also equals the other forms of that qtype.
+
+    The reference stores dtypes (``jnp.int8``) where they exist, so user code compares
+    ``qarray.qtype == jnp.int8``; a plain ``"int8"`` would compare unequal. Equality with a
+    string is string equality; with a dtype or scalar type it compares canonical names. The hash
+    is the string's, so it stays a valid static (jit) field and dict key.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return str.__eq__(self, other)
+        if other is None or isinstance(other, int | float):
+            return False
+        try:
+            return str.__eq__(self, _get_by_name(_name_of(other)).name)
+        except ValueError:
+            return False
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+    def __reduce__(self) -> tuple:
+        return (QTypeName, (str(self),))
+
+
 def _name_of(qtype: Any) -> str:
     if isinstance(qtype, str):
         return qtype.strip().lower()
@@ -221,5 +251,5 @@ def get(qtype: QType | str | Any) -> QType:
 
 
 def name(qtype: QType | str | Any) -> str:
-    """Canonical name of a qtype given in any accepted form."""
-    return get(qtype).name
+    """Canonical name of a qtype given in any accepted form (a QTypeName: equals jnp.int8 too)."""
+    return QTypeName(get(qtype).name)

@@ -151,8 +151,9 @@ class LoraRule(QuantizationRule):
         super().__post_init__()
         if not (isinstance(self.rank, int) and self.rank > 0):
             raise ValueError(f"rank must be a positive int, got {self.rank!r}.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}.")
+        # As the reference (nnx.Dropout): 1.0 is allowed and drops the adapter's input entirely.
+        if not 0.0 <= self.dropout <= 1.0:
+            raise ValueError(f"dropout must be in [0, 1], got {self.dropout!r}.")
 
 
 def find_rule(

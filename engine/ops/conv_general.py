@@ -87,5 +87,7 @@ def conv_general_dilated(
             out = out * rhs.scale.astype(jnp.float32).reshape(shape_c)
             dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
             return out.astype(dtype)
-    a, b, preferred_element_type = dot_general_lib.plain_operands(lhs, rhs, preferred_element_type)
+    a, b, preferred_element_type = dot_general_lib.plain_operands(
+        lhs, rhs, preferred_element_type, same_dtype=True
+    )
     return conv(a, b, preferred_element_type)

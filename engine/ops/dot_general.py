@@ -55,19 +55,21 @@ def _as_array(x: Any) -> jax.Array:
     return qarray.dequantize(x) if isinstance(x, qarray.QArray) else jnp.asarray(x)
 
 
-def plain_operands(lhs: Any, rhs: Any, preferred_element_type: Any) -> tuple[Any, Any, Any]:
+def plain_operands(
+    lhs: Any, rhs: Any, preferred_element_type: Any, *, same_dtype: bool = False
+) -> tuple[Any, Any, Any]:
     """(lhs, rhs, preferred_element_type) for the jax.lax op on dequantized / plain operands.
 
-    jax.lax refuses mixed dtypes and multiplies int8 × int8 into int8 (overflowing). As the
-    reference does: integers × integers accumulate in int32 unless told otherwise, and mixed
-    dtypes (an int8 array × float32) are promoted to their common type first.
+    As the reference: integers × integers accumulate in int32 unless told otherwise (jax.lax
+    would return int8, overflowing). `same_dtype` (conv: jax.lax refuses mixed
+    dtypes there) promotes mixed operands, e.g. an int8 array × float32, to their common type;
+    dot_general takes mixed dtypes itself, and leaving them to it keeps its numerics.
     """
     a, b = _as_array(lhs), _as_array(rhs)
-    if preferred_element_type is not None:
-        pass
-    elif jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
+    integers = jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer)
+    if preferred_element_type is None and integers:
         preferred_element_type = jnp.int32
-    if a.dtype != b.dtype:
+    if same_dtype and a.dtype != b.dtype:
         common = jnp.result_type(a.dtype, b.dtype)
         a, b = a.astype(common), b.astype(common)
     return a, b, preferred_element_type

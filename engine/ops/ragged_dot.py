@@ -8,7 +8,7 @@ native path  both operands are QArrays of uniform qtypes without zero points who
              (int8 → int32, fp8 → f32) and the scales applied to the output. A per-group rhs
              scale differs by output row; it is laid out along the rows by a second ragged_dot
              of ones [m, 1] with the scale [g, 1, n], which selects each row's group exactly.
-fallback     anything else is dequantized first (and plain operands of mixed dtypes promoted).
+fallback     anything else is dequantized first; integer × integer accumulates in int32.
 """
 
 from __future__ import annotations

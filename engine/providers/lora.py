@@ -11,13 +11,16 @@ layout with the output-feature axis cut to ``rank`` (same window, strides, paddi
 rank × output features, applied along the output's feature axis. Grouped convolutions
 (feature_group_count / batch_group_count > 1) keep their base only.
 
-In NNX the adapters are ``LoRAParam`` variables (a subclass of ``nnx.Param``): train them with
-``nnx.state(model, LoRAParam)`` / ``wrt=LoRAParam``. In Linen they are params named as above.
+In NNX the adapters are flax's ``nnx.LoRAParam`` variables (a subclass of ``nnx.Param``): train
+them with ``nnx.state(model, nnx.LoRAParam)`` / ``wrt=nnx.LoRAParam``. In Linen they are params
+named as above. Both inherit the base weight's sharding annotation: an axis taken from the weight
+keeps its name, the rank axis has none (Linen ``nn.Partitioned`` names; NNX ``out_sharding``).
 
-Dropout (``LoraRule.dropout``) acts on the adapter's input only, in training: Linen when the
-caller passes a "dropout" rng; NNX when apply_lora_to_model got ``rngs``, through an
-``nnx.Dropout`` stored as ``<weight>_lora_dropout`` (so ``model.eval()`` turns it off, and its
-rng state lives in the model like any NNX dropout). Without an rng the adapter is deterministic.
+Dropout (``LoraRule.dropout``, in [0, 1]; 1 drops the adapter entirely) acts on the adapter's
+input only, in training: Linen when the caller passes a "dropout" rng; NNX when
+apply_lora_to_model got ``rngs``, through an ``nnx.Dropout`` stored as ``<weight>_lora_dropout``
+(so ``model.eval()`` turns it off, and its rng state lives in the model like any NNX dropout).
+Without an rng the adapter is deterministic.
 """
 
 from __future__ import annotations
@@ -31,24 +34,29 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import flax_util, rules
+from qmill.engine import flax_util
 from qmill.engine import model as model_lib
+from qmill.engine import rules as rules_lib
 from qmill.engine.providers import ptq
 
-
-class LoRAParam(nnx.Param):
-    """NNX variable of a LoRA adapter (trainable; the base params are not)."""
+# NNX variable type of the adapters: flax's own, so nnx.LoRAParam filters find them.
+LoRAParam = nnx.LoRAParam
 
 
 class LoraProvider(ptq.PtqProvider):
     """PTQ (or float) frozen base plus LoRA adapters on the ops the LoraRules match."""
 
-    def __init__(self, rules_: Sequence[rules.QuantizationRule] | None = None, **kwargs: Any):
-        if rules_ is None:
-            rules_ = [rules.LoraRule(**kwargs)]
+    def __init__(self, rules: Sequence[rules_lib.QuantizationRule] | None = None, **kwargs: Any):
+        """``LoraProvider(rules=[LoraRule(...)])`` or ``LoraProvider(rank=..., alpha=...)``.
+
+        Raises:
+          ValueError: both rules and LoraRule fields given.
+        """
+        if rules is None:
+            rules = [rules_lib.LoraRule(**kwargs)]
         elif kwargs:
-            raise TypeError("pass either rules or LoraRule fields, not both")
-        super().__init__(rules_)
+            raise ValueError("pass either rules or LoraRule fields, not both")
+        super().__init__(rules)
         self.rngs: nnx.Rngs | None = None  # NNX: set by apply_lora_to_model to init adapters
 
     def dot_general(
@@ -71,7 +79,7 @@ class LoraProvider(ptq.PtqProvider):
         else:
             base = self.quantized_dot_general(rule, op_id, module, lhs, rhs, dimension_numbers)
         (lc, rc), (lb, rb) = dimension_numbers
-        if not isinstance(rule, rules.LoraRule) or ref is None or lb or rb:
+        if not isinstance(rule, rules_lib.LoraRule) or ref is None or lb or rb:
             return base
         free = [a for a in range(len(rhs.shape)) if a not in rc]
         a, b = self._adapters(module, rule, ref.name, rhs, list(rc), free)
@@ -93,7 +101,7 @@ class LoraProvider(ptq.PtqProvider):
         ins, out = einsum_str.replace(" ", "").split("->")
         lhs_s, rhs_s = ins.split(",")
         shared_out = set(lhs_s) & set(rhs_s) & set(out)
-        if not isinstance(rule, rules.LoraRule) or ref is None or shared_out or "." in ins:
+        if not isinstance(rule, rules_lib.LoraRule) or ref is None or shared_out or "." in ins:
             return base
         r = next(c for c in string.ascii_letters if c not in ins + out)
         contract = [i for i, c in enumerate(rhs_s) if c in lhs_s]
@@ -106,31 +114,40 @@ class LoraProvider(ptq.PtqProvider):
         delta = jnp.einsum(f"{kept}{r},{r}{f_s}->{out}", t, b)
         return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
 
-    def _adapters(self, module, rule: rules.LoraRule, name: str, weight, contract, free):
+    def _adapters(self, module, rule: rules_lib.LoraRule, name: str, weight, contract, free):
         shape = tuple(weight.shape)
         dtype = weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.float32
         a_shape = (*(shape[i] for i in contract), rule.rank)
         b_shape = (rule.rank, *(shape[i] for i in free))
-        a = self._param(module, f"{name}_lora_a", rule.lora_a_initializer, a_shape, dtype)
-        b = self._param(module, f"{name}_lora_b", rule.lora_b_initializer, b_shape, dtype)
+        names = _sharding_names(module, name)
+        a_names = _pick(names, (*contract, None))
+        b_names = _pick(names, (None, *free))
+        a = self._param(module, f"{name}_lora_a", rule.lora_a_initializer, a_shape, dtype, a_names)
+        b = self._param(module, f"{name}_lora_b", rule.lora_b_initializer, b_shape, dtype, b_names)
         return a, b
 
-    def _param(self, module, name, init, shape, dtype) -> jax.Array:
+    def _param(self, module, name, init, shape, dtype, names=None) -> jax.Array:
         if isinstance(module, nn.Module):
+            if names is not None:
+                init = nn.with_partitioning(init, names)
             return module.param(name, init, shape, dtype)
         existing = getattr(module, name, None)
         if existing is None:
             rngs = self.rngs if self.rngs is not None else nnx.Rngs(0)
-            existing = LoRAParam(init(rngs.params(), shape, dtype))
+            # Annotation only (no eager placement): the adapter is created outside any mesh.
+            meta = {} if names is None else {"out_sharding": names, "eager_sharding": False}
+            existing = LoRAParam(init(rngs.params(), shape, dtype), **meta)
             setattr(module, name, existing)
         return existing[...]
 
-    def _dropout(self, module, rule: rules.LoraRule, name: str, x: jax.Array) -> jax.Array:
+    def _dropout(self, module, rule: rules_lib.LoraRule, name: str, x: jax.Array) -> jax.Array:
         if rule.dropout == 0.0:
             return x
         if isinstance(module, nn.Module):
             if not module.has_rng("dropout"):
                 return x
+            if rule.dropout == 1.0:  # everything dropped (1 / keep would be inf)
+                return jnp.zeros_like(x)
             keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rule.dropout, x.shape)
             return jnp.where(keep, x / (1.0 - rule.dropout), 0).astype(x.dtype)
         attr = f"{name}_lora_dropout"
@@ -159,15 +176,21 @@ class LoraProvider(ptq.PtqProvider):
         grouped = any(
             call.values.get(k, 1) != 1 for k in ("feature_group_count", "batch_group_count")
         )
-        if not isinstance(rule, rules.LoraRule) or ref is None or grouped:
+        if not isinstance(rule, rules_lib.LoraRule) or ref is None or grouped:
             return base
         dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, call.dimension_numbers)
         out_feature = dn.rhs_spec[0]
         shape = tuple(rule.rank if i == out_feature else n for i, n in enumerate(rhs.shape))
         dtype = rhs.dtype if jnp.issubdtype(rhs.dtype, jnp.floating) else jnp.float32
-        a = self._param(module, f"{ref.name}_lora_a", rule.lora_a_initializer, shape, dtype)
+        names = _sharding_names(module, ref.name)
+        a_axes = tuple(None if i == out_feature else i for i in range(rhs.ndim))
+        a_init = rule.lora_a_initializer
+        a = self._param(module, f"{ref.name}_lora_a", a_init, shape, dtype, _pick(names, a_axes))
         b_shape = (rule.rank, rhs.shape[out_feature])
-        b = self._param(module, f"{ref.name}_lora_b", rule.lora_b_initializer, b_shape, dtype)
+        b_names = _pick(names, (None, out_feature))
+        b = self._param(
+            module, f"{ref.name}_lora_b", rule.lora_b_initializer, b_shape, dtype, b_names
+        )
         x = self._dropout(module, rule, ref.name, lhs)
         conv_kwargs = {k: v for k, v in call.values.items() if k != "dimension_numbers"}
         t = jax.lax.conv_general_dilated(
@@ -181,6 +204,30 @@ class LoraProvider(ptq.PtqProvider):
         return super().get_intercept_map() | {
             "jax.lax.conv_general_dilated": self.conv_general_dilated
         }
+
+
+def _sharding_names(module: Any, name: str) -> tuple | None:
+    """The base weight's per-axis sharding names (Linen nn.Partitioned / NNX out_sharding)."""
+    if isinstance(module, nn.Module):
+        value = module.get_variable("params", name)
+    else:
+        value = getattr(module, name, None)
+    # A quantized base (WithAux) carries the annotation on its codes.
+    for candidate in (value, getattr(getattr(value, "array", None), "qvalue", None)):
+        if isinstance(candidate, nn.Partitioned):
+            return tuple(candidate.names)
+        if isinstance(candidate, nnx.Variable):
+            names = candidate.get_metadata().get("out_sharding")
+            if names is not None:
+                return tuple(names)
+    return None
+
+
+def _pick(names: tuple | None, axes: tuple[int | None, ...]) -> tuple | None:
+    """Names for an adapter whose axes come from the weight's `axes` (None: the rank axis)."""
+    if names is None:
+        return None
+    return tuple(None if a is None else names[a] for a in axes)
 
 
 def apply_lora_to_model(

@@ -73,7 +73,7 @@ def test_mx_scales_are_powers_of_two_and_need_their_tile() -> None:
     np.testing.assert_array_equal(np.log2(np.asarray(q.scale)) % 1, 0)
     with pytest.raises(ValueError, match="requires a tile size of 32"):
         _q(x, "mxfp4", channelwise_axes=(0,), tiled_axes={1: 16})
-    with pytest.raises(ValueError, match="requires tiled_axes"):
+    with pytest.raises(ValueError, match="requires `tiled_axes`"):
         _q(x, "mxfp8", channelwise_axes=(0,))
 
 

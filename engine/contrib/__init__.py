@@ -1,0 +1,5 @@
+"""Algorithms beyond plain round-to-nearest PTQ (the reference's qwix.contrib)."""
+
+from qmill.engine.contrib import gptq as gptq
+
+__all__ = ["gptq"]

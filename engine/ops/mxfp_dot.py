@@ -1,0 +1,77 @@
+"""Block-scaled (microscaling) dot_general: both operands in an mx / nv format.
+
+mxfp8 / mxfp4 / nvfp4 values share one scale per block of 32 (16 for mxfp8_16 / nvfp4) along
+the contraction. When both sides are such QArrays and their blocks line up, the product is
+computed block by block on the codes: each block pair is one small matmul whose result is
+multiplied by the two block scales, then the blocks are summed (ops.dot_general's split
+contraction). The e4m3 and e2m1 codes are exact in bfloat16, which the matmul takes; products
+accumulate in float32.
+
+Returns None (as the reference does when its hardware path can't take the operands) for
+anything else: callers then use ops.dot_general, which dequantizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qmill.engine import qarray, qtypes
+from qmill.engine.ops import dot_general as dot_general_lib
+
+MX_QTYPES = ("mxfp8", "mxfp8_16", "mxfp4", "nvfp4")
+
+
+def _is_mx(x: Any) -> bool:
+    return isinstance(x, qarray.QArray) and x.qtype in MX_QTYPES and x.zero_point is None
+
+
+def _blocks_only_along(x: qarray.QArray, contracting: tuple[int, ...]) -> bool:
+    """Scale entries vary across blocks only on contracting axes (elsewhere: any channelwise)."""
+    tiles = x.scale_tile_shape
+    return all(
+        t == 1 or t == n or a in contracting
+        for a, (t, n) in enumerate(zip(tiles, x.shape, strict=True))
+    )
+
+
+def mxfp_dot_general(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: dot_general_lib.DimensionNumbers,
+    preferred_element_type: Any = None,
+) -> jax.Array | None:
+    """The block-scaled product of two mx / nv QArrays, or None when it doesn't apply."""
+    if not (_is_mx(lhs) and _is_mx(rhs)):
+        return None
+    dims = dot_general_lib._normalize(dimension_numbers, lhs.ndim, rhs.ndim)
+    (lc, rc), _ = dims
+    if not (_blocks_only_along(lhs, lc) and _blocks_only_along(rhs, rc)):
+        return None
+    for a_l, a_r in zip(lc, rc, strict=True):
+        if lhs.scale_tile_shape[a_l] != rhs.scale_tile_shape[a_r]:
+            return None  # blocks of different sizes: no per-block product
+    split = dot_general_lib._split_contracting(lhs, rhs, dims)
+    if split is None:
+        return None
+    lq, ls, rq, rs, dims2, n_blocks = split
+    (lc2, rc2), (lb2, rb2) = dims2
+    lq, rq = lq.astype(jnp.bfloat16), rq.astype(jnp.bfloat16)
+    out = jax.lax.dot_general(lq, rq, dims2, preferred_element_type=jnp.float32)
+    n_lfree = lq.ndim - len(lb2) - len(lc2)
+    n_rfree = rq.ndim - len(rb2) - len(rc2)
+    s_l = dot_general_lib._scale_to_output(ls, lq.shape, lb2, lc2, n_rfree, lhs=True)
+    s_r = dot_general_lib._scale_to_output(rs, rq.shape, rb2, rc2, n_lfree, lhs=False)
+    out = out * s_l.astype(jnp.float32) * s_r.astype(jnp.float32)
+    if n_blocks:
+        n_batch = len(lb2) - n_blocks
+        out = jnp.sum(out, axis=tuple(range(n_batch, n_batch + n_blocks)))
+    result = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
+    return out.astype(result)
+
+
+def is_mx_qtype(qtype: Any) -> bool:
+    """Whether `qtype` is one of the block-scaled formats this op takes."""
+    return qtypes.name(qtype) in MX_QTYPES

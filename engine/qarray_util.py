@@ -1,0 +1,155 @@
+"""The reference's smaller qarray helpers, re-exported by qarray: tiled axes, broadcasting, clips.
+
+Kept apart from qarray.py (which imports this module) so that file stays about quantizing; these
+take QArrays by duck type (anything with qvalue / scale / zero_point).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qmill.engine import calibration as calibration_lib
+from qmill.engine import tiling
+
+
+def _is_qarray(x: Any) -> bool:
+    return hasattr(x, "qvalue") and hasattr(x, "scale")
+
+
+def get_tiled_axes(array: Any) -> dict[int, int]:
+    """{axis: tile} of a QArray's sub-channel axes: neither per-channel nor one shared scale."""
+    tiled = {}
+    for axis, (size, n) in enumerate(zip(array.qvalue.shape, array.scale.shape, strict=True)):
+        if n not in (1, size):
+            tiled[axis] = size // n
+    return tiled
+
+
+def get_scale_shape(array_shape: Sequence[int], how: Any) -> tuple[int, ...]:
+    """Shape of the scale `how` (a HowToQuantize) gives an array of `array_shape`."""
+    return tiling.scale_shape(array_shape, how.tiles(tuple(array_shape)))
+
+
+def call_with_generic_broadcast(
+    op: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, y: jax.Array
+) -> jax.Array:
+    """op(x, y) elementwise where, per axis, one size divides the other (the smaller one is
+    repeated over tiles, QArray's "generic broadcast"); both of the same rank."""
+    if x.ndim != y.ndim:
+        raise ValueError(f"generic broadcast needs equal ranks, got {x.shape} and {y.shape}")
+    shape = []
+    for a, b in zip(x.shape, y.shape, strict=True):
+        if max(a, b) % min(a, b):
+            raise ValueError(f"cannot broadcast between {x.shape} and {y.shape}")
+        shape.append(max(a, b))
+    full = tuple(shape)
+    xs = x if x.shape == full else tiling.broadcast_to(x, full)
+    ys = y if y.shape == full else tiling.broadcast_to(y, full)
+    return op(xs, ys)
+
+
+def broadcast_to(operand: Any, target_shape: Sequence[int]) -> Any:
+    """Broadcasts an array or a QArray to `target_shape` (leading axes added as numpy does).
+
+    For a QArray the codes broadcast as numpy would and the scale / zero point are repeated to
+    the target shape, so dequantize commutes with it.
+
+    Raises:
+      ValueError: the codes' shape does not broadcast to target_shape.
+    """
+    target = tuple(int(n) for n in target_shape)
+    if tuple(operand.shape) == target:
+        return operand
+    if not _is_qarray(operand):
+        return jnp.broadcast_to(operand, target)
+    try:
+        qvalue = jnp.broadcast_to(operand.qvalue, target)
+    except ValueError as e:
+        raise ValueError(f"cannot broadcast a QArray of shape {operand.shape} to {target}") from e
+
+    def params(p: jax.Array | None) -> jax.Array | None:
+        if p is None:
+            return None
+        p = p.reshape((1,) * (len(target) - p.ndim) + tuple(p.shape))
+        return tiling.broadcast_to(p, target)
+
+    return operand.replace(
+        qvalue=qvalue, scale=params(operand.scale), zero_point=params(operand.zero_point)
+    )
+
+
+def _bounds(calibration: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    if "min" in calibration and "max" in calibration:
+        return calibration["min"], calibration["max"]
+    if "absmax" in calibration:
+        return -calibration["absmax"], calibration["absmax"]
+    raise ValueError(
+        f"a calibration needs 'min' and 'max' or 'absmax', got keys {sorted(calibration)}"
+    )
+
+
+def clip_to_calibration(
+    array: jax.Array,
+    calibration: Mapping[str, jax.Array],
+    tiled_axes: Mapping[int, int | float] | None = None,
+) -> jax.Array:
+    """Clips every element to the range of its tile's calibration.
+
+    The tiles follow from the calibration's shape; `tiled_axes` is accepted for the reference's
+    signature and must agree with it.
+    """
+    del tiled_axes  # implied by the calibration's shape (tiling.tiles_of checks it divides)
+    lo, hi = _bounds(calibration)
+    clip = lambda x, lo_, hi_: jnp.clip(x, lo_.astype(x.dtype), hi_.astype(x.dtype))  # noqa: E731
+    return tiling.apply_tiled(clip, array, lo, hi)
+
+
+def clip_gradient_to_calibration(
+    g: jax.Array,
+    array: jax.Array,
+    calibration: Mapping[str, jax.Array],
+    calibration_method: str,
+) -> jax.Array:
+    """The gradient `g` zeroed where `array` fell outside its calibrated range (straight-through
+    estimator with clipping).
+
+    absmax / minmax without a factor below 1 cover all the data they were computed from, so the
+    gradient is returned as is (no mask materialized).
+    """
+    method = calibration_lib.parse(calibration_method)
+    if method.kind in ("absmax", "minmax") and (not method.args or method.args[0] >= 1.0):
+        return g
+    lo, hi = _bounds(calibration)
+    inside = lambda x, lo_, hi_: (x >= lo_) & (x <= hi_)  # noqa: E731
+    mask = tiling.apply_tiled(inside, array, lo, hi)
+    return jnp.where(mask, g, jnp.zeros_like(g))
+
+
+def get_accumulator_and_result_type(
+    *args: Any, preferred_element_type: Any = None
+) -> tuple[Any, Any]:
+    """(accumulator dtype, result dtype) of a dot/conv of these arrays or QArrays.
+
+    The result follows the dequantized dtypes (a QArray's is its scale's; 8 bits or fewer count
+    as int32 / bfloat16, which promote) unless preferred_element_type is given; integer codes
+    on every side accumulate in int32.
+    """
+    stored, dequantized = [], []
+    for arg in args:
+        stored.append(jnp.dtype(arg.qvalue.dtype if _is_qarray(arg) else arg.dtype))
+        dequantized.append(jnp.dtype(arg.scale.dtype if _is_qarray(arg) else arg.dtype))
+    result = preferred_element_type
+    if result is None:
+        widened = [
+            (jnp.int32 if jnp.issubdtype(t, jnp.integer) else jnp.bfloat16)
+            if t.itemsize <= 1
+            else t
+            for t in dequantized
+        ]
+        result = jnp.result_type(*widened)
+    integer = all(jnp.issubdtype(t, jnp.integer) for t in stored)
+    return (jnp.int32 if integer else result), result

@@ -1,0 +1,135 @@
+"""Core names of the reference's public API: qtype equality, averaging, bounds, qarray helpers,
+mx/nv tile refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qmill.engine import averaging, numerics, qarray
+
+X = jax.random.normal(jax.random.key(0), (4, 64), jnp.float32)
+
+
+def _q(x, qtype="int8", **how):
+    return qarray.quantize(x, qarray.HowToQuantize(qtype=qtype, **how))
+
+
+def test_qtypes_compare_equal_to_their_dtypes() -> None:
+    q = _q(X, jnp.int8, channelwise_axes=(0,))
+    assert q.qtype == jnp.int8 and jnp.int8 == q.qtype and q.qtype == "int8"
+    assert q.qtype != jnp.int4 and q.qtype != jnp.float32 and q.qtype != None  # noqa: E711
+    assert qarray.HowToQuantize(qtype="float8_e4m3fn").qtype == jnp.float8_e4m3fn
+    assert qarray.HowToQuantize(qtype=jnp.int4).qtype == np.dtype(jnp.int4)
+    # Still a string where one is expected: hashing, dict keys, jit static fields.
+    assert {q.qtype: 1}["int8"] == 1 and isinstance(q.qtype, str)
+    jitted = jax.jit(lambda x: _q(x, "int4", channelwise_axes=(0,)))(X)
+    assert jitted.qtype == jnp.int4
+
+
+def test_simple_moving_average_bootstraps_with_the_default() -> None:
+    sma = averaging.SimpleMovingAverage(bootstrap_steps=2)
+    stat = sma.init({"absmax": jnp.zeros((2,))})
+    batches = [jnp.array([1.0, 2.0]), jnp.array([3.0, 6.0]), jnp.array([5.0, 10.0])]
+    for i, value in enumerate(batches, start=1):
+        stat = sma.update(stat, {"absmax": value})
+        got = sma.get_calibration(stat, {"absmax": value})["absmax"]
+        # count ≤ bootstrap_steps: the default (this batch's own); then the running mean.
+        expected = value if i <= 2 else jnp.mean(jnp.stack(batches), axis=0)
+        np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(sma.get_calibration(stat)["absmax"], [3.0, 6.0])
+    with pytest.raises(ValueError, match="shape"):
+        sma.update(stat, {"absmax": jnp.zeros((3,))})
+    assert averaging.SimpleMovingAverage().bootstrap_steps == 0
+
+
+@pytest.mark.parametrize(
+    ("qtype", "bound"),
+    [
+        ("int8", 127.5),
+        (jnp.int4, 7.5),
+        ("int3", 3.5),
+        ("nf4", 1.0),
+        ("mxfp8", 448.0),
+        ("nvfp4", 6.0),
+        (jnp.int16, 32768.0),
+        ("uint8", 255.5),
+    ],
+)
+def test_symmetric_bound(qtype, bound) -> None:
+    assert numerics.get_symmetric_bound(qtype) == bound
+
+
+def test_asymmetric_bound_and_refusals() -> None:
+    assert numerics.get_asymmetric_bound(jnp.int8) == (-128.0, 127.0)
+    assert numerics.get_asymmetric_bound("int4") == (-8.0, 7.0)
+    assert numerics.get_asymmetric_bound("int16") == (-32768.0, 32767.0)
+    with pytest.raises(ValueError, match="doesn't support asymmetric"):
+        numerics.get_asymmetric_bound("nf4")
+    with pytest.raises(ValueError, match="bfloat16"):
+        numerics.get_symmetric_bound(jnp.bfloat16)
+    assert numerics.should_quantize(jnp.bfloat16) and not numerics.should_quantize(jnp.int8)
+
+
+def test_get_tiled_axes() -> None:
+    assert qarray.get_tiled_axes(_q(X, channelwise_axes=(0,), tiled_axes={1: 16})) == {1: 16}
+    assert qarray.get_tiled_axes(_q(X, channelwise_axes=(0,))) == {}
+    assert qarray.get_tiled_axes(_q(X, tiled_axes={0: 2, 1: 32})) == {0: 2, 1: 32}
+
+
+def test_broadcast_to_commutes_with_dequantize() -> None:
+    q = _q(X[:1], channelwise_axes=(0,), tiled_axes={1: 16})
+    b = qarray.broadcast_to(q, (3, 2, 64))
+    assert b.shape == (3, 2, 64) and b.qtype == q.qtype
+    np.testing.assert_array_equal(
+        qarray.dequantize(b), jnp.broadcast_to(qarray.dequantize(q), (3, 2, 64))
+    )
+    assert qarray.broadcast_to(q, (1, 64)) is q
+    np.testing.assert_array_equal(qarray.broadcast_to(X[:1], (2, 64)), jnp.tile(X[:1], (2, 1)))
+    with pytest.raises(ValueError, match="cannot broadcast"):
+        qarray.broadcast_to(q, (2, 32))
+
+
+def test_clip_gradient_to_calibration() -> None:
+    x = jnp.array([[-3.0, -1.0, 0.5, 2.0]])
+    g = jnp.ones_like(x)
+    calib = {"absmax": jnp.array([[1.5]])}
+    # Plain absmax covers all of the data it came from: the gradient passes untouched.
+    assert qarray.clip_gradient_to_calibration(g, x, calib, "absmax") is g
+    out = qarray.clip_gradient_to_calibration(g, x, calib, "absmax,0.5")
+    np.testing.assert_array_equal(out, [[0.0, 1.0, 1.0, 0.0]])
+    minmax = {"min": jnp.array([[-1.0, 0.0]]), "max": jnp.array([[1.0, 1.0]])}  # 2 tiles of 2
+    out = qarray.clip_gradient_to_calibration(g, x, minmax, "fixed,-1,1")
+    np.testing.assert_array_equal(out, [[0.0, 1.0, 1.0, 0.0]])
+    np.testing.assert_array_equal(
+        qarray.clip_to_calibration(x, minmax, {1: 2}), [[-1.0, -1.0, 0.5, 1.0]]
+    )
+
+
+@pytest.mark.parametrize(
+    ("qtype", "tiled", "error"),
+    [
+        ("mxfp8", {}, "Format mxfp8 requires `tiled_axes` to be specified"),
+        ("mxfp8", {1: 16}, "Format mxfp8 requires a tile size of 32, but axis 1 got 16"),
+        ("mxfp8", {1: 64}, "Format mxfp8 requires a tile size of 32, but axis 1 got 64"),
+        ("mxfp4", {1: 16}, "Format mxfp4 requires a tile size of 32"),
+        ("mxfp8_16", {1: 32}, "Format mxfp8_16 requires a tile size of 16, but axis 1 got 32"),
+        ("nvfp4", {}, "Format nvfp4 requires `tiled_axes` to be specified"),
+        ("nvfp4", {1: 32}, "Format nvfp4 requires a tile size of 16, but axis 1 got 32"),
+    ],
+)
+def test_mx_and_nv_formats_refuse_other_tiles_at_construction(qtype, tiled, error) -> None:
+    with pytest.raises(ValueError, match=error):
+        qarray.HowToQuantize(qtype=qtype, tiled_axes=tiled)
+
+
+def test_mx_and_nv_formats_accept_their_tile() -> None:
+    for qtype, tile in [("mxfp8", 32), ("mxfp4", 32), ("mxfp8_16", 16), ("nvfp4", 16)]:
+        q = _q(X, qtype, channelwise_axes=(0,), tiled_axes={1: tile})
+        assert q.scale.shape == (4, 64 // tile)
+    # A float tile is a fraction of the axis: only checkable against a shape.
+    how = qarray.HowToQuantize(qtype="mxfp8", channelwise_axes=(0,), tiled_axes={1: 0.25})
+    with pytest.raises(ValueError, match="requires a tile size of 32, but axis 1 got 16"):
+        qarray.quantize(X, how)
