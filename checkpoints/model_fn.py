@@ -128,10 +128,10 @@ def calibration_program(
     params: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[bytes, dict[str, np.ndarray]]:
     """(calibrate artifact taking batches of `batch_size`, {path: float param})."""
-    from qmill.engine import programs
+    from qmill.engine import program_build
 
     tree = _nested(params) if params is not None else fn.params
-    data, flat = programs.calibration_program(
+    data, flat = program_build.calibration_program(
         fn.model, _rules(rules), *_batched(fn.inputs, batch_size), params=tree
     )
     return data, {k: np.asarray(v) for k, v in flat.items()}
@@ -144,10 +144,10 @@ def export_program(
     stats: Mapping[str, np.ndarray] | None = None,
 ) -> bytes:
     """An export artifact for one example at a time (batch 1), with the calibration's stats."""
-    from qmill.engine import programs
+    from qmill.engine import program_build
 
     tree = _nested(params) if params is not None else fn.params
-    return programs.export_program(
+    return program_build.export_program(
         fn.model,
         _rules(rules),
         *_batched(fn.inputs, 1),

@@ -10,7 +10,7 @@ from flax import linen as nn
 from flax import nnx
 
 import qmill.engine as qe
-from qmill.engine import programs
+from qmill.engine import program_build, programs
 from qmill.engine.providers import qt
 
 RULES = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
@@ -45,7 +45,7 @@ def _batches(n: int = 3) -> list[tuple[np.ndarray, np.ndarray]]:
 @pytest.fixture(scope="module")
 def nnx_program() -> tuple[TwoInputs, bytes, dict]:
     model = TwoInputs(nnx.Rngs(0))
-    data, params = programs.calibration_program(model, RULES, *_batches(1)[0])
+    data, params = program_build.calibration_program(model, RULES, *_batches(1)[0])
     return model, data, params
 
 
@@ -84,7 +84,7 @@ def test_linen_program_matches_local_qt() -> None:
     module = Mlp()
     x = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
     params = module.init(jax.random.key(0), x)["params"]
-    data, flat = programs.calibration_program(module, RULES, x, params=params)
+    data, flat = program_build.calibration_program(module, RULES, x, params=params)
     stats = _run(data, flat, [(x,), (x * 2,)])
     qt_model = qe.quantize_model(module, qe.QtProvider(RULES))
     local = qt_model.init(jax.random.key(0), x)["quant_stats"]
@@ -141,7 +141,7 @@ def test_export_program_is_cpu_only_and_has_composites() -> None:
     x = np.ones((1, 3), np.float32)
     params = module.init(jax.random.key(0), x)["params"]
     rules = [qe.QuantizationRule(weight_qtype="int8")]
-    data = programs.export_program(module, rules, x, params=params)
+    data = program_build.export_program(module, rules, x, params=params)
     program = programs.load(data)
     assert program.kind == programs.EXPORT and program.inputs[0].shape == (1, 3)
     assert "quant.fake_quant" in program.exported.mlir_module()

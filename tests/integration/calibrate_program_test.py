@@ -15,7 +15,7 @@ import qmill.engine as qe
 from qmill.client import Client, errors
 from qmill.client import calibrate as client_calibrate
 from qmill.client import programs as client_programs
-from qmill.engine import programs
+from qmill.engine import program_build, programs
 from qmill.engine.providers import qt
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -45,7 +45,7 @@ def setup(make_server, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("data")
     running = make_server(data_dir=str(data_dir))
     model = TwoInputs(nnx.Rngs(0))
-    program, params = programs.calibration_program(model, RULES, *_batches(1)[0])
+    program, params = program_build.calibration_program(model, RULES, *_batches(1)[0])
     with Client(running.address) as client:
         upload = client.upload(safetensors.numpy.save(params))
         yield client, model, program, upload.upload_id, data_dir
@@ -94,7 +94,7 @@ def test_remote_calibrate_and_srq_equal_local_srq(setup) -> None:
     assert (second.summary.batches_total, second.summary.examples_total) == (3, 24)
 
     want = _local_srq(model, batches)
-    _, floats = programs.calibration_program(model, RULES, *batches[0])
+    _, floats = program_build.calibration_program(model, RULES, *batches[0])
     ranges = client_calibrate.static_ranges(calibration_id=cid)
     got = _remote_params(client.quantize_upload("int8", upload_id, static_ranges=ranges), floats)
     assert set(got) == set(want)
@@ -134,7 +134,7 @@ def test_bad_programs_and_batches_are_invalid_argument(setup, case, message) -> 
     if case == "malformed":
         program = program[:-100]
     elif case == "platform":
-        program, _ = programs.calibration_program(model, RULES, x, m, platforms=("cuda",))
+        program, _ = program_build.calibration_program(model, RULES, x, m, platforms=("cuda",))
     elif case == "shape":
         batches = [(x, m[:, :2])]
     elif case == "count":

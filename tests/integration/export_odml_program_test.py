@@ -13,7 +13,7 @@ from flax import nnx
 import qmill.engine as qe
 from qmill.client import Client, errors
 from qmill.client import programs as client_programs
-from qmill.engine import programs
+from qmill.engine import program_build
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import params as params_lib
 from tests.integration.calibrate_program_test import RULES, TwoInputs
@@ -62,14 +62,14 @@ def test_program_export_runs_in_litert_like_the_jax_ptq_model(client, tmp_path) 
     # the JAX PTQ model never does); then 256 held-out examples.
     x, m = _data(1280, seed=4)
     batches = [(x[i : i + 256], m[i : i + 256]) for i in range(0, 1024, 256)]
-    program, floats = programs.calibration_program(model, RULES, *batches[0])
+    program, floats = program_build.calibration_program(model, RULES, *batches[0])
     upload = client.upload(safetensors.numpy.save(floats))
     cal = client.calibrate(
         pb.CalibrateStart(program=program, params_upload_id=upload.upload_id), batches
     )
     stats = params_lib.unflatten(cal.stats)
 
-    artifact = programs.export_program(model, RULES, x[:1], m[:1], quant_stats=stats)
+    artifact = program_build.export_program(model, RULES, x[:1], m[:1], quant_stats=stats)
     result = client.export_odml(pb.ExportOdmlRequest(program=artifact), tmp_path / "m.tflite")
     assert result.info.quantized_weights["INT8"] == 3
     assert result.info.ops[0] == "QUANTIZE" and result.info.ops[-1] == "DEQUANTIZE"
@@ -92,10 +92,10 @@ def test_bad_export_programs_are_invalid_argument(client, tmp_path, case) -> Non
     model = TwoInputs(nnx.Rngs(0))
     x, m = _data(2, seed=0)
     weight_only = [qe.QuantizationRule(weight_qtype="int8")]
-    artifact = programs.export_program(model, weight_only, x[:1], m[:1])
+    artifact = program_build.export_program(model, weight_only, x[:1], m[:1])
     request = pb.ExportOdmlRequest(program=artifact)
     if case == "calibrate-kind":
-        request.program = programs.calibration_program(model, RULES, x, m)[0]
+        request.program = program_build.calibration_program(model, RULES, x, m)[0]
     elif case == "malformed":
         request.program = artifact[:50]
     else:
