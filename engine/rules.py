@@ -12,11 +12,12 @@ These are model-level rules; the service-level presets in ``recipes.py`` are a d
 from __future__ import annotations
 
 import dataclasses
-import re
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
+import re2
 
 QType = Any  # a qtype name ("int8", "nf4", ...) or a dtype (jnp.int8, jnp.float8_e4m3fn, ...).
 
@@ -54,10 +55,7 @@ class QuantizationRule:
     act_batch_axes: Collection[int] = (0,)
 
     def __post_init__(self) -> None:
-        try:
-            re.compile(self.module_path)
-        except re.error as e:
-            raise ValueError(f"module_path {self.module_path!r} is not a valid regex: {e}") from e
+        compile_module_path(self.module_path)  # refuses a bad regex now, not at the first op
         # Normalised to tuples so that rules stay hashable and comparable.
         object.__setattr__(self, "op_names", _as_tuple(self.op_names, "op_names"))
         object.__setattr__(self, "act_batch_axes", _as_tuple(self.act_batch_axes, "act_batch_axes"))
@@ -77,7 +75,7 @@ class QuantizationRule:
         """Whether this rule applies to ``op_name`` running in the module at ``module_path``."""
         if self.op_names and op_name not in self.op_names:
             return False
-        return re.fullmatch(self.module_path, module_path) is not None
+        return compile_module_path(self.module_path).fullmatch(module_path) is not None
 
     @property
     def resolved_act_static_scale(self) -> bool:
@@ -154,6 +152,29 @@ class LoraRule(QuantizationRule):
         # As the reference (nnx.Dropout): 1.0 is allowed and drops the adapter's input entirely.
         if not 0.0 <= self.dropout <= 1.0:
             raise ValueError(f"dropout must be in [0, 1], got {self.dropout!r}.")
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_module_path(pattern: str) -> Any:
+    """``pattern`` compiled for matching module paths in linear time (RE2), cached.
+
+    Raises:
+      ValueError: not a regex RE2 accepts (backreferences and lookaround need backtracking,
+        which RE2 refuses); the message says what to change.
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"module_path must be a str regex, got {type(pattern).__name__}.")
+    options = re2.Options()
+    options.log_errors = False  # the ValueError says it; RE2 would also print to stderr
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as e:
+        detail = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise ValueError(
+            f"module_path {pattern!r} is not a valid regex ({detail}); module paths are matched "
+            "in linear time (RE2), so backreferences (\\1), lookahead and lookbehind ((?=, (?!, "
+            "(?<=, (?<!) are refused: rewrite the pattern without them."
+        ) from None
 
 
 def find_rule(

@@ -17,6 +17,24 @@ def test_full_match_and_first_rule_wins():
     assert rules.find_rule(rs[:1], "enc", "einsum") == (None, None)
 
 
+@pytest.mark.parametrize("pattern", [r"(a)\1", "enc(?=/)", "(?<!x)dense", "(?!enc).*"])
+def test_module_path_regexes_needing_backtracking_are_refused(pattern):
+    with pytest.raises(ValueError, match=r"linear time \(RE2\).*rewrite the pattern"):
+        rules.QuantizationRule(module_path=pattern)
+
+
+def test_module_path_full_match_in_linear_time():
+    r = rules.QuantizationRule(module_path="Dense_0|layers_[0-9]+/mlp", weight_qtype="int8")
+    assert r.matches("Dense_0", "dot_general") and r.matches("layers_12/mlp", "einsum")
+    assert not r.matches("Dense_01", "dot_general") and not r.matches("x/Dense_0", "einsum")
+    assert not r.matches("layers_1/mlp/out", "einsum")
+    # Nested quantifiers: exponential backtracking in Python's re for this path (2**64 ways to
+    # split the a's), linear in RE2, so this returns at once.
+    slow = rules.QuantizationRule(module_path="(a+)+", weight_qtype="int8")
+    assert not slow.matches("a" * 64 + "b", "dot_general")
+    assert slow.matches("a" * 64, "dot_general")
+
+
 def test_op_names():
     r = rules.QuantizationRule(op_names=["einsum"], weight_qtype="int8")
     assert r.op_names == ("einsum",) and hash(r)
@@ -45,8 +63,10 @@ def test_qt_and_lora_rule_checks():
         rules.QtRule(weight_qtype="int8", bwd_qtype="int8", bwd_stochastic_rounding="up")
     with pytest.raises(ValueError, match="rank"):
         rules.LoraRule(rank=0, alpha=1.0)
-    with pytest.raises(ValueError, match="dropout"):
-        rules.LoraRule(rank=2, alpha=1.0, dropout=1.0)
+    assert rules.LoraRule(rank=2, alpha=1.0, dropout=1.0).dropout == 1.0  # as nnx.Dropout
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match="dropout"):
+            rules.LoraRule(rank=2, alpha=1.0, dropout=bad)
 
 
 def test_unused_rules_reported():
