@@ -1,6 +1,7 @@
 """engine/programs: a model as a jax.export artifact, built on the client, run on the server.
 
-(Linen calibrate programs are checked bit for bit against local SRQ by tests/e2e/programs_cli_test.py.)
+Linen calibrate programs are checked bit for bit against local SRQ by
+tests/e2e/programs_cli_test.py.
 """
 
 from __future__ import annotations
