@@ -146,3 +146,37 @@ def test_qt_sample_linen_and_nnx():
     )
     stat = nnx_qt.linear1.dot_general0_lhs
     assert isinstance(stat, qwix.QuantStat) and int(stat.get_value()["count"]) == 0
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), tree)
+
+
+def test_lora_sample_linen_and_nnx():
+    rules = [qwix.LoraRule(weight_qtype="nf4", rank=16, alpha=0.5)]
+    lora_model = qwix.apply_lora_to_model(LinenMLP(64, 16), qwix.LoraProvider(rules=rules))
+    params = jax.eval_shape(lora_model.init, jax.random.key(0), model_input)["params"]
+    # The sample's printout: nf4 codes (uint4 storage) with per-column scales, and adapters.
+    kernel = params["Dense_0"]["kernel"].array
+    assert kernel.qtype == "nf4" and _shapes((kernel.qvalue, kernel.scale)) == (
+        ((16, 64), "uint4"),
+        ((1, 64), "float32"),
+    )
+    assert _shapes({k: v for k, v in params["Dense_1"].items() if k != "kernel"}) == {
+        "kernel_lora_a": ((64, 16), "float32"),
+        "kernel_lora_b": ((16, 16), "float32"),
+    }
+    model = NnxMLP(16, 64, 16, rngs=nnx.Rngs(0))
+    lora_model = qwix.apply_lora_to_model(model, qwix.LoraProvider(rules=rules), model_input)
+    assert _shapes(jax.eval_shape(nnx.to_pure_dict, nnx.state(lora_model))) == {
+        "linear1": {
+            "kernel": {"array": {"qvalue": ((16, 64), "uint4"), "scale": ((1, 64), "float32")}},
+            "kernel_lora_a": ((16, 16), "float32"),
+            "kernel_lora_b": ((16, 64), "float32"),
+        },
+        "linear2": {
+            "kernel": {"array": {"qvalue": ((64, 16), "uint4"), "scale": ((1, 16), "float32")}},
+            "kernel_lora_a": ((64, 16), "float32"),
+            "kernel_lora_b": ((16, 16), "float32"),
+        },
+    }
