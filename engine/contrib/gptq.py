@@ -16,33 +16,22 @@ Lingo:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from qmill.engine import qarray, qtypes
+from qmill.engine import rules as rules_lib
+from qmill.engine.contrib import calibration
+
+normalize_weight = calibration.normalize_weight
 
 
 def compute_hessian(x: jax.Array) -> jax.Array:
     """H = X · Xᵀ for inputs X of shape (in_features, samples) (the constant 2 dropped)."""
     return x @ x.T
-
-
-def normalize_weight(x: jax.Array, contraction_axis: int) -> tuple[jax.Array, Callable[[Any], Any]]:
-    """A weight as (rows, columns) with its contracted axis last, and the inverse reshaping
-    (taking an array or a QArray)."""
-    moved = jnp.moveaxis(x, contraction_axis, -1)
-    shape = moved.shape
-
-    def restore(y: Any) -> Any:
-        y = y.reshape(shape)
-        if isinstance(y, qarray.QArray):
-            return jax.tree.map(lambda p: jnp.moveaxis(p, -1, contraction_axis), y)
-        return jnp.moveaxis(y, -1, contraction_axis)
-
-    return moved.reshape(-1, shape[-1]), restore
 
 
 def _group_how(how: qarray.HowToQuantize) -> qarray.HowToQuantize:
@@ -161,4 +150,63 @@ def quantize_weight(
     qvalue = jnp.concatenate(codes, axis=1).astype(storage)
     return qarray.QArray(qvalue, scale.astype(dtype), zero_point, how.qtype), jnp.concatenate(
         losses, axis=1
+    )
+
+
+# ---- the model-level flow: calibrate (Hessians), then quantize_params --------------------------
+
+_STATS_SUFFIX = "_gptq"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GptqRule(rules_lib.QuantizationRule):
+    """A QuantizationRule whose matched weights GPTQ quantizes (PtqProvider serves them)."""
+
+
+class GptqCalibrationProvider(calibration.SinglePassCalibrationProvider):
+    """Runs the float model and averages each GptqRule weight's input Hessian X·Xᵀ into
+    quant_stats `<weight>_gptq` (apply with mutable=["quant_stats"] for every batch)."""
+
+    def get_rule_type(self) -> type[rules_lib.QuantizationRule]:
+        return GptqRule
+
+    def get_stats_suffix(self) -> str:
+        return _STATS_SUFFIX
+
+    def compute_stats(self, lhs: jax.Array) -> dict[str, jax.Array]:
+        return {"hessian": compute_hessian(lhs.astype(jnp.float32))}
+
+
+def quantize_params(
+    params: Any,
+    abstract_quantized_params: Any,
+    gptq_quant_stats: Any,
+    *,
+    allow_extra_params: bool = False,
+    gptq_block_size: int = 128,
+    gptq_damping_factor: float = 0.01,
+) -> Any:
+    """ptq.quantize_params, with GPTQ for the weights that have `<weight>_gptq` statistics.
+
+    Returns:
+      The quantized params for the PTQ model (same structure as ptq.quantize_params gives).
+    """
+
+    def quantize(ctx: calibration.CalibratedQuantContext) -> Any:
+        q, _ = quantize_weight(
+            ctx.weight,
+            ctx.calibration_stats["hessian"],
+            ctx.how,
+            blocksize=gptq_block_size,
+            percdamp=gptq_damping_factor,
+        )
+        return ctx.abs_w.replace(array=ctx.restore_shape(q))
+
+    return calibration.quantize_params_with_calibration(
+        params,
+        abstract_quantized_params,
+        gptq_quant_stats,
+        _STATS_SUFFIX,
+        quantize,
+        allow_extra_params=allow_extra_params,
     )

@@ -19,8 +19,9 @@ keeps its name, the rank axis has none (Linen ``nn.Partitioned`` names; NNX ``ou
 Dropout (``LoraRule.dropout``, in [0, 1]; 1 drops the adapter entirely) acts on the adapter's
 input only, in training: Linen when the caller passes a "dropout" rng; NNX when
 apply_lora_to_model got ``rngs``, through an ``nnx.Dropout`` stored as ``<weight>_lora_dropout``
-(so ``model.eval()`` turns it off, and its rng state lives in the model like any NNX dropout).
-Without an rng the adapter is deterministic.
+(so ``model.eval()`` turns it off, and its rng state lives in the model like any NNX dropout),
+or, as the reference, from ``model.set_attributes(qwix_rngs=nnx.Rngs(dropout=...))`` (every NNX
+module with an adapter has a ``qwix_rngs`` slot). Without an rng the adapter is deterministic.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from qmill.engine import flax_util
 from qmill.engine import model as model_lib
 from qmill.engine import rules as rules_lib
 from qmill.engine.providers import ptq
+
+# NNX attribute the reference reads dropout rngs from (set with model.set_attributes).
+_USER_RNGS = "qwix_rngs"
 
 # NNX variable type of the adapters: flax's own, so nnx.LoRAParam filters find them.
 LoRAParam = nnx.LoRAParam
@@ -133,6 +137,9 @@ class LoraProvider(ptq.PtqProvider):
             return module.param(name, init, shape, dtype)
         existing = getattr(module, name, None)
         if existing is None:
+            if not hasattr(module, _USER_RNGS):
+                # A data slot (not static) so set_attributes(qwix_rngs=nnx.Rngs(...)) may fill it.
+                setattr(module, _USER_RNGS, nnx.data(None))
             rngs = self.rngs if self.rngs is not None else nnx.Rngs(0)
             # Annotation only (no eager placement): the adapter is created outside any mesh.
             meta = {} if names is None else {"out_sharding": names, "eager_sharding": False}
@@ -143,21 +150,28 @@ class LoraProvider(ptq.PtqProvider):
     def _dropout(self, module, rule: rules_lib.LoraRule, name: str, x: jax.Array) -> jax.Array:
         if rule.dropout == 0.0:
             return x
+        if rule.dropout == 1.0:
+            # Everything dropped whatever the rng (nnx.Dropout too): the adapter is off.
+            return jnp.zeros_like(x)
         if isinstance(module, nn.Module):
             if not module.has_rng("dropout"):
                 return x
-            if rule.dropout == 1.0:  # everything dropped (1 / keep would be inf)
-                return jnp.zeros_like(x)
             keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rule.dropout, x.shape)
             return jnp.where(keep, x / (1.0 - rule.dropout), 0).astype(x.dtype)
+        # The reference's way to give an NNX model dropout rngs after the fact:
+        # model.set_attributes(qwix_rngs=nnx.Rngs(dropout=...)).
+        user_rngs = getattr(module, _USER_RNGS, None)
+        user_rngs = user_rngs if isinstance(user_rngs, nnx.Rngs) else None
         attr = f"{name}_lora_dropout"
         dropout = getattr(module, attr, None)
         if dropout is None:
+            if user_rngs is not None:
+                return nnx.Dropout(rule.dropout, deterministic=False)(x, rngs=user_rngs)
             if self.rngs is None:
                 return x
             dropout = nnx.Dropout(rule.dropout, rngs=self.rngs)
             setattr(module, attr, dropout)
-        return dropout(x)
+        return dropout(x) if user_rngs is None else dropout(x, rngs=user_rngs)
 
     def conv_general_dilated(
         self, lhs: Any, rhs: Any, window_strides: Any, padding: Any, *args: Any, **kwargs: Any

@@ -106,3 +106,46 @@ def test_dropout_one_drops_the_adapter() -> None:
 def test_dropout_outside_unit_interval_is_refused(dropout) -> None:
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\]"):
         _rule(dropout=dropout)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 1.0])
+def test_nnx_training_with_rngs_set_after_the_fact(dropout) -> None:
+    """The reference's NNX flow: apply without rngs, then model.set_attributes(qwix_rngs=...)."""
+    linear = nnx.Linear(12, 10, rngs=nnx.Rngs(0))
+    rules = [
+        qe.LoraRule(
+            module_path=".*",
+            rank=3,
+            alpha=0.5,
+            dropout=dropout,
+            lora_b_initializer=nnx.initializers.ones,
+        )
+    ]
+    x = jnp.ones((10, 12))
+    model = qe.apply_lora_to_model(linear, qe.LoraProvider(rules), x)
+    model.set_attributes(qwix_rngs=nnx.Rngs(dropout=0))
+
+    @nnx.jit
+    def grads(m, x):
+        return nnx.grad(lambda m, x: jnp.sum(jnp.abs(m(x))))(m, x)
+
+    grads(model, x)
+    found = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
+    assert set(found) == {"kernel_lora_a", "kernel_lora_b"}
+    expected = linear(x)
+    if dropout == 0.0:
+        a, b = found["kernel_lora_a"], found["kernel_lora_b"]
+        expected = expected + x @ a @ b * 0.5 / 3
+    np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_dropout_draws_from_qwix_rngs() -> None:
+    linear = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    rules = [_rule(dropout=0.5)]
+    model = qe.apply_lora_to_model(linear, qe.LoraProvider(rules=rules), X)
+    base = X @ model.kernel[...] + model.bias[...]
+    np.testing.assert_array_equal(model(X), model(X))  # no rngs anywhere: deterministic
+    model.set_attributes(qwix_rngs=nnx.Rngs(dropout=1))
+    first, second = model(X), model(X)
+    assert not np.array_equal(first, second)  # a fresh mask per call
+    assert not np.array_equal(first, base)
