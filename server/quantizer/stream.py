@@ -183,7 +183,8 @@ async def quantize_stream(
         quantizer.cancel()
         if account is not None:
             account.close()  # whatever the call still holds (cancelled, failed) goes back now
-        memory.give_back_free_memory()  # the pages kept for this call's next tensor
+        wire.release_buffers()  # kept for this call's next tensor: there is none
+        memory.give_back_free_memory()
 
 
 @dataclasses.dataclass

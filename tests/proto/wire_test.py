@@ -148,3 +148,31 @@ def test_a_chunk_read_once_is_checked_like_its_message():
     with pytest.raises(wire.WireError, match="chunk at offset 200, expected 100") as e:
         assembler.add(wire.Chunk(200, data[200:].tobytes()))
     assert e.value.code == "DATA_LOSS"
+
+
+def _assembled(array: np.ndarray) -> np.ndarray:
+    data = wire.to_bytes(array)
+    assembler = wire.Assembler(wire.header_for("w", array, data))
+    for c in wire.chunks(data, 1 << 20):
+        assembler.add(c)
+    return assembler.finish()
+
+
+def test_a_finished_tensors_buffer_is_reused_only_once_nothing_holds_it():
+    wire.release_buffers()
+    first = _assembled(np.full((512, 1024), 1.5, np.float32))  # 2 MiB: kept for reuse
+    address = first.ctypes.data
+    second = _assembled(np.full((512, 1024), 2.5, np.float32))
+    # `first` is alive: the second tensor got a buffer of its own, and the first is intact.
+    assert not np.shares_memory(first, second)
+    assert (first == 1.5).all() and (second == 2.5).all()
+    del first
+    third = _assembled(np.full((512, 1024), 3.5, np.float32))
+    assert third.ctypes.data == address  # the first's buffer, free now, was taken again
+    assert third.ctypes.data % wire.BUFFER_ALIGNMENT == 0
+    assert (third == 3.5).all() and (second == 2.5).all()
+    view = third[:10]  # a view keeps the buffer in use, as the tensor does
+    del third
+    fourth = _assembled(np.full((512, 1024), 4.5, np.float32))
+    assert fourth.ctypes.data != address and (view == 3.5).all()
+    wire.release_buffers()
