@@ -7,12 +7,14 @@ seed-compatible public surface.
 from qmill.engine import averaging as averaging
 from qmill.engine import calibration as calibration
 from qmill.engine import checkpoint_utils as checkpoint_utils
+from qmill.engine import contrib as contrib
 from qmill.engine import flax_util as flax_util
 from qmill.engine import interception as interception
 from qmill.engine import numerics as numerics
 from qmill.engine import qarray as qarray
 from qmill.engine import qconfig as qconfig
 from qmill.engine import qtypes as qtypes
+from qmill.engine import sparsity as sparsity
 from qmill.engine import tiling as tiling
 from qmill.engine import zoo as zoo
 from qmill.engine.averaging import SimpleMovingAverage as SimpleMovingAverage
@@ -23,6 +25,12 @@ from qmill.engine.checkpoint_utils import (
     restore_quantization_rules as restore_quantization_rules,
 )
 from qmill.engine.model import quantize_model as quantize_model
+from qmill.engine.ops.conv_general import conv_general_dilated as conv_general_dilated
+from qmill.engine.ops.dot import dot as dot
+from qmill.engine.ops.dot_general import dot_general as dot_general
+from qmill.engine.ops.einsum import einsum as einsum
+from qmill.engine.ops.ragged_dot import ragged_dot as ragged_dot
+from qmill.engine.ops.ragged_dot import ragged_dot_general as ragged_dot_general
 from qmill.engine.providers.base import QuantizationProvider as QuantizationProvider
 from qmill.engine.providers.lora import LoRAParam as LoRAParam
 from qmill.engine.providers.lora import LoraProvider as LoraProvider
@@ -62,7 +70,12 @@ __all__ = [
     "averaging",
     "calibration",
     "checkpoint_utils",
+    "contrib",
+    "conv_general_dilated",
     "dequantize",
+    "dot",
+    "dot_general",
+    "einsum",
     "flax_util",
     "interception",
     "numerics",
@@ -73,7 +86,10 @@ __all__ = [
     "quantize",
     "quantize_model",
     "quantize_params",
+    "ragged_dot",
+    "ragged_dot_general",
     "restore_quantization_rules",
+    "sparsity",
     "tiling",
     "zoo",
 ]

@@ -104,3 +104,26 @@ def ragged_dot(
         preferred_element_type=preferred_element_type,
         **_optional(group_offset),
     )
+
+
+def ragged_dot_general(
+    lhs: jax.Array | qarray.QArray,
+    rhs: jax.Array | qarray.QArray,
+    group_sizes: jax.Array,
+    ragged_dot_dimension_numbers: jax.lax.RaggedDotDimensionNumbers,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: jax.Array | None = None,
+) -> jax.Array:
+    """jax.lax.ragged_dot_general accepting QArrays (dequantized first: its layouts vary too
+    much for one native path; ragged_dot's common layout has one)."""
+    a, b, preferred_element_type = dot_general_lib.plain_operands(lhs, rhs, preferred_element_type)
+    return jax.lax.ragged_dot_general(
+        a,
+        b,
+        group_sizes,
+        ragged_dot_dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        **_optional(group_offset),
+    )

@@ -133,3 +133,18 @@ def test_mx_and_nv_formats_accept_their_tile() -> None:
     how = qarray.HowToQuantize(qtype="mxfp8", channelwise_axes=(0,), tiled_axes={1: 0.25})
     with pytest.raises(ValueError, match="requires a tile size of 32, but axis 1 got 16"):
         qarray.quantize(X, how)
+
+
+def test_top_level_names() -> None:
+    import qmill.engine as qe
+    from qmill.engine import ops
+
+    assert qe.einsum is ops.einsum.einsum and qe.dot_general is ops.dot_general.dot_general
+    assert (
+        qe.dot is ops.dot.dot and qe.conv_general_dilated is ops.conv_general.conv_general_dilated
+    )
+    assert qe.ragged_dot is ops.ragged_dot.ragged_dot
+    assert qe.ragged_dot_general is ops.ragged_dot.ragged_dot_general
+    assert qe.contrib.gptq.GptqRule and qe.sparsity.get_sparsity_mask
+    out = qe.einsum("...ab,...bc->...ac", jnp.ones((2, 3, 4)), jnp.ones((4, 5)))
+    assert out.shape == (2, 3, 5)

@@ -105,3 +105,16 @@ def test_qt_quantized_gradients() -> None:
     float_l, float_r = _grads(lambda a, b: jax.lax.ragged_dot(a, b, GROUPS))
     assert float(jnp.max(jnp.abs(dlhs - float_l))) < 0.03 * float(jnp.max(jnp.abs(float_l)))
     assert float(jnp.max(jnp.abs(drhs - float_r))) < 0.03 * float(jnp.max(jnp.abs(float_r)))
+
+
+def test_ragged_dot_general_takes_qarrays() -> None:
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    ql = _q(X, "int8", (0,))
+    out = ops.ragged_dot.ragged_dot_general(ql, CT, GROUPS, dims)
+    expected = jax.lax.ragged_dot_general(qarray.dequantize(ql), CT, GROUPS, dims)
+    assert out.shape == (3, K, N)
+    np.testing.assert_array_equal(out, expected)
