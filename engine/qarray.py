@@ -38,6 +38,9 @@ from qmill.engine.qarray_util import (
 )
 from qmill.engine.qarray_util import get_scale_shape as get_scale_shape
 from qmill.engine.qarray_util import get_tiled_axes as get_tiled_axes
+from qmill.engine.qarray_util import is_gradient_clipping_noop as is_gradient_clipping_noop
+from qmill.engine.sparsity import HowToSparsify as HowToSparsify
+from qmill.engine.sparsity import sparsify as sparsify
 
 # A noise function for stochastic rounding: shape -> noise added to x / scale before rounding
 # (uniform in [-0.5, 0.5) gives unbiased rounding).

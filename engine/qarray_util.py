@@ -53,32 +53,36 @@ def call_with_generic_broadcast(
 
 
 def broadcast_to(operand: Any, target_shape: Sequence[int]) -> Any:
-    """Broadcasts an array or a QArray to `target_shape` (leading axes added as numpy does).
-
-    For a QArray the codes broadcast as numpy would and the scale / zero point are repeated to
-    the target shape, so dequantize commutes with it.
+    """Broadcasts an array or a QArray to `target_shape`, generically: leading axes are added,
+    and along each axis an entry is repeated over the target_size / size elements it covers (a
+    size-1 axis broadcasts as numpy's does; a size-8 axis to 64 repeats each entry 8 times).
+    For a QArray codes, scale and zero point all follow, so dequantize commutes with it.
 
     Raises:
-      ValueError: the codes' shape does not broadcast to target_shape.
+      ValueError: an axis whose size does not divide the target's.
     """
     target = tuple(int(n) for n in target_shape)
     if tuple(operand.shape) == target:
         return operand
-    if not _is_qarray(operand):
-        return jnp.broadcast_to(operand, target)
-    try:
-        qvalue = jnp.broadcast_to(operand.qvalue, target)
-    except ValueError as e:
-        raise ValueError(f"cannot broadcast a QArray of shape {operand.shape} to {target}") from e
 
-    def params(p: jax.Array | None) -> jax.Array | None:
-        if p is None:
+    def component(x: jax.Array | None) -> jax.Array | None:
+        if x is None:
             return None
-        p = p.reshape((1,) * (len(target) - p.ndim) + tuple(p.shape))
-        return tiling.broadcast_to(p, target)
+        x = jnp.asarray(x)
+        if x.ndim > len(target):
+            raise ValueError(f"cannot broadcast shape {x.shape} to the lower rank {target}")
+        x = x.reshape((1,) * (len(target) - x.ndim) + tuple(x.shape))
+        try:
+            return tiling.broadcast_to(x, target)
+        except ValueError as e:
+            raise ValueError(f"cannot broadcast shape {x.shape} to {target}: {e}") from None
 
+    if not _is_qarray(operand):
+        return component(operand)
     return operand.replace(
-        qvalue=qvalue, scale=params(operand.scale), zero_point=params(operand.zero_point)
+        qvalue=component(operand.qvalue),
+        scale=component(operand.scale),
+        zero_point=component(operand.zero_point),
     )
 
 
@@ -108,6 +112,13 @@ def clip_to_calibration(
     return tiling.apply_tiled(clip, array, lo, hi)
 
 
+def is_gradient_clipping_noop(calibration_method: str) -> bool:
+    """Whether a calibration covers all of the data it is computed from (absmax / minmax without
+    a factor below 1), so clipping a gradient to it changes nothing."""
+    method = calibration_lib.parse(calibration_method)
+    return method.kind in ("absmax", "minmax") and (not method.args or method.args[0] >= 1.0)
+
+
 def clip_gradient_to_calibration(
     g: jax.Array,
     array: jax.Array,
@@ -120,8 +131,7 @@ def clip_gradient_to_calibration(
     absmax / minmax without a factor below 1 cover all the data they were computed from, so the
     gradient is returned as is (no mask materialized).
     """
-    method = calibration_lib.parse(calibration_method)
-    if method.kind in ("absmax", "minmax") and (not method.args or method.args[0] >= 1.0):
+    if is_gradient_clipping_noop(calibration_method):
         return g
     lo, hi = _bounds(calibration)
     inside = lambda x, lo_, hi_: (x >= lo_) & (x <= hi_)  # noqa: E731

@@ -30,6 +30,28 @@ class HowToSparsify:
     offset: int = 0
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparsityRule:
+    """The reference's sparsity configuration; `sparsify` uses its weight_sparsity_* fields
+    (m = 0: no sparsity). The activation and schedule fields are carried for compatibility."""
+
+    weight_sparsity_n: int = 0
+    weight_sparsity_m: int = 0
+    weight_sparsity_order: str = "R"
+    weight_sparsity_block_size: int = 0
+    weight_sparsity_offset: int = 0
+    weight_sparsity_start_step: int = 0
+    weight_sparsity_update_step: int = 1
+    eval_mode: bool = False
+    activation_sparsity_n: int = 0
+    activation_sparsity_m: int = 0
+    activation_sparsity_order: str = "R"
+    activation_sparsity_block_size: int = 0
+    activation_sparsity_offset: int = 0
+    compress_weights: bool = False
+    sparse_axis: int = 0
+
+
 def _check(size: int, n: int, m: int, order: str, offset: int) -> None:
     if not 0 <= n <= m or m <= 0:
         raise ValueError(f"N:M sparsity needs 0 <= N <= M and M > 0, got {n}:{m}")
@@ -133,8 +155,19 @@ def prune_inputs_n_m(
     return apply_sparsity(inputs, get_sparsity_mask(inputs, n, m, order=order, offset=offset))
 
 
-def sparsify(array: jax.Array, how: HowToSparsify) -> jax.Array:
-    """`array` pruned as `how` says (the reference's qwix_sparsify)."""
+def sparsify(array: jax.Array, how: HowToSparsify | SparsityRule) -> jax.Array:
+    """`array` pruned as `how` says (a HowToSparsify, or a SparsityRule's weight settings; a
+    rule with weight_sparsity_m = 0 leaves the array as is)."""
+    if isinstance(how, SparsityRule):
+        if how.weight_sparsity_m == 0:
+            return array
+        how = HowToSparsify(
+            n=how.weight_sparsity_n,
+            m=how.weight_sparsity_m,
+            order=how.weight_sparsity_order,
+            block_size=how.weight_sparsity_block_size,
+            offset=how.weight_sparsity_offset,
+        )
     mask = get_sparsity_mask(
         array, how.n, how.m, order=how.order, block_size=how.block_size, offset=how.offset
     )

@@ -148,3 +148,49 @@ def test_top_level_names() -> None:
     assert qe.contrib.gptq.GptqRule and qe.sparsity.get_sparsity_mask
     out = qe.einsum("...ab,...bc->...ac", jnp.ones((2, 3, 4)), jnp.ones((4, 5)))
     assert out.shape == (2, 3, 5)
+
+
+def test_broadcast_to_repeats_entries_over_dividing_axes() -> None:
+    x = jnp.arange(8.0)
+    q = qarray.quantize_api(x, jnp.int8, channelwise_axes=[0])
+    b = qarray.broadcast_to(q, (64,))
+    assert b.shape == (64,) and b.scale.shape == (64,)
+    np.testing.assert_array_equal(qarray.dequantize(b), jnp.repeat(qarray.dequantize(q), 8))
+    np.testing.assert_array_equal(
+        qarray.broadcast_to(jnp.arange(4.0)[None], (2, 4))[1], jnp.arange(4.0)
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "noop"),
+    [
+        ("absmax", True),
+        ("absmax,1.2", True),
+        ("absmax,0.9", False),
+        ("minmax,1.0", True),
+        ("minmax,0.8", False),
+        ("fixed,1.0", False),
+        ("rms,1.0", False),
+    ],
+)
+def test_is_gradient_clipping_noop(method, noop) -> None:
+    assert qarray.is_gradient_clipping_noop(method) is noop
+
+
+def test_clip_gradient_tiles_one_dimensional() -> None:
+    x = jnp.array([10.0, 10.0, 2.0, 2.0])
+    out = qarray.clip_gradient_to_calibration(
+        jnp.ones_like(x), x, {"absmax": jnp.array([2.5, 2.5])}, "absmax,0.5"
+    )
+    np.testing.assert_array_equal(out, [0.0, 0.0, 1.0, 1.0])
+
+
+def test_sparsify_with_a_sparsity_rule() -> None:
+    from qmill.engine import sparsity
+
+    x = jnp.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    rule = sparsity.SparsityRule(
+        weight_sparsity_n=2, weight_sparsity_m=4, weight_sparsity_order="R"
+    )
+    np.testing.assert_array_equal(qarray.sparsify(x, rule), [[0, 0, 3, 4], [0, 0, 7, 8]])
+    assert qarray.sparsify(x, sparsity.SparsityRule()) is x  # m = 0: sparsity off
