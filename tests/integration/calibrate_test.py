@@ -75,6 +75,23 @@ def test_ptq_params_come_back_quantized(setup):
     }
 
 
+def test_quantize_params_with_the_calibration_id_gives_calibrates_ptq_params(setup):
+    """The model-free path with static ranges (SRQ) and Calibrate's own PTQ params agree bit
+    for bit: the same weights, the same activation scales."""
+    client, uid, x = setup
+    result = client.calibrate(_start(uid, return_ptq_params=True), np.split(x[:64], 2))
+    ranges = pb.StaticRanges(calibration_id=result.summary.calibration_id)
+    outcomes = {o.path: o for o in client.quantize_upload("int8", uid, static_ranges=ranges)}
+    scales = [p for p in result.params if p.endswith("_scale/array")]
+    assert scales and all(p in outcomes for p in scales)
+    for path, parts in result.params.items():
+        got = outcomes[path].parts
+        for name, value in parts.items():
+            if name == "value" and not got:  # kept float params (biases): the client has them
+                continue
+            np.testing.assert_array_equal(got[name], value, err_msg=f"{path}/{name}")
+
+
 @pytest.mark.parametrize(
     ("start", "code"),
     [
