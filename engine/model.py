@@ -43,7 +43,7 @@ def is_initializing_nnx() -> bool:
 
 @contextlib.contextmanager
 def _running(provider: base.QuantizationProvider, model: Any) -> Iterator[None]:
-    handlers = provider.get_intercept_map()
+    handlers = _handlers(provider)
     originals = interception.originals_of(list(handlers))
     with provenance.tracking(), interception.intercepted(handlers):
         if isinstance(model, nnx.Module):
@@ -57,6 +57,18 @@ def _running(provider: base.QuantizationProvider, model: Any) -> Iterator[None]:
 
             with nn.intercept_methods(late_bind):
                 yield
+
+
+def _handlers(provider: base.QuantizationProvider) -> dict[str, Callable[..., Any]]:
+    """The provider's interceptor maps as one: a later map's handler wins for a target.
+
+    One dispatcher per target serves the innermost block, so several maps are merged rather than
+    nested (a nested block would hide the outer map's other targets).
+    """
+    merged: dict[str, Callable[..., Any]] = {}
+    for get_map in provider.get_interceptors():
+        merged.update(get_map())
+    return merged
 
 
 def _wrap_method(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,7 +155,7 @@ def _quantize_nnx(model, provider, methods, inputs, kwargs) -> nnx.Module:
     graphdef, state = nnx.split(model)
     new = nnx.merge(graphdef, state)
     # The provider is set on the top module only; its presence marks the model as quantized.
-    originals = interception.originals_of(list(provider.get_intercept_map()))
+    originals = interception.originals_of(list(_handlers(provider)))
     for path, node in nnx.iter_graph(new):
         if isinstance(node, nnx.Module):
             setattr(node, flax_util.PATH_ATTR, tuple(str(p) for p in path))

@@ -197,3 +197,27 @@ def test_prequantized_checkpoint_other_scheme_and_float_template():
         )
     with pytest.raises(TypeError, match="NNX model"):
         checkpoint_utils.process_prequantized_params(checkpoint, {"head": {}})
+
+
+def test_a_provider_with_several_interceptor_maps():
+    calls = []
+
+    class LinearRelu(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear1 = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, v):
+            return jax.nn.relu(self.linear1(v))
+
+    class Spy(qwix.PtqProvider):
+        """A second map before the numerical one, as the reference's ODML providers stack."""
+
+        def get_interceptors(self):
+            relu = {"jax.nn.relu": lambda v: calls.append(v.shape) or jnp.maximum(v, 0)}
+            return [lambda: relu, *super().get_interceptors()]
+
+    rules = [qwix.QuantizationRule(module_path="linear1", weight_qtype="int8")]
+    model = qwix.quantize_model(LinearRelu(nnx.Rngs(0)), Spy(rules=rules), x)
+    model(x)
+    assert calls == [(4, 8), (4, 8)]  # the quantize_model call and this one
+    assert isinstance(model.linear1.kernel.array, qwix.QArray)  # the numerical map ran too
