@@ -95,5 +95,10 @@ class SimpleMovingAverage:
         if default_calibration is None:
             return averaged
         default = dict(default_calibration)
+        if set(default) != set(averaged):
+            raise ValueError(
+                f"default_calibration has keys {sorted(default)} but the statistic averages "
+                f"{sorted(averaged)}; pass a calibration of the same method"
+            )
         averaged = {k: v.astype(jnp.asarray(default[k]).dtype) for k, v in averaged.items()}
         return jax.lax.cond(stat["count"] > self.bootstrap_steps, lambda: averaged, lambda: default)

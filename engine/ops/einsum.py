@@ -7,7 +7,9 @@ is (batch, lhs free, rhs free), transposed to the einsum's output order afterwar
 Ellipsis ("...ab,...bc->...ac") stands for the leading axes each operand has beyond its letters;
 as in numpy they are aligned from the right and a missing or size-1 axis broadcasts. A batch axis
 of size 1 on one side only is squeezed from that side and becomes a free axis of the other:
-dot_general then computes the broadcast product without materializing anything.
+dot_general then computes the broadcast product without materializing anything. A batch axis
+whose size divides the other side's (4 vs 8) is repeated up to it, entry by entry (the
+reference's generic broadcast).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class _Plan:
     permutation: tuple[int, ...]
     # Size-1 axes removed from (lhs, rhs) before the dot_general (broadcast batch axes).
     squeeze: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    # Per side, the shape a batch axis whose size divides the other side's is repeated to.
+    expand: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)
 
 
 def _ellipsis_letters(spec: str, count: int) -> str:
@@ -84,20 +88,29 @@ def _plan(einsum_str: str, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...
                 f"einsum {einsum_str!r}: axes summed within one operand or repeated letters are "
                 "not supported for quantized einsum"
             )
-    # Shared letters whose sizes differ: a size-1 side broadcasts (squeezed there).
+    # Shared letters whose sizes differ: a size-1 side broadcasts (squeezed there); a size that
+    # divides the other's is repeated up to it, each entry over its block (the reference's
+    # generic broadcast, e.g. 4 key/value heads shared by 8 query heads).
     squeeze_l, squeeze_r = [], []
+    expand_l, expand_r = list(lhs_shape), list(rhs_shape)
     for c in lhs:
         if c not in rhs:
             continue
-        nl, nr = lhs_shape[lhs.index(c)], rhs_shape[rhs.index(c)]
+        il, ir = lhs.index(c), rhs.index(c)
+        nl, nr = lhs_shape[il], rhs_shape[ir]
         if nl == nr:
             continue
-        if c not in out or 1 not in (nl, nr):
+        if c not in out or max(nl, nr) % min(nl, nr):
             raise ValueError(
-                f"einsum {einsum_str!r}: axis {c!r} has sizes {nl} and {nr}; only a size-1 "
-                "batch axis broadcasts"
+                f"Cannot broadcast axis {c!r} of einsum {einsum_str!r}: sizes {nl} and {nr} "
+                "(a batch axis broadcasts when one size divides the other)"
             )
-        (squeeze_l if nl == 1 else squeeze_r).append(c)
+        if 1 in (nl, nr):
+            (squeeze_l if nl == 1 else squeeze_r).append(c)
+        elif nl < nr:
+            expand_l[il] = nr
+        else:
+            expand_r[ir] = nl
     lhs_k = "".join(c for c in lhs if c not in squeeze_l)
     rhs_k = "".join(c for c in rhs if c not in squeeze_r)
     batch = [c for c in lhs_k if c in rhs_k and c in out]
@@ -110,7 +123,11 @@ def _plan(einsum_str: str, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...
     )
     produced = batch + lfree + rfree
     squeeze = (tuple(lhs.index(c) for c in squeeze_l), tuple(rhs.index(c) for c in squeeze_r))
-    return _Plan(dims, tuple(produced.index(c) for c in out), squeeze)
+    expand = (
+        tuple(expand_l) if tuple(expand_l) != lhs_shape else None,
+        tuple(expand_r) if tuple(expand_r) != rhs_shape else None,
+    )
+    return _Plan(dims, tuple(produced.index(c) for c in out), squeeze, expand)
 
 
 def get_how_to_quantize(
@@ -149,6 +166,10 @@ def einsum(
     """Two-operand einsum accepting QArrays (ellipsis and size-1 broadcasting allowed; no
     within-operand sums)."""
     plan = _plan(einsum_str, tuple(lhs.shape), tuple(rhs.shape))
+    if plan.expand[0] is not None:
+        lhs = qarray.broadcast_to(lhs, plan.expand[0])
+    if plan.expand[1] is not None:
+        rhs = qarray.broadcast_to(rhs, plan.expand[1])
     out = dot_general_lib.dot_general(
         _squeeze(lhs, plan.squeeze[0]),
         _squeeze(rhs, plan.squeeze[1]),

@@ -43,6 +43,9 @@ def test_simple_moving_average_bootstraps_with_the_default() -> None:
     with pytest.raises(ValueError, match="shape"):
         sma.update(stat, {"absmax": jnp.zeros((3,))})
     assert averaging.SimpleMovingAverage().bootstrap_steps == 0
+    for wrong in ({"absmax": batches[0], "extra": batches[0]}, {"min": batches[0]}):
+        with pytest.raises(ValueError, match="default_calibration has keys"):
+            sma.get_calibration(stat, wrong)
 
 
 @pytest.mark.parametrize(

@@ -72,8 +72,30 @@ def test_bad_einsum_specs_say_what_is_wrong(spec, error) -> None:
 
 
 def test_non_broadcastable_sizes_are_refused() -> None:
-    with pytest.raises(ValueError, match="only a size-1 batch axis broadcasts"):
+    with pytest.raises(ValueError, match="Cannot broadcast"):
         ops.einsum.einsum("bij,bjk->bik", _normal(0, (2, 3, 4)), _normal(1, (3, 4, 5)))
+    with pytest.raises(ValueError, match="Cannot broadcast"):
+        ops.einsum.einsum("BTNH,BSNH->BTNS", jnp.ones((1, 2, 3, 8)), jnp.ones((1, 3, 4, 8)))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_batch_axis_dividing_the_other_repeats(quantized) -> None:
+    # 4 key/value heads shared by 8 query heads: each of the 4 serves 2 consecutive heads.
+    q, k = _normal(0, (1, 2, 8, 16)), _normal(1, (1, 3, 4, 16))
+    if quantized:
+        how = qarray.HowToQuantize(qtype="int8", channelwise_axes=(0, 1, 2))
+        q, k = qarray.quantize(q, how), qarray.quantize(k, how)
+    out = ops.einsum.einsum("BTNH,BSNH->BTNS", q, k)
+    dq = qarray.dequantize(q) if quantized else q
+    dk = qarray.dequantize(k) if quantized else k
+    expected = jnp.einsum("BTNH,BSNH->BTNS", dq, jnp.repeat(dk, 2, axis=2))
+    assert out.shape == (1, 2, 8, 3)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_scalar_operand() -> None:
+    x = _normal(0, (4, 4))
+    np.testing.assert_array_equal(ops.einsum.einsum("ij,->ij", x, jnp.array(2.0)), x * 2.0)
 
 
 DIMS = ("NHWC", "HWIO", "NHWC")
