@@ -85,13 +85,19 @@ def unbox(value: Any) -> Any:
     )
 
 
-def find_param(array: Any, module: Any = None) -> provenance.WeightRef | None:
+_RUNNING = object()  # find_param's default: the running module
+
+
+def find_param(array: Any, module: Any = _RUNNING) -> provenance.WeightRef | None:
     """Returns where ``array`` came from if it is (a view of) a parameter of ``module``.
 
     The result is the param's name (a str, as the seeds return it) carrying its module and the
-    views that led to ``array``; None for anything else. ``module`` defaults to the running one.
+    views that led to ``array``; None for anything else, and for ``module=None`` (an op outside
+    any module has no weights). ``module`` defaults to the running one.
     """
-    module = get_current_module() if module is None else module
+    module = get_current_module() if module is _RUNNING else module
+    if module is None:
+        return None
     ref = provenance.lookup(array)
     if ref is not None:
         return ref if ref.owner is module else None

@@ -56,6 +56,7 @@ def test_flax_utilities_linen():
         LinenProbe().init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="no Flax module is running"):
         flax_util.find_param(x)
+    assert flax_util.find_param(x, None) is None  # explicitly no module: no weights
 
 
 def test_flax_utilities_nnx():
