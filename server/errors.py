@@ -4,12 +4,15 @@ Code that finds a condition the client can act on raises one of the `ServerError
 (NotFound, AlreadyExists, FailedPrecondition, ...), with a message that says what to do; engine
 and codec code raise ValueError/TypeError (INVALID_ARGUMENT); `wire.WireError` means only bytes or
 headers that break the wire contract and names its own status. Those messages go to the client.
-Anything else is a bug: the client gets INTERNAL "internal error" and the traceback goes to the
-log, never onto the wire.
+A full or read-only disk under the server (a calibration or job store that cannot be written)
+is the operator's to fix: the client gets RESOURCE_EXHAUSTED or UNAVAILABLE saying so, and the
+log one line with the path. Anything else is a bug: the client gets INTERNAL "internal error" and
+the traceback goes to the log, never onto the wire.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -93,13 +96,26 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "server out of memory; retry later with fewer tensors in flight",
         )
+    if isinstance(exc, OSError) and exc.errno in _DISK:
+        code, what = _DISK[exc.errno]
+        # The path stays in the server's log: it names the server's directories.
+        return code, f"the server's disk is {what}; its operator must fix it (retry later)"
     return grpc.StatusCode.INTERNAL, "internal error"
+
+
+_DISK = {
+    errno.ENOSPC: (grpc.StatusCode.RESOURCE_EXHAUSTED, "full"),
+    errno.EDQUOT: (grpc.StatusCode.RESOURCE_EXHAUSTED, "over its quota"),
+    errno.EROFS: (grpc.StatusCode.UNAVAILABLE, "read-only"),
+}
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
+    elif isinstance(exc, OSError) and exc.errno in _DISK:
+        log.error("%s failed: %s", method, exc)  # one line, with the path, for the operator
     await context.abort(code, message)
 
 
