@@ -1,15 +1,14 @@
-"""Keeping freed tensor buffers in the process for the next tensor (glibc malloc).
+"""Keeping freed tensor-sized blocks in the process for the next tensor (glibc malloc).
 
-A server assembles each tensor into a fresh buffer, and protobuf copies every 4 MiB chunk into new
-bytes objects. With glibc's defaults, blocks that large are mapped on allocation and unmapped when
-freed (or trimmed off the heap's top), so every tensor faults its pages in again and the kernel
-zeroes them: ~0.25 s of system time per 0.5 GB received on the 2-core dev VM (bench/README.md,
-issue 17). Served from the heap and kept there, the same pages are reused, tensor after tensor.
+With glibc's defaults, blocks of several MB are mapped on allocation and unmapped when freed (or
+trimmed off the heap's top), so every tensor's buffers fault their pages in again and the kernel
+zeroes them. keep_freed_buffers() serves blocks up to 32 MiB from the heap and keeps them;
+give_back_free_memory() returns the free pages.
 
-Memory is still bounded by what the process holds at once (a few tensors per stream): kept blocks
-are reused before new ones are taken, and give_back_free_memory() returns what is free when a
-stream ends (without it, the server's idle RSS stayed at its busiest call's peak: 1,016 MB after
-four concurrent streams, against 512 MB).
+The server does not call them any more (issue 17): wire's assembly-buffer reuse removed most of
+that cost, for tensors of any size, and what the tuning still saved (~0.05 s of server CPU per
+0.5 GB, 2-core dev VM) cost 65-90 MB of server peak RSS (bench/README.md). Kept for measuring
+(bench/rss_bench.py patches keep_freed_buffers) and for embedders that want the trade.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from concurrent import futures
 import numpy as np
 
 from qmill.engine import layout, leaf, recipes
-from qmill.proto import memory, wire
+from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth, codec, errors, limits
 from qmill.server import metrics as metrics_lib
@@ -140,8 +140,6 @@ async def quantize_stream(
 ) -> AsyncIterator[pb.QuantizeParamsResponse]:
     """Responses for one QuantizeParams call, in the order the tensors arrived (or, with an
     upload_id, in the upload's order)."""
-    # Streams bring tensor after tensor of the same sizes: reuse their pages (once per process).
-    memory.keep_freed_buffers()
     first = await codec.first_item(requests, "recipe", "the recipe")
     recipe = codec.recipe_from_proto(first)
     tenant = auth.current_principal().tenant
@@ -184,7 +182,6 @@ async def quantize_stream(
         if account is not None:
             account.close()  # whatever the call still holds (cancelled, failed) goes back now
         wire.release_buffers()  # kept for this call's next tensor: there is none
-        memory.give_back_free_memory()
 
 
 @dataclasses.dataclass
