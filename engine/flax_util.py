@@ -10,11 +10,13 @@ to model classes and survives Flax transforms (nn.scan, nnx.vmap...), which call
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
@@ -138,13 +140,38 @@ def track_module_params(model: nnx.Module) -> None:
         del path
 
 
-def update_boxed(boxed: Any, value: Any) -> Any:
-    """Puts ``value`` in a box like ``boxed`` with its metadata."""
+def update_boxed(
+    boxed: Any,
+    value: Any = None,
+    *,
+    split: Collection[int] | None = None,
+    merge: Collection[int] | None = None,
+    transpose: Sequence[int | None] | None = None,
+) -> Any:
+    """``value`` (default: the boxed value) in a box like ``boxed``, its axis names following
+    the value's axes (see update_sharding): a Linen box's ``names``, an NNX variable's
+    ``sharding_names``. An unboxed array is simply replaced by ``value``."""
     if isinstance(boxed, nnx.Variable):
-        return boxed.copy(value)
+        out = boxed.copy(boxed.get_value() if value is None else value)
+        names = out.get_metadata().get("sharding_names")
+        if isinstance(names, list | tuple):
+            shape = jnp.shape(out.get_value())
+            names = update_sharding(
+                names, shape=shape, split=split, merge=merge, transpose=transpose
+            )
+            out.set_metadata("sharding_names", names)
+        return out
     if isinstance(boxed, nn.meta.AxisMetadata):
-        return boxed.replace_boxed(value)
-    return value
+        out = boxed if value is None else boxed.replace_boxed(value)
+        names = getattr(out, "names", None)
+        if isinstance(names, list | tuple):
+            shape = jnp.shape(out.unbox())
+            names = update_sharding(
+                names, shape=shape, split=split, merge=merge, transpose=transpose
+            )
+            out = dataclasses.replace(out, names=names)
+        return out
+    return boxed if value is None else value
 
 
 def box_tree(template: Any, tree: Any) -> Any:
@@ -172,8 +199,10 @@ def _in_collection(variable: nnx.Variable, collection: str) -> bool:
     return isinstance(variable, kinds.get(collection, nnx.Variable))
 
 
-def get_and_delete_variable(module: Any, collection: str, name: str) -> Any:
-    """Reads a variable and, in NNX, removes it (Linen collections can't shrink mid-apply)."""
+def get_and_delete_variable(collection: str, name: str, *, module: Any = None) -> Any:
+    """Reads a variable (unboxed, None if absent) and, in NNX, removes it from the module
+    (Linen collections can't shrink mid-apply). ``module`` defaults to the running one."""
+    module = get_current_module() if module is None else module
     value = get_variable(module, collection, name)
     if value is not None and isinstance(module, nnx.Module):
         delattr(module, name)

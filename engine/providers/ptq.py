@@ -247,7 +247,7 @@ def quantize_act(
     if not rule.resolved_act_static_scale or module is None or act_name is None:
         return qarray.quantize(array, how)
     # An NNX PTQ model converted from a QT one finds the QT statistics here and consumes them.
-    stat = flax_util.get_and_delete_variable(module, "quant_stats", act_name)
+    stat = flax_util.get_and_delete_variable("quant_stats", act_name, module=module)
     if stat is not None:
         _check_collected(stat, module, act_name)
     created_zero_point = []

@@ -222,3 +222,32 @@ def test_a_provider_with_several_interceptor_maps():
     model(x)
     assert calls == [(4, 8), (4, 8)]  # the quantize_model call and this one
     assert isinstance(model.linear1.kernel.array, qwix.QArray)  # the numerical map ran too
+
+
+def test_update_boxed_and_partitioned_ptq_scales():
+    boxed = nn.Partitioned(jnp.ones((4, 8)), names=("embed", "mlp"))
+    assert flax_util.update_boxed(boxed, jnp.ones((1, 8))).names == (None, "mlp")
+    assert flax_util.update_boxed(boxed, jnp.ones((4, 2, 4)), split=[1]).names == (
+        "embed",
+        "mlp",
+        None,
+    )
+    assert flax_util.update_boxed(boxed, transpose=[1, 0]).names == ("mlp", "embed")
+    np.testing.assert_array_equal(flax_util.update_boxed(jnp.ones(2), jnp.zeros(2)), [0, 0])
+    # A PTQ weight keeps its box: codes with the kernel's names, scales unsharded where size 1.
+    init = nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+    rules = [qwix.QuantizationRule(weight_qtype="int8")]
+    ptq = qwix.quantize_model(nn.Dense(8, kernel_init=init), qwix.PtqProvider(rules=rules))
+    kernel = ptq.init(jax.random.key(0), x)["params"]["kernel"]
+    assert kernel.array.qvalue.names == ("embed", "mlp")
+    assert kernel.array.scale.names == (None, "mlp")
+
+
+def test_get_and_delete_variable():
+    rules = [qwix.QtRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
+    qt_model = qwix.quantize_model(Stack(nnx.Rngs(0)), qwix.QtProvider(rules=rules), x)
+    stat = flax_util.get_and_delete_variable(
+        "quant_stats", "dot_general0_lhs", module=qt_model.head
+    )
+    assert int(stat["count"]) == 0 and not hasattr(qt_model.head, "dot_general0_lhs")
+    assert flax_util.get_and_delete_variable("quant_stats", "nope", module=qt_model.head) is None
