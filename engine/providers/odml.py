@@ -18,23 +18,22 @@ scales. Anything else raises ``LiteRtUnsupported`` naming the rule to change.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
 
-from qmill.engine import averaging, calibration, flax_util, qarray, qtypes
+from qmill.engine import averaging, flax_util, qarray, qtypes
 from qmill.engine import rules as rules_mod
+from qmill.engine.providers import odml_boundary as boundary
 from qmill.engine.providers import qt
 
 COMPOSITE_NAME = "quant.fake_quant"
-MODEL_OUTPUT = "model_output"
-MODEL_INPUT = "model_input"
+MODEL_OUTPUT = boundary.MODEL_OUTPUT
+MODEL_INPUT = boundary.MODEL_INPUT
 # qmill qtype -> the converter's storage dtype name.
 _LITERT_DTYPES = {"int8": "i8", "int4": "i4", "int16": "i16"}
 # Views a weight may reach its op through: a reshape keeps the per-channel scales meaningful.
@@ -131,98 +130,6 @@ def _per_tensor(how: qarray.HowToQuantize) -> qarray.HowToQuantize:
     return dataclasses.replace(how, channelwise_axes=())
 
 
-def _static_rule(rules_: Sequence[rules_mod.QuantizationRule]) -> rules_mod.QuantizationRule | None:
-    """The rule that sets how the model output is quantized: the first static-range one."""
-    return next((r for r in rules_ if r.resolved_act_static_scale and r.act_qtype), None)
-
-
-def _output_how(rule: rules_mod.QuantizationRule) -> qarray.HowToQuantize:
-    # One calibration per batch (not per example averaged over the batch, as for op inputs): the
-    # output is what users read, and a range covering each batch's extremes rarely clips it.
-    return qarray.HowToQuantize(
-        qtype=rule.act_qtype, calibration_method=rule.resolved_act_calibration_method
-    )
-
-
-def _map_outputs(
-    rules_: Sequence[rules_mod.QuantizationRule],
-    module: Any,
-    out: Any,
-    fn: Callable[[rules_mod.QuantizationRule, str, Any], Any],
-) -> Any:
-    """The model output with each leaf y replaced by fn(rule, name, y): rule the one quantizing
-    outputs, name "model_output" (or "model_output_<i>" for several leaves). The output as is
-    when no rule quantizes it or the model is not a module."""
-    rule = _static_rule(rules_)
-    if rule is None or module is None:
-        return out
-    leaves, tree = jax.tree.flatten(out)
-    names = (
-        [MODEL_OUTPUT] if len(leaves) == 1 else [f"{MODEL_OUTPUT}_{i}" for i in range(len(leaves))]
-    )
-    return jax.tree.unflatten(tree, [fn(rule, n, y) for n, y in zip(names, leaves, strict=True)])
-
-
-def _map_inputs(rules_, module, inputs, fn) -> Any:
-    """The model's (args, kwargs) with each float array leaf y replaced by fn(rule, name, y),
-    name "model_input" (or "model_input_<i>" for several), as _map_outputs does for outputs."""
-    rule = _static_rule(rules_)
-    leaves, tree = jax.tree.flatten(inputs)
-    floats = [i for i, y in enumerate(leaves) if _is_float_array(y)]
-    if rule is None or module is None or not floats:
-        return inputs
-    names = [MODEL_INPUT] if len(floats) == 1 else [f"{MODEL_INPUT}_{i}" for i in floats]
-    for i, name in zip(floats, names, strict=True):
-        leaves[i] = fn(rule, name, leaves[i])
-    return jax.tree.unflatten(tree, leaves)
-
-
-def _is_float_array(y: Any) -> bool:
-    return isinstance(y, jax.Array) and jnp.issubdtype(y.dtype, jnp.floating)
-
-
-def _fixed_method(value: tuple[float, float] | None, what: str) -> str | None:
-    """ "fixed,lo,hi" for a (lo, hi) range, checked as a calibration method."""
-    if value is None:
-        return None
-    try:
-        lo, hi = (float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a (min, max) pair of numbers, got {value!r}.") from None
-    method = f"fixed,{lo!r},{hi!r}"
-    calibration.parse(method)  # raises, naming the range, if it is empty or not finite
-    return method
-
-
-def _boundary_how(rule, fixed_method: str | None) -> tuple[qarray.HowToQuantize, Any]:
-    """How to quantize a model input / output, and the rule to do it with (its calibration
-    method replaced by the fixed range, if one is given)."""
-    if fixed_method is not None:
-        rule = dataclasses.replace(rule, act_calibration_method=fixed_method)
-    return _output_how(rule), rule
-
-
-def odml_rules(
-    rules: Sequence[rules_mod.QuantizationRule] | None,
-) -> list[rules_mod.QuantizationRule] | None:
-    """The rules as the ODML providers apply them: activations are static-range by default.
-
-    A rule with act_qtype and act_static_scale left unset (None) gets act_static_scale=True, as
-    in the seeds; LiteRT's integer kernels need static scales. An explicit False stays False
-    (and is refused where LiteRT needs a static scale).
-    """
-    if rules is None:
-        return None
-    return [
-        dataclasses.replace(r, act_static_scale=True)
-        if isinstance(r, rules_mod.QuantizationRule)
-        and r.act_qtype is not None
-        and r.act_static_scale is None
-        else r
-        for r in rules
-    ]
-
-
 def _check_static(rule: rules_mod.QuantizationRule, where: str) -> None:
     if not rule.resolved_act_static_scale:
         raise LiteRtUnsupported(
@@ -248,11 +155,13 @@ class OdmlQatProvider(qt.QtProvider):
         fixed_range_for_outputs: tuple[float, float] | None = None,
         strict: bool = True,
     ) -> None:
-        super().__init__(odml_rules(rules))
+        super().__init__(boundary.odml_rules(rules))
         # Known ranges of the model's inputs / outputs (e.g. (0, 1) for images): their fake quant
         # uses "fixed,lo,hi" instead of calibrated statistics.
-        self._input_range = _fixed_method(fixed_range_for_inputs, "fixed_range_for_inputs")
-        self._output_range = _fixed_method(fixed_range_for_outputs, "fixed_range_for_outputs")
+        self._input_range = boundary.fixed_method(fixed_range_for_inputs, "fixed_range_for_inputs")
+        self._output_range = boundary.fixed_method(
+            fixed_range_for_outputs, "fixed_range_for_outputs"
+        )
         # One scale per weight tensor instead of one per output channel.
         self._per_tensor_weights = disable_per_channel_weights
         # Raise on rules LiteRT can't store (else they are trained as asked, export will refuse).
@@ -286,12 +195,12 @@ class OdmlQatProvider(qt.QtProvider):
         def fake_quant(rule: rules_mod.QuantizationRule, name: str, y: Any) -> Any:
             if not (isinstance(y, jax.Array) and jnp.issubdtype(y.dtype, jnp.floating)):
                 return y
-            how, rule = _boundary_how(rule, self._output_range)
-            with _variables_allowed(module):
+            how, rule = boundary.boundary_how(rule, self._output_range)
+            with boundary.variables_allowed(module):
                 fq = self.fake_quant_act(module, y, how, rule, name)
             return qt.ste(y, fq)
 
-        return _map_outputs(self.rules, module, out, fake_quant)
+        return boundary.map_outputs(self.rules, module, out, fake_quant)
 
     def process_model_inputs(self, model: Any, model_args: Any, model_kwargs: Any) -> Any:
         """With fixed_range_for_inputs: fake-quantizes the model's float inputs with that range,
@@ -300,11 +209,13 @@ class OdmlQatProvider(qt.QtProvider):
             return model, model_args, model_kwargs
 
         def fake_quant(rule: rules_mod.QuantizationRule, name: str, y: Any) -> Any:
-            how, rule = _boundary_how(rule, self._input_range)
-            with _variables_allowed(model):
+            how, rule = boundary.boundary_how(rule, self._input_range)
+            with boundary.variables_allowed(model):
                 return qt.ste(y, self.fake_quant_act(model, y, how, rule, name))
 
-        args, kwargs = _map_inputs(self.rules, model, (model_args, model_kwargs), fake_quant)
+        args, kwargs = boundary.map_inputs(
+            self.rules, model, (model_args, model_kwargs), fake_quant
+        )
         return model, args, kwargs
 
 
@@ -327,7 +238,7 @@ class OdmlConversionProvider(qt.QtProvider):
         *,
         disable_per_channel_weights: bool = False,
     ) -> None:
-        super().__init__(odml_rules(rules))
+        super().__init__(boundary.odml_rules(rules))
         # Float params (pure dict); weights are looked up here when the model sees tracers.
         self._params = flax_util.unbox(params) if params is not None else {}
         # Static-range statistics (pure dict, as QT / OdmlQatProvider collect them).
@@ -362,7 +273,7 @@ class OdmlConversionProvider(qt.QtProvider):
                 return y
             return self._activation(y, rule, stat, name, kind="output")
 
-        return _map_outputs(self.rules, module, out, composite)
+        return boundary.map_outputs(self.rules, module, out, composite)
 
     def process_model_inputs(self, model: Any, model_args: Any, model_kwargs: Any) -> Any:
         """The model inputs' composites, where quant_stats has their statistic (see QAT)."""
@@ -371,7 +282,7 @@ class OdmlConversionProvider(qt.QtProvider):
             stat = self._stat(model, name, required=False)
             return y if stat is None else self._activation(y, rule, stat, name, kind="input")
 
-        args, kwargs = _map_inputs(self.rules, model, (model_args, model_kwargs), composite)
+        args, kwargs = boundary.map_inputs(self.rules, model, (model_args, model_kwargs), composite)
         return model, args, kwargs
 
     # ---- weights and activations ----------------------------------------------------------
@@ -463,26 +374,6 @@ class OdmlConversionProvider(qt.QtProvider):
             quantization_dimension=-1,
         )
         return fake_quant_composite(x, qtype=rule.act_qtype, scale=scale, zero_point=zp_int)
-
-
-@contextlib.contextmanager
-def _variables_allowed(module: Any) -> Iterator[None]:
-    """Lets the output hook create the statistic of a Linen module after its compact method.
-
-    quantize_model calls the hook once the model's method has returned, and Linen only creates
-    variables inside setup / compact methods; the module's scope is still bound here, so the
-    statistic lands in the module's quant_stats as if the method had created it.
-    """
-    state = getattr(module, "_state", None) if isinstance(module, nn.Module) else None
-    if state is None:
-        yield
-        return
-    before = state.in_compact_method
-    state.in_compact_method = True
-    try:
-        yield
-    finally:
-        state.in_compact_method = before
 
 
 def _join(path: str, name: str) -> str:
