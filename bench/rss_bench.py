@@ -14,9 +14,9 @@ The server's own qmill_inflight_bytes peak (Admin, from the limiter) is reported
 the part of RSS that --max-inflight-bytes does not count shows directly.
 To find where the rest goes: `--serve-arg` passes more flags to `qmill serve`, `--grpc-option`
 adds gRPC server options (grpc.http2.bdp_probe=0: flow-control windows stay small),
-`--no-keep-freed` drops proto/memory.py's malloc tuning, and the environment passes through
-(MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=1048576: big buffers mapped and unmapped
-every time, so no freed heap is kept).
+`--keep-freed` turns proto/memory.py's malloc tuning on (freed blocks kept for reuse; the server
+no longer does), and the environment passes through (MALLOC_MMAP_THRESHOLD_=1048576
+MALLOC_TRIM_THRESHOLD_=1048576: big buffers mapped and unmapped every time, nothing kept).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import e2e_bench  # the checkpoint maker and /proc readers, shared
 
 MiB = 2**20
-# `qmill serve` with extra gRPC server options (JSON list of [name, value]) and, with "0" as
-# the second argument, without proto/memory.py's malloc tuning: for finding where RSS goes.
+# `qmill serve` with extra gRPC server options (JSON list of [name, value]) and, with "1" as
+# the second argument, with proto/memory.py's malloc tuning on: for finding where RSS goes.
 _LAUNCHER = r"""
 import json, sys, grpc
 extra, keep = json.loads(sys.argv[1]), sys.argv[2] == "1"
@@ -44,9 +44,9 @@ real = grpc.aio.server
 def server(*a, options=None, **k):
     return real(*a, options=[*(options or []), *map(tuple, extra)], **k)
 grpc.aio.server = server
-if not keep:
+if keep:
     from qmill.proto import memory
-    memory.keep_freed_buffers = lambda: False
+    memory.keep_freed_buffers()
 from qmill.cli import main
 sys.exit(main.main(sys.argv[3:]))
 """
@@ -94,9 +94,9 @@ def run_limit(args: argparse.Namespace, src: pathlib.Path, work: pathlib.Path, l
     address = f"127.0.0.1:{port}"
     flags = ["--max-inflight-bytes", str(limit_mib * MiB), "--workers", str(args.workers)]
     qmill = e2e_bench.QMILL
-    if args.grpc_option or args.no_keep_freed:
+    if args.grpc_option or args.keep_freed:
         options = json.dumps([_option(o) for o in args.grpc_option])
-        keep = "0" if args.no_keep_freed else "1"
+        keep = "1" if args.keep_freed else "0"
         qmill = [sys.executable, "-c", _LAUNCHER, options, keep]
     server = subprocess.Popen(
         [*qmill, "serve", "--port", str(port), *flags, *args.serve_arg],
@@ -129,7 +129,9 @@ def main() -> None:
     parser.add_argument("--recipe", default="int8")
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument(
-        "--no-keep-freed", action="store_true", help="server without proto/memory.py's tuning"
+        "--keep-freed",
+        action="store_true",
+        help="server with proto/memory.py's malloc tuning (freed blocks kept for reuse)",
     )
     parser.add_argument(
         "--grpc-option",
@@ -157,7 +159,7 @@ def main() -> None:
         "tensor_mib": args.tensor_mib,
         "workers": args.workers,
         "serve_args": args.serve_arg,
-        "keep_freed_buffers": not args.no_keep_freed,
+        "keep_freed_buffers": args.keep_freed,
         "grpc_options": args.grpc_option,
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "rows": rows,
