@@ -124,9 +124,11 @@ def quantize_model(
     Args:
       model: a Linen module (unbound) or an NNX module.
       provider: PtqProvider, QtProvider, LoraProvider, ...
-      *model_inputs: NNX only: inputs for one call that creates the quantized variables.
+      *model_inputs: NNX only, required: inputs for one call that creates the quantized
+        variables.
       methods: the model's methods that run quantized.
-      **model_inputs_kwargs: NNX only: keyword inputs of that call.
+      **model_inputs_kwargs: NNX only: keyword inputs of that call; ``skip_nnx_init=True``
+        skips the call (the variables are then created by the first call of the result).
 
     Returns:
       Linen: a module of a subclass of the model's class. NNX: a new model sharing the arrays;
@@ -135,12 +137,26 @@ def quantize_model(
     methods = tuple(methods)
     if isinstance(model, nn.Module):
         if model_inputs or model_inputs_kwargs:
-            raise TypeError("Linen models take no inputs here; call init/apply on the result.")
+            raise ModelInputsError(
+                "Linen models take no inputs here; call init/apply on the quantized model."
+            )
         cls = _subclass(_float_class(type(model)), methods, {_PROVIDER_ATTR: provider})
         return cls(**_linen_fields(model))
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"expected a Linen or NNX module, got {type(model).__name__}")
+        raise ModelInputsError(f"expected a Linen or NNX module, got {type(model).__name__}")
+    skip_init = bool(model_inputs_kwargs.pop("skip_nnx_init", False))
+    if not (model_inputs or model_inputs_kwargs or skip_init):
+        raise ModelInputsError(
+            "NNX models need example inputs here (quantize_model(model, provider, *inputs)): "
+            "they are run once to create the quantized variables. Pass skip_nnx_init=True to "
+            "skip that run."
+        )
     return _quantize_nnx(model, provider, methods, model_inputs, model_inputs_kwargs)
+
+
+class ModelInputsError(ValueError, TypeError):
+    """quantize_model called with inputs it can't use (a ValueError as in the seeds; a TypeError
+    as qmill raised before)."""
 
 
 def _linen_fields(model: nn.Module) -> dict[str, Any]:

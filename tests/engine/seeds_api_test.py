@@ -251,3 +251,18 @@ def test_get_and_delete_variable():
     )
     assert int(stat["count"]) == 0 and not hasattr(qt_model.head, "dot_general0_lhs")
     assert flax_util.get_and_delete_variable("quant_stats", "nope", module=qt_model.head) is None
+
+
+def test_quantize_model_inputs_checked_as_the_seeds_do():
+    rules = [qwix.QuantizationRule(weight_qtype="int8")]
+    with pytest.raises(ValueError, match="Linen models take no inputs"):
+        qwix.quantize_model(nn.Dense(8), qwix.PtqProvider(rules=rules), x)
+    with pytest.raises(ValueError, match="NNX models need example inputs"):
+        qwix.quantize_model(Stack(nnx.Rngs(0)), qwix.PtqProvider(rules=rules))
+    with pytest.raises(ValueError, match="Linen or NNX module"):
+        qwix.quantize_model(lambda v: v, qwix.PtqProvider(rules=rules))
+    # skip_nnx_init: nothing runs now; the first call quantizes the weights.
+    model = qwix.quantize_model(Stack(nnx.Rngs(0)), qwix.PtqProvider(rules=rules), skip_nnx_init=1)
+    assert isinstance(model.head.kernel, nnx.Param)
+    model(x)
+    assert isinstance(model.head.kernel.array, qwix.QArray)
