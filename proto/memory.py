@@ -5,10 +5,11 @@ trimmed off the heap's top), so every tensor's buffers fault their pages in agai
 zeroes them. keep_freed_buffers() serves blocks up to 32 MiB from the heap and keeps them;
 give_back_free_memory() returns the free pages.
 
-The server does not call them any more (issue 17): wire's assembly-buffer reuse removed most of
-that cost, for tensors of any size, and what the tuning still saved (~0.05 s of server CPU per
-0.5 GB, 2-core dev VM) cost 65-90 MB of server peak RSS (bench/README.md). Kept for measuring
-(bench/rss_bench.py patches keep_freed_buffers) and for embedders that want the trade.
+The server no longer calls keep_freed_buffers (issue 17): wire's assembly-buffer reuse removed
+most of that cost, for tensors of any size, and what the tuning still saved (~0.05 s of server
+CPU per 0.5 GB, 2-core dev VM) cost 65-90 MB of server peak RSS (bench/README.md). It is kept for
+measuring (bench/rss_bench.py patches it) and for embedders that want the trade. A server stream
+does call give_back_free_memory when it ends.
 """
 
 from __future__ import annotations
