@@ -128,7 +128,8 @@ def quantize_model(
         variables.
       methods: the model's methods that run quantized.
       **model_inputs_kwargs: NNX only: keyword inputs of that call; ``skip_nnx_init=True``
-        skips the call (the variables are then created by the first call of the result).
+        skips the call (the variables are then created by the first call of the result);
+        ``rngs=nnx.Rngs(...)`` initialises LoRA adapters.
 
     Returns:
       Linen: a module of a subclass of the model's class. NNX: a new model sharing the arrays;
@@ -145,6 +146,15 @@ def quantize_model(
     if not isinstance(model, nnx.Module):
         raise ModelInputsError(f"expected a Linen or NNX module, got {type(model).__name__}")
     skip_init = bool(model_inputs_kwargs.pop("skip_nnx_init", False))
+    # The seeds' rngs= initialises LoRA adapters; it is not an input of the model.
+    rngs = model_inputs_kwargs.pop("rngs", None)
+    if rngs is not None:
+        if not isinstance(rngs, nnx.Rngs) or not hasattr(provider, "rngs"):
+            raise ModelInputsError(
+                "rngs= must be an nnx.Rngs, for a provider that initialises variables from it "
+                f"(LoraProvider); got {type(rngs).__name__} for {type(provider).__name__}."
+            )
+        provider.rngs = rngs
     if not (model_inputs or model_inputs_kwargs or skip_init):
         raise ModelInputsError(
             "NNX models need example inputs here (quantize_model(model, provider, *inputs)): "

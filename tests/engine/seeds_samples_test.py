@@ -180,3 +180,20 @@ def test_lora_sample_linen_and_nnx():
             "kernel_lora_b": ((16, 16), "float32"),
         },
     }
+
+
+def test_quantize_model_rngs_initialise_lora_adapters():
+    rules = [qwix.LoraRule(rank=4, alpha=1.0)]
+
+    def adapter(seed):
+        model = NnxMLP(16, 64, 16, rngs=nnx.Rngs(0))
+        provider = qwix.LoraProvider(rules=rules)
+        lora = qwix.quantize_model(model, provider, model_input, rngs=nnx.Rngs(seed))
+        return np.asarray(lora.linear1.kernel_lora_a[...])
+
+    np.testing.assert_array_equal(adapter(1), adapter(1))
+    assert not np.array_equal(adapter(1), adapter(2))
+    with pytest.raises(ValueError, match=r"rngs= must be an nnx\.Rngs"):
+        qwix.quantize_model(
+            NnxMLP(16, 64, 16, rngs=nnx.Rngs(0)), qwix.PtqProvider(rules=SRQ), model_input, rngs=1
+        )
