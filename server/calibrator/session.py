@@ -8,8 +8,10 @@ bit for bit. Everything here is blocking JAX work, called only from the server's
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,6 +64,31 @@ def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     return {k: (tuple(v.shape), str(np.dtype(v.dtype))) for k, v in flat.items()}
 
 
+# The jitted step per (model, config, rules): a new closure per call compiled again every call
+# (2.5 s for 32 batches of the built-in cnn, 12.6 batches/s); the last few are kept.
+_STEPS: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
+_STEPS_LOCK = threading.Lock()
+_STEPS_SIZE = 8
+
+
+def _cached_step(key: tuple[str, str], model: Any) -> Any:
+    with _STEPS_LOCK:
+        if key in _STEPS:
+            _STEPS.move_to_end(key)
+            return _STEPS[key]
+
+    @jax.jit
+    def step(params: Any, stats: Any, x: jax.Array) -> Any:
+        _, upd = model.apply({"params": params, "quant_stats": stats}, x, mutable=["quant_stats"])
+        return flax_util.unbox(upd["quant_stats"])
+
+    with _STEPS_LOCK:
+        _STEPS[key] = step
+        while len(_STEPS) > _STEPS_SIZE:
+            _STEPS.popitem(last=False)
+    return step
+
+
 class Session:
     """The model, its params and the running stats of one Calibrate call."""
 
@@ -101,16 +128,8 @@ class Session:
         self.stat_qtypes = programs.stat_qtypes(self.stats, self.rules)
         self.batches = previous.batches if previous else 0
         self.examples = previous.examples if previous else 0
-        model = self.model
-
-        @jax.jit
-        def step(params: Any, stats: Any, x: jax.Array) -> Any:
-            _, upd = model.apply(
-                {"params": params, "quant_stats": stats}, x, mutable=["quant_stats"]
-            )
-            return flax_util.unbox(upd["quant_stats"])
-
-        self._step = step
+        key = (model_key(entry.name, config), repr(self.rules))
+        self._step = _cached_step(key, self.model)
 
     def check_batch(self, array: np.ndarray) -> np.ndarray:
         """The batch as the model takes it; ValueError saying what to send instead."""
