@@ -17,7 +17,6 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,15 @@ import ml_dtypes
 import numpy as np
 
 from qmill.engine import qtypes
+
+# The reference's public helpers (bounds, conversions); see numerics_api.py.
+from qmill.engine.numerics_api import can_dequant_on_output as can_dequant_on_output
+from qmill.engine.numerics_api import convert_from as convert_from
+from qmill.engine.numerics_api import convert_to as convert_to
+from qmill.engine.numerics_api import get_asymmetric_bound as get_asymmetric_bound
+from qmill.engine.numerics_api import get_nf4_buckets as get_nf4_buckets
+from qmill.engine.numerics_api import get_symmetric_bound as get_symmetric_bound
+from qmill.engine.numerics_api import should_quantize as should_quantize
 
 # (exponent bits, mantissa bits) of the float formats computed in float32 and rounded back.
 _NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
@@ -360,33 +368,3 @@ def from_qtype(q: jax.Array, qtype: qtypes.QType | str, dtype: jnp.dtype) -> jax
         levels = np.asarray(qt.levels, np.float32).astype(dtype).astype(wide_dtype(dtype))
         return jnp.take(jnp.asarray(levels), q.astype(jnp.int32), axis=0)
     return fit(q.astype(wide_dtype(dtype)), dtype)
-
-
-def get_symmetric_bound(qtype: Any) -> float:
-    """B in ``scale = absmax / B`` for symmetric quantization to `qtype` (NUMERICS.md, "Bounds").
-
-    Raises:
-      ValueError: not a qtype (e.g. bfloat16): the message lists the valid ones.
-    """
-    return float(qtypes.get(qtype).bound)
-
-
-def get_asymmetric_bound(qtype: Any) -> tuple[float, float]:
-    """(qmin, qmax) that asymmetric quantization to `qtype` maps a [min, max] range onto.
-
-    Raises:
-      ValueError: a qtype without asymmetric quantization (only int4, int8, int16 have it).
-    """
-    qt = qtypes.get(qtype)
-    if qt.asymmetric_range is None:
-        raise ValueError(
-            f"{qt.name} doesn't support asymmetric quantization; use int4, int8 or int16, or a "
-            "symmetric calibration (absmax)"
-        )
-    lo, hi = qt.asymmetric_range
-    return float(lo), float(hi)
-
-
-def should_quantize(dtype: Any) -> bool:
-    """Whether arrays of `dtype` are quantizable (bfloat16, float16, float32, float64)."""
-    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)

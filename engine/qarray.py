@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmill.engine import calibration as calibration_lib
-from qmill.engine import numerics, qarray_ops, qtypes, tiling
+from qmill.engine import numerics, qarray_ops, qarray_util, qtypes, tiling
 from qmill.engine.qarray_util import broadcast_to as broadcast_to
 from qmill.engine.qarray_util import call_with_generic_broadcast as call_with_generic_broadcast
 from qmill.engine.qarray_util import clip_gradient_to_calibration as clip_gradient_to_calibration
@@ -73,10 +73,10 @@ class HowToQuantize:
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
         set_("qtype", qtypes.name(self.qtype))
-        set_("channelwise_axes", tuple(int(a) for a in self.channelwise_axes))
+        set_("channelwise_axes", qarray_util.Axes(int(a) for a in self.channelwise_axes))
         tiled = self.tiled_axes
         items = tiled.items() if isinstance(tiled, Mapping) else (tiled or ())
-        set_("tiled_axes", tuple(sorted((int(a), t) for a, t in items)))
+        set_("tiled_axes", qarray_util.AxisTiles(sorted((int(a), t) for a, t in items)))
         calibration_lib.parse(self.calibration_method)  # fail early on a bad method
         set_("scale_dtype", _dtype_name(self.scale_dtype))
         self._check_required_tile()

@@ -163,3 +163,66 @@ def get_accumulator_and_result_type(
         result = jnp.result_type(*widened)
     integer = all(jnp.issubdtype(t, jnp.integer) for t in stored)
     return (jnp.int32 if integer else result), result
+
+
+class Axes(tuple):
+    """HowToQuantize.channelwise_axes: a tuple of ints that also equals the same axes given as a
+    list or set, as the reference's (any collection) compare in user code."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return tuple.__eq__(self, tuple(other))
+        if isinstance(other, set | frozenset):
+            return set(self) == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+
+class AxisTiles(tuple):
+    """HowToQuantize.tiled_axes: sorted ((axis, tile), ...) (hashable, a static jit field) that
+    also reads and compares as the reference's {axis: tile} mapping: ``tiles[1]``, ``.get``,
+    ``.items()``, ``1 in tiles``, ``tiles == {1: 32}``. Iterating yields the pairs."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self._mapping() == dict(other)
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+    def _mapping(self) -> dict[int, Any]:
+        # Not dict(self): dict() would take the keys() method below for a mapping's.
+        return dict(tuple(self))
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return tuple.__getitem__(self, key)
+        return self._mapping()[key]  # an axis, as in the reference's mapping
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, tuple):
+            return tuple.__contains__(self, key)
+        return key in self._mapping()
+
+    def keys(self) -> Any:
+        return self._mapping().keys()
+
+    def values(self) -> Any:
+        return self._mapping().values()
+
+    def items(self) -> Any:
+        return self._mapping().items()
+
+    def get(self, axis: int, default: Any = None) -> Any:
+        return self._mapping().get(axis, default)

@@ -197,3 +197,32 @@ def test_sparsify_with_a_sparsity_rule() -> None:
     )
     np.testing.assert_array_equal(qarray.sparsify(x, rule), [[0, 0, 3, 4], [0, 0, 7, 8]])
     assert qarray.sparsify(x, sparsity.SparsityRule()) is x  # m = 0: sparsity off
+
+
+def test_how_to_quantize_axes_read_as_the_reference_writes_them() -> None:
+    how = qarray.HowToQuantize(qtype="mxfp8", channelwise_axes=[0, 1], tiled_axes={3: 32})
+    assert how.tiled_axes == {3: 32} and how.tiled_axes[3] == 32 and 3 in how.tiled_axes
+    assert how.tiled_axes.get(1, 1) == 1 and dict(how.tiled_axes) == {3: 32}
+    assert how.tiled_axes == ((3, 32),) and list(how.tiled_axes) == [(3, 32)]
+    assert how.channelwise_axes == [0, 1] and how.channelwise_axes == (0, 1)
+    assert how.tiled_axes != {3: 16} and how.channelwise_axes != [1]
+    same = qarray.HowToQuantize(qtype="mxfp8", channelwise_axes=(0, 1), tiled_axes=((3, 32),))
+    assert how == same and hash(how) == hash(same)  # still one static jit key
+
+
+def test_numerics_conversions() -> None:
+    x = jnp.array([-200.0, -1.5, -0.5, 0.5, 1.5, 2.6, 300.0])
+    np.testing.assert_array_equal(numerics.convert_to(x, jnp.int8), [-128, -2, 0, 0, 2, 3, 127])
+    assert numerics.convert_to(x, "int4").dtype == jnp.int4
+    fp8 = numerics.convert_to(jnp.array([1000.0, 1.0]), jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(fp8.astype(jnp.float32), [448.0, 1.0])  # clipped, not inf
+    # Noise of +0.49 lifts 0.5 (which rounds to even 0) to 1.
+    noisy = numerics.convert_to(jnp.array([0.5]), jnp.int8, noise_fn=lambda s: jnp.full(s, 0.49))
+    assert int(noisy[0]) == 1
+    codes = numerics.convert_to(jnp.array([-1.0, 0.0, 0.3, 1.0]), "nf4")
+    np.testing.assert_array_equal(
+        numerics.convert_from(codes, "nf4"), numerics.get_nf4_buckets()[jnp.array([0, 7, 11, 15])]
+    )
+    assert numerics.convert_from(x, jnp.int8) is x
+    assert numerics.can_dequant_on_output(jnp.int8) and not numerics.can_dequant_on_output("nf4")
+    assert numerics.get_nf4_buckets().shape == (16,)
