@@ -17,9 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
-import re2
 
-from qmill.engine import calibration, qtypes
+from qmill.engine import calibration, linear_regex, qtypes
 
 CONVENTIONS = ("auto", "flax", "torch")
 
@@ -52,7 +51,8 @@ class TensorRule:
     scale_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_compiled", compile_path_regex(self.path_regex))
+        compiled = linear_regex.compile(self.path_regex, "rule path_regex")
+        object.__setattr__(self, "_compiled", compiled)
         if self.skip:
             return
         if not self.qtype:
@@ -81,25 +81,6 @@ class TensorRule:
 
     def matches(self, path: str) -> bool:
         return self._compiled.fullmatch(path) is not None  # type: ignore[attr-defined]
-
-
-def compile_path_regex(pattern: str) -> Any:
-    """`pattern` compiled for linear-time matching (RE2).
-
-    Raises:
-      ValueError: not a regex RE2 accepts; the message names what to change.
-    """
-    options = re2.Options()
-    options.log_errors = False  # the ValueError says it; RE2 would also print to stderr
-    try:
-        return re2.compile(pattern, options)
-    except re2.error as e:
-        detail = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
-        raise ValueError(
-            f"rule path_regex {pattern!r} is not a valid regex ({detail}); path "
-            "regexes are matched in linear time (RE2), so backreferences (\\1), lookahead "
-            "and lookbehind ((?=, (?!, (?<=, (?<!) are refused; rewrite the pattern without them"
-        ) from None
 
 
 def _check_scale_dtype(rule: str, name: str) -> None:

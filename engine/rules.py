@@ -12,12 +12,12 @@ These are model-level rules; the service-level presets in ``recipes.py`` are a d
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
-import re2
+
+from qmill.engine import linear_regex
 
 QType = Any  # a qtype name ("int8", "nf4", ...) or a dtype (jnp.int8, jnp.float8_e4m3fn, ...).
 
@@ -154,27 +154,9 @@ class LoraRule(QuantizationRule):
             raise ValueError(f"dropout must be in [0, 1], got {self.dropout!r}.")
 
 
-@functools.lru_cache(maxsize=1024)
 def compile_module_path(pattern: str) -> Any:
-    """``pattern`` compiled for matching module paths in linear time (RE2), cached.
-
-    Raises:
-      ValueError: not a regex RE2 accepts (backreferences and lookaround need backtracking,
-        which RE2 refuses); the message says what to change.
-    """
-    if not isinstance(pattern, str):
-        raise TypeError(f"module_path must be a str regex, got {type(pattern).__name__}.")
-    options = re2.Options()
-    options.log_errors = False  # the ValueError says it; RE2 would also print to stderr
-    try:
-        return re2.compile(pattern, options)
-    except re2.error as e:
-        detail = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
-        raise ValueError(
-            f"module_path {pattern!r} is not a valid regex ({detail}); module paths are matched "
-            "in linear time (RE2), so backreferences (\\1), lookahead and lookbehind ((?=, (?!, "
-            "(?<=, (?<!) are refused: rewrite the pattern without them."
-        ) from None
+    """``pattern`` compiled for matching module paths in linear time (linear_regex)."""
+    return linear_regex.compile(pattern, "module_path")
 
 
 def find_rule(
