@@ -31,33 +31,10 @@ from qmill.client import calibrate as client_calibrate
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
 from tests.e2e import processes
+from tests.engine.seed_models import LinenMLP, NnxMLP
 
 SUFFIX = {"orbax": "", "safetensors": ".safetensors", "npz": ".npz"}
 MODEL_INPUT = jax.random.uniform(jax.random.key(0), (8, 16))
-
-
-class LinenMLP(nn.Module):
-    dhidden: int
-    dout: int
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.dhidden, use_bias=False)(x)
-        x = nn.relu(x)
-        x = nn.Dense(self.dout, use_bias=False)(x)
-        return x
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, din, dhidden, dout, *, rngs: nnx.Rngs):
-        self.linear1 = nnx.Linear(din, dhidden, use_bias=False, rngs=rngs)
-        self.linear2 = nnx.Linear(dhidden, dout, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        x = self.linear1(x)
-        x = nnx.relu(x)
-        x = self.linear2(x)
-        return x
 
 
 def _rules(qtype: str) -> list:

@@ -9,36 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 from flax import nnx
 
 import qmill.engine as qwix
 from qmill.engine import qconfig
-
-
-class LinenMLP(nn.Module):
-    dhidden: int
-    dout: int
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.dhidden, use_bias=False)(x)
-        x = nn.relu(x)
-        x = nn.Dense(self.dout, use_bias=False)(x)
-        return x
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, din, dhidden, dout, *, rngs: nnx.Rngs):
-        self.linear1 = nnx.Linear(din, dhidden, use_bias=False, rngs=rngs)
-        self.linear2 = nnx.Linear(dhidden, dout, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        x = self.linear1(x)
-        x = nnx.relu(x)
-        x = self.linear2(x)
-        return x
-
+from tests.engine.seed_models import LinenMLP, NnxMLP
 
 model_input = jax.random.uniform(jax.random.key(0), (8, 16))
 SRQ = [qconfig.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]

@@ -4,36 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 from flax import nnx
 
 import qmill.engine as qwix  # the samples are written against `qwix`; only the import changes
-from qmill.engine import rules as qconfig
-
-
-class LinenMLP(nn.Module):
-    dhidden: int
-    dout: int
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.dhidden, use_bias=False)(x)
-        x = nn.relu(x)
-        x = nn.Dense(self.dout, use_bias=False)(x)
-        return x
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, din, dhidden, dout, *, rngs: nnx.Rngs):
-        self.linear1 = nnx.Linear(din, dhidden, use_bias=False, rngs=rngs)
-        self.linear2 = nnx.Linear(dhidden, dout, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        x = self.linear1(x)
-        x = nnx.relu(x)
-        x = self.linear2(x)
-        return x
-
+from qmill.engine import qconfig
+from tests.engine.seed_models import LinenMLP, NnxMLP
 
 MODEL_INPUT = jax.random.uniform(jax.random.key(0), (8, 16))
 RULES = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
