@@ -48,6 +48,28 @@ USER_ERRORS = (
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Adds the client's subcommands to the `qmill` parser."""
+    _add_quantize(sub)
+
+    jobs.add_commands(
+        sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
+    )
+
+    uploads.add_command(sub)
+    admin.add_command(sub)
+    calibrate.add_command(sub)
+
+    i = sub.add_parser("inspect", help="list a checkpoint's tensors")
+    i.add_argument("checkpoint")
+
+    c = sub.add_parser("capabilities", help="what a server supports")
+    c.add_argument("--server", required=True, help="HOST:PORT")
+    credentials.add_arguments(c)
+
+    export_odml.add_command(sub)
+    programs.add_command(sub)  # export-program: a model as a program file (no server)
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("quantize", help="quantize a checkpoint (Orbax, safetensors, npz)")
     q.add_argument("source", help="checkpoint: Orbax directory, .safetensors file/set, or .npz")
     q.add_argument("-o", "--output", required=True, help="where to write the quantized checkpoint")
@@ -108,24 +130,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
     credentials.add_arguments(q)
-
-    jobs.add_commands(
-        sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
-    )
-
-    uploads.add_command(sub)
-    admin.add_command(sub)
-    calibrate.add_command(sub)
-
-    i = sub.add_parser("inspect", help="list a checkpoint's tensors")
-    i.add_argument("checkpoint")
-
-    c = sub.add_parser("capabilities", help="what a server supports")
-    c.add_argument("--server", required=True, help="HOST:PORT")
-    credentials.add_arguments(c)
-
-    export_odml.add_command(sub)
-    programs.add_command(sub)  # export-program: a model as a program file (no server)
 
 
 def _dry_run(args: argparse.Namespace, recipe: dict, out: Console) -> int:
