@@ -4,12 +4,13 @@ or a directory of .safetensors files), one tensor at a time straight from disk."
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, protocols, source_base
+from qmill.checkpoints import buffers, dtypes, protocols, source_base
 from qmill.checkpoints import safetensors_header as header_lib
 
 
@@ -37,6 +38,8 @@ class SafetensorsSource(source_base.SourceBase):
         # Set when the checkpoint came as a sharded set: a writer given `like=` mirrors it.
         self.index = index
         self._handles: dict[int, BinaryIO] = {}
+        # Tensors are read into buffers reused once the caller drops them (buffers.py).
+        self._buffers = buffers.BufferPool()
         self._where: dict[str, _Location] = {}
         self._entries: list[protocols.TensorEntry] = []
         self.metadata: dict[str, str] = {}
@@ -76,7 +79,8 @@ class SafetensorsSource(source_base.SourceBase):
             where = self._where[path]
         except KeyError:
             raise KeyError(f"no tensor {path!r} in {self.files[0].parent}") from None
-        array = np.empty(where.shape, where.stored)
+        nbytes = where.stored.itemsize * math.prod(where.shape)
+        array = self._buffers.take(nbytes).view(where.stored).reshape(where.shape)
         f = self._handle(where.shard)
         f.seek(where.data_start + where.begin)
         # Straight into the array's buffer: one copy of the tensor in memory, not two.
@@ -98,6 +102,7 @@ class SafetensorsSource(source_base.SourceBase):
         for f in self._handles.values():
             f.close()
         self._handles.clear()
+        self._buffers.release()
 
 
 def open_index(index: pathlib.Path) -> SafetensorsSource:

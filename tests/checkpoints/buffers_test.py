@@ -1,0 +1,51 @@
+"""Reused read buffers: a buffer is handed out again only once nothing refers to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import safetensors.numpy
+
+from qmill.checkpoints import buffers
+from qmill.checkpoints import safetensors_source as source_lib
+
+
+def test_a_buffer_in_use_is_never_handed_out_again():
+    pool = buffers.BufferPool(keep_bytes=64 << 20)
+    first = pool.take(4 << 20)
+    view = first[10:]  # a view keeps the buffer in use after the array itself is gone
+    address = first.ctypes.data
+    del first
+    second = pool.take(4 << 20)
+    assert second.ctypes.data != address
+    del view
+    third = pool.take(4 << 20)
+    assert third.ctypes.data == address
+    assert third.ctypes.data % buffers.ALIGNMENT == 0
+
+
+def test_kept_bytes_are_bounded_and_small_buffers_are_not_kept():
+    pool = buffers.BufferPool(keep_bytes=8 << 20)
+    held = [pool.take(3 << 20) for _ in range(4)]  # all in use: the oldest are dropped
+    assert sum(r.size for r in pool._kept) <= 8 << 20
+    small = pool.take(1000)
+    assert all(r.size > 1000 + buffers.ALIGNMENT for r in pool._kept)
+    del held, small
+
+
+def test_source_reads_stay_correct_while_earlier_tensors_are_held(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {f"t{i}": rng.standard_normal((512, 1024), np.float32) for i in range(6)}
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    source = source_lib.SafetensorsSource([path])
+    try:
+        held = {name: source.read(name) for name in ("t0", "t1")}
+        for name in tensors:  # each dropped at once: its buffer is reused for the next
+            np.testing.assert_array_equal(source.read(name), tensors[name])
+        for name, array in held.items():  # untouched by the reads that reused buffers
+            np.testing.assert_array_equal(array, tensors[name])
+        address = source.read("t2").ctypes.data  # dropped at once: free for the next read
+        assert address % buffers.ALIGNMENT == 0
+        assert source.read("t3").ctypes.data == address
+    finally:
+        source.close()
