@@ -67,9 +67,10 @@ def quantize_checkpoint(
 
     Resumable: every tensor the backend finishes is kept in `<destination>.qmill-partial/`
     (staging.PartialOutput), so calling again with the same arguments after an interruption
-    sends only the tensors not yet finished. The checkpoint is then written in checkpoint order
-    from the partial output and the source, so it is byte for byte the one an uninterrupted run
-    writes, and appears under its final name only when complete.
+    sends only the tensors not yet finished. The checkpoint is written in checkpoint order (as
+    tensors finish, _InOrder) from the results, the partial output and the source, so it is
+    byte for byte the one an uninterrupted run writes, and appears under its final name only
+    when complete.
 
     `check`, when given, is called before each tensor is read, while sending and while writing;
     whatever it raises stops the job (a server's job runner cancels this way: raised before the
@@ -109,8 +110,15 @@ def quantize_checkpoint(
             partial = staging.PartialOutput(dest, fingerprint, restart=restart)
             opened.append(partial)
             try:
-                rows = _run(source, entries, recipe, backend, partial, progress, check)
-                _assemble(source, entries, partial, dest, fmt, overwrite, check, recipe)
+                # The recipe goes into a Hugging Face folder's config.json (quantization_config).
+                writer = formats.create_writer(
+                    dest, fmt, like=source, overwrite=overwrite, recipe=recipe
+                )
+                with writer:
+                    ordered = _InOrder(source, entries, partial, writer, check)
+                    ordered.advance()  # what a resumed run finished before
+                    rows = _run(source, entries, recipe, backend, partial, progress, ordered)
+                    ordered.advance(final=True)
             finally:
                 partial.close()
         partial.discard()
@@ -124,9 +132,11 @@ def _run(
     backend: Backend,
     partial: staging.PartialOutput,
     progress: Progress | None,
-    check: Callable[[], None] | None,
+    ordered: _InOrder,
 ) -> dict[str, ReportRow]:
-    """Sends the tensors not finished yet; returns every tensor's report row."""
+    """Sends the tensors not finished yet, writing the checkpoint as far as finished tensors in
+    entry order allow; returns every tensor's report row."""
+    check = ordered.check
     rows: dict[str, ReportRow] = {}
     if progress is not None:
         progress.start(sum(e.nbytes for e in entries), len(entries))
@@ -160,6 +170,7 @@ def _run(
             row = _kept_row(entry, outcome.reason)
             parts = {}
         partial.record(index[entry.path], entry.path, parts, dataclasses.asdict(row))
+        ordered.advance(fresh=(entry.path, parts))
         rows[entry.path] = row
         if progress is not None:
             progress.advance(entry.nbytes)
@@ -169,30 +180,75 @@ def _run(
     return rows
 
 
-def _assemble(
-    source: protocols.TensorSource,
-    entries: list[protocols.TensorEntry],
-    partial: staging.PartialOutput,
-    destination: pathlib.Path,
-    fmt: str,
-    overwrite: bool,
-    check: Callable[[], None] | None,
-    recipe: dict[str, Any],
-) -> None:
-    """Writes the checkpoint in entry order, one tensor in memory at a time."""
-    # The recipe goes into a Hugging Face folder's config.json (quantization_config).
-    writer = formats.create_writer(
-        destination, fmt, like=source, overwrite=overwrite, recipe=recipe
-    )
-    with writer:
-        for entry in entries:
-            if check is not None:
-                check()
-            done = partial.completed.get(entry.path)
+class _InOrder:
+    """Writes the checkpoint in entry order while tensors finish, not after the last one.
+
+    A tensor is written once every entry before it is: in a single stream results come in
+    order, so each is written as it arrives, from the parts in memory (not read back from the
+    partial output), while the backend works on the next ones. Results that come early (several
+    replicas or streams) wait in the partial output until their turn. Kept and never-sent
+    tensors are read from the source here, from the caller's thread: only when the source allows
+    reads from several threads (the backend's request thread reads it too), else at the end.
+    The order, and so the checkpoint's bytes, are those of writing everything at the end.
+    """
+
+    def __init__(
+        self,
+        source: protocols.TensorSource,
+        entries: list[protocols.TensorEntry],
+        partial: staging.PartialOutput,
+        writer: Any,
+        check: Callable[[], None] | None,
+    ) -> None:
+        self._source = source
+        self._entries = entries
+        self._partial = partial
+        self._writer = writer
+        self.check = check
+        self._next = 0
+        self._source_reads = getattr(source, "concurrent_reads", False)
+        # A write that failed while tensors were still coming (a full disk): raised at the end,
+        # once every result is in the partial output, as when the checkpoint was written last.
+        self._failed: OSError | None = None
+
+    def advance(
+        self, *, fresh: tuple[str, dict[str, np.ndarray]] | None = None, final: bool = False
+    ) -> None:
+        """Writes every entry whose turn has come; `fresh`: the (path, parts) just recorded;
+        `final`: every tensor is finished, write the rest."""
+        if self._failed is not None:
+            if final:
+                raise self._failed
+            return
+        if final:
+            self._write(fresh, final)
+            return
+        try:
+            self._write(fresh, final)
+        except OSError as e:
+            self._failed = e
+
+    def _write(self, fresh: tuple[str, dict[str, np.ndarray]] | None, final: bool) -> None:
+        while self._next < len(self._entries):
+            entry = self._entries[self._next]
+            done = self._partial.completed.get(entry.path)
+            if done is None and _sendable(entry.dtype) and not final:
+                return  # not answered yet
             if done is not None and done["parts"]:
-                writer.write_quantized(entry.path, partial.load(entry.path))
+                if self.check is not None:
+                    self.check()
+                if fresh is not None and fresh[0] == entry.path:
+                    parts = fresh[1]
+                else:
+                    parts = self._partial.load(entry.path)
+                self._writer.write_quantized(entry.path, parts)
+            elif final or self._source_reads:
+                if self.check is not None:
+                    self.check()
+                self._writer.write(entry.path, self._source.read(entry.path))
             else:
-                writer.write(entry.path, source.read(entry.path))
+                return
+            self._next += 1
 
 
 def _check_sizes(entries: list[protocols.TensorEntry], max_tensor_bytes: int | None) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
+import threading
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -29,6 +31,9 @@ class SafetensorsSource(source_base.SourceBase):
     """Shards in order, tensors in file order within each shard."""
 
     format = "safetensors"
+    # Reads are positional (no shared file offset): the pipeline may read kept tensors to write
+    # them while a client's request thread reads the next tensors to send.
+    concurrent_reads = True
     # How the source's own names nest, by convention ("model.layers.0.mlp.up_proj.weight"). The
     # parts qmill adds to a quantized leaf are always '/'-joined: P/array/qvalue.
     separator = "."
@@ -38,6 +43,7 @@ class SafetensorsSource(source_base.SourceBase):
         # Set when the checkpoint came as a sharded set: a writer given `like=` mirrors it.
         self.index = index
         self._handles: dict[int, BinaryIO] = {}
+        self._opening = threading.Lock()
         # Tensors are read into buffers reused once the caller drops them (buffers.py).
         self._buffers = buffers.BufferPool()
         self._where: dict[str, _Location] = {}
@@ -81,12 +87,11 @@ class SafetensorsSource(source_base.SourceBase):
             raise KeyError(f"no tensor {path!r} in {self.files[0].parent}") from None
         nbytes = where.stored.itemsize * math.prod(where.shape)
         array = self._buffers.take(nbytes).view(where.stored).reshape(where.shape)
-        f = self._handle(where.shard)
-        f.seek(where.data_start + where.begin)
         # Straight into the array's buffer: one copy of the tensor in memory, not two.
         # Safetensors data is little-endian, as is every host qmill runs on (x86-64, arm64).
         buffer = memoryview(array.reshape(-1).view(np.uint8))
-        if array.nbytes and f.readinto(buffer) != array.nbytes:
+        fd = self._handle(where.shard).fileno()
+        if _read_at(fd, buffer, where.data_start + where.begin) != array.nbytes:
             raise ValueError(f"{self.files[where.shard]}: truncated data for tensor {path}")
         try:
             return self._record.restore(path, array)
@@ -94,15 +99,28 @@ class SafetensorsSource(source_base.SourceBase):
             raise ValueError(f"{self.files[where.shard]}: {e}") from None
 
     def _handle(self, shard: int) -> BinaryIO:
-        if shard not in self._handles:
-            self._handles[shard] = open(self.files[shard], "rb")  # noqa: SIM115 - closed in close()
-        return self._handles[shard]
+        with self._opening:  # two threads reading a shard first must not both open it
+            if shard not in self._handles:
+                self._handles[shard] = open(self.files[shard], "rb")  # noqa: SIM115 - close()
+            return self._handles[shard]
 
     def close(self) -> None:
         for f in self._handles.values():
             f.close()
         self._handles.clear()
         self._buffers.release()
+
+
+def _read_at(fd: int, buffer: memoryview, offset: int) -> int:
+    """Fills `buffer` from `offset` of `fd` without moving a shared file position; returns the
+    bytes read (fewer at the end of the file). Linux reads at most ~2 GiB per call."""
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 def open_index(index: pathlib.Path) -> SafetensorsSource:
