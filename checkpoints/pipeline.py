@@ -116,9 +116,7 @@ def quantize_checkpoint(
                 )
                 with writer:
                     ordered = _InOrder(source, entries, partial, writer, check)
-                    ordered.advance()  # what a resumed run finished before
                     rows = _run(source, entries, recipe, backend, partial, progress, ordered)
-                    ordered.advance(final=True)
             finally:
                 partial.close()
         partial.discard()
@@ -137,6 +135,7 @@ def _run(
     """Sends the tensors not finished yet, writing the checkpoint as far as finished tensors in
     entry order allow; returns every tensor's report row."""
     check = ordered.check
+    ordered.advance()  # what a resumed run finished before
     rows: dict[str, ReportRow] = {}
     if progress is not None:
         progress.start(sum(e.nbytes for e in entries), len(entries))
@@ -177,6 +176,7 @@ def _run(
     missing = [e.path for e in to_send if e.path not in rows]
     if missing:
         raise RuntimeError(f"no result for {len(missing)} tensor(s), e.g. {missing[0]}")
+    ordered.advance(final=True)
     return rows
 
 
