@@ -149,27 +149,11 @@ class _Counter:
 # --------------------------------------------------- params of `qmill calibrate` / `export-odml`
 
 
-def add_params_arguments(parser: argparse.ArgumentParser) -> None:
-    """--params CKPT | --params-upload-id ID, exactly one."""
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument(
-        "--params",
-        metavar="CKPT",
-        help="the model's float params: a checkpoint (safetensors, npz or Orbax directory), "
-        "uploaded first; content the server already holds is not sent again",
-    )
-    group.add_argument(
-        "--params-upload-id",
-        metavar="ID",
-        help="the model's float params as an earlier upload (`qmill upload` prints its id)",
-    )
-
-
 def params_upload_id(
     client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
 ) -> str:
-    """The upload id of the params named by add_params_arguments' flags (uploading a --params
-    checkpoint first)."""
+    """The upload id of the params named by programs.add_params_arguments' flags (uploading a
+    --params checkpoint first)."""
     if args.params_upload_id:
         return args.params_upload_id
     if not os.path.exists(args.params):

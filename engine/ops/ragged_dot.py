@@ -40,15 +40,8 @@ def get_how_to_quantize(
 
 
 def _native_ok(lhs: Any, rhs: Any) -> bool:
-    if not (isinstance(lhs, qarray.QArray) and isinstance(rhs, qarray.QArray)):
-        return False
-    ql, qr = qtypes.get(lhs.qtype), qtypes.get(rhs.qtype)
     return (
-        ql.native_matmul
-        and qr.native_matmul
-        and ql.kind == qr.kind
-        and lhs.zero_point is None
-        and rhs.zero_point is None
+        dot_general_lib._native_pair(lhs, rhs)
         and lhs.ndim == 2
         and rhs.ndim == 3
         and lhs.scale.shape[1] == 1
