@@ -9,6 +9,7 @@ and nothing is written. The engine and JAX are imported on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -32,8 +33,16 @@ def plan_checkpoint(source_path: str | os.PathLike, recipe: dict[str, Any]) -> l
         recipe = pipeline.with_default_convention(recipe, source.format)
     engine_recipe = recipes.recipe_from_mapping(recipe)
     rows = []
+    # A model repeats a few shapes layer after layer: trace each (shape, dtype, plan) once.
+    sizes: dict[Any, int] = {}
     for entry in entries:
         plan = layout.plan_leaf(entry.path, entry.shape, entry.dtype, engine_recipe)
+        after = entry.nbytes
+        if plan.quantize:
+            key = (tuple(entry.shape), entry.dtype, dataclasses.replace(plan, path="", reason=""))
+            if key not in sizes:
+                sizes[key] = _output_bytes(entry, plan)
+            after = sizes[key]
         row = pipeline.ReportRow(
             path=entry.path,
             shape=tuple(entry.shape),
@@ -42,7 +51,7 @@ def plan_checkpoint(source_path: str | os.PathLike, recipe: dict[str, Any]) -> l
             sqnr_db=float("nan"),
             mean_relative_error=float("nan"),
             bytes_before=entry.nbytes,
-            bytes_after=_output_bytes(entry, plan) if plan.quantize else entry.nbytes,
+            bytes_after=after,
             reason=plan.reason,
             tiles=",".join(f"{a}:{t}" for a, t in plan.tiled_axes),
         )
