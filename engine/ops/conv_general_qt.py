@@ -8,6 +8,7 @@ a scale per batch item and spatial position, for drhs with one per output featur
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,21 +54,9 @@ def conv_general_qt(
 ) -> jax.Array:
     """jax.lax.conv_general_dilated with QT's quantized forward and backward passes."""
     dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-    hows = []
-    for for_lhs, prefix in ((True, "lhs"), (False, "rhs")):
-        qtype = getattr(config, f"{prefix}_qtype")
-        if qtype is None:
-            hows.append(None)
-            continue
-        how = conv_general_lib.get_how_to_quantize(
-            dimension_numbers=dn,
-            for_lhs=for_lhs,
-            qtype=qtype,
-            calibration_method=getattr(config, f"{prefix}_calibration_method"),
-        )
-        if getattr(config, f"{prefix}_disable_channelwise_axes"):
-            how = dataclasses.replace(how, channelwise_axes=())
-        hows.append(how)
+    hows = dot_general_qt.forward_hows(
+        config, functools.partial(conv_general_lib.get_how_to_quantize, dimension_numbers=dn)
+    )
 
     def op(a, b):
         return jax.lax.conv_general_dilated(

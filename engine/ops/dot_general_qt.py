@@ -116,6 +116,27 @@ def qt_call(op, layout, lhs_how, rhs_how, dlhs: GradQuant, drhs: GradQuant, lhs,
     return run(lhs, rhs)
 
 
+def forward_hows(
+    config: Any, get_how: Callable[..., qarray.HowToQuantize]
+) -> list[qarray.HowToQuantize | None]:
+    """The lhs / rhs forward quantization of a QT config: ``get_how(for_lhs=, qtype=,
+    calibration_method=)`` per side with a qtype (None without), made per tensor where the
+    config's *_disable_channelwise_axes says so."""
+    hows = []
+    for for_lhs, prefix in ((True, "lhs"), (False, "rhs")):
+        qtype = getattr(config, f"{prefix}_qtype")
+        if qtype is None:
+            hows.append(None)
+            continue
+        how = get_how(
+            for_lhs=for_lhs,
+            qtype=qtype,
+            calibration_method=getattr(config, f"{prefix}_calibration_method"),
+        )
+        hows.append(_maybe_per_tensor(how, getattr(config, f"{prefix}_disable_channelwise_axes")))
+    return hows
+
+
 def grad_quants(config: Any) -> tuple[GradQuant, GradQuant]:
     """The dlhs / drhs settings of a QT config (fields missing on conv configs are None)."""
 
@@ -145,18 +166,7 @@ def dot_general_qt(
         ndims=ndims,
         tile_size=config.tile_size,
     )
-    hows = []
-    for for_lhs, prefix in ((True, "lhs"), (False, "rhs")):
-        qtype = getattr(config, f"{prefix}_qtype")
-        if qtype is None:
-            hows.append(None)
-            continue
-        how = get(
-            for_lhs=for_lhs,
-            qtype=qtype,
-            calibration_method=getattr(config, f"{prefix}_calibration_method"),
-        )
-        hows.append(_maybe_per_tensor(how, getattr(config, f"{prefix}_disable_channelwise_axes")))
+    hows = forward_hows(config, get)
     layout = op_adapter.dot_general_grad_layout(dimension_numbers, ndims)
 
     def op(a, b):
