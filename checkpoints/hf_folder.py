@@ -58,6 +58,9 @@ class HfFolderSource:
     """A safetensors source that also knows the folder it came from (and its config)."""
 
     format = "safetensors"
+    # Its reads are SafetensorsSource's (positional): the pipeline may write kept tensors as
+    # their turn comes instead of after the last result (pipeline._InOrder).
+    concurrent_reads = safetensors_source.SafetensorsSource.concurrent_reads
 
     def __init__(self, folder: pathlib.Path, weights: safetensors_source.SafetensorsSource):
         self.folder = folder
