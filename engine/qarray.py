@@ -46,8 +46,6 @@ from qmill.engine.sparsity import sparsify as sparsify
 # (uniform in [-0.5, 0.5) gives unbiased rounding).
 NoiseFn = Callable[[tuple[int, ...]], jax.Array]
 
-_FLOAT_INPUTS = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
-
 
 def _dtype_name(dtype: Any) -> str | None:
     return None if dtype is None else jnp.dtype(dtype).name
@@ -198,7 +196,7 @@ def validate(qa: QArray) -> None:  # the reference's validate_qarray
 
 def _check_input(array: Any) -> jax.Array:
     array = jnp.asarray(array)
-    if np.dtype(array.dtype) not in _FLOAT_INPUTS:
+    if not numerics.should_quantize(array.dtype):
         raise TypeError(
             f"only float arrays (bfloat16, float16, float32, float64) can be quantized, got "
             f"{np.dtype(array.dtype).name}"
