@@ -7,12 +7,11 @@ import errno
 import json
 import os
 
-import numpy as np
 import pytest
 
-from qmill.checkpoints import errors, formats, pipeline, safetensors_writer, staging
+from qmill.checkpoints import errors, pipeline, safetensors_writer, staging
 from tests.checkpoints import full_disk
-from tests.checkpoints.resume_test import RECIPE, FakeBackend
+from tests.checkpoints.resume_test import RECIPE, FakeBackend, _make_source
 
 # Ten float tensors (five 16x8 kernels, five vectors) and an int32.
 TENSORS = 10
@@ -20,13 +19,7 @@ TENSORS = 10
 
 @pytest.fixture
 def source(tmp_path, sample):
-    path = tmp_path / "src.safetensors"
-    with formats.create_writer(path, "safetensors") as writer:
-        for i in range(5):
-            writer.write(f"layer_{i}/kernel", sample(np.float32, (16, 8), seed=i))
-            writer.write(f"layer_{i}/bias", sample(np.float32, (8,), seed=10 + i))
-        writer.write("step", np.array([7], np.int32))
-    return path
+    return _make_source(tmp_path, "safetensors", sample)
 
 
 def _log(dest) -> list[str]:
