@@ -10,6 +10,7 @@ such a checkpoint: one per module holding quantized weights.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -199,7 +200,7 @@ def restore_quantization_rules(
             continue
         # (..., module, param[, "array"]) -> the module's keys.
         module = (path[:-1] if path[-1] == "array" else path)[:-1]
-        parts = ["[^/]+" if isinstance(p, int) else _escape(str(p)) for p in module]
+        parts = ["[^/]+" if isinstance(p, int) else re.escape(str(p)) for p in module]
         module_path = "/".join(parts)
         weight_qtype = qtypes.name(jnp.asarray(entry["qvalue"]).dtype)
         found[module_path] = rule_type(
@@ -211,8 +212,3 @@ def restore_quantization_rules(
             **kwargs,
         )
     return list(found.values())
-
-
-def _escape(part: str) -> str:
-    # Module names are identifiers in practice; escape anything a regex would read as syntax.
-    return "".join(c if c.isalnum() or c == "_" else "\\" + c for c in part)
