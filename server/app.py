@@ -106,6 +106,7 @@ class Server:
             resolve_model=registry.build,
             load_params=self.uploads.open_params,
             load_stats=self.calibrations.load_stats,
+            upload_tensors=self.uploads.tensors,
         )
         pb_grpc.add_OdmlExporterServicer_to_server(
             odml_servicer.OdmlExporterServicer(executor, backends=backends), self._grpc

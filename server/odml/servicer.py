@@ -10,17 +10,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
-
-import numpy as np
 
 from qmill.engine import programs
 from qmill.engine.providers import odml
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, codec, errors, params
+from qmill.server.calibrator import program_session
 from qmill.server.odml import export
 
 log = logging.getLogger(__name__)
@@ -36,6 +35,9 @@ class Backends:
     load_params: Callable[[str, str], Any]
     # (tenant, calibration id) -> quant_stats (pure dict); LookupError when unknown.
     load_stats: Callable[[str, str], Any]
+    # (tenant, upload id) -> the upload's tensors, unread (a program upload is size-checked
+    # before it is read); None: programs only inline.
+    upload_tensors: Callable[[str, str], Sequence[Any]] | None = None
 
 
 def _lookup(fn: Callable[..., Any], *args: Any, what: str) -> Any:
@@ -66,23 +68,18 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
                 "send either a program or a model with params and rules, not both: the "
                 "program carries its weights, scales and input shapes"
             )
+        upload_tensors = self._backends and self._backends.upload_tensors
+        if request.program_upload_id and not request.program and upload_tensors is None:
+            raise errors.FailedPrecondition("this server has no upload store configured")
+
+        def tensors(tenant: str, upload_id: str) -> Sequence[Any]:
+            return _lookup(upload_tensors, tenant, upload_id, what="upload")
+
+        data = program_session.program_bytes(
+            request.program, request.program_upload_id, tensors, tenant, self._max_program_bytes
+        )
         # Export programs are lowered for cpu whatever this server runs on: the converter reads
         # the cpu lowering, it does not run it.
-        data = request.program
-        if request.program_upload_id:
-            if data:
-                raise ValueError("send program or program_upload_id, not both")
-            if self._backends is None:
-                raise errors.FailedPrecondition("this server has no upload store configured")
-            tree = _lookup(
-                self._backends.load_params, tenant, request.program_upload_id, what="upload"
-            )
-            if set(tree) != {"program"}:
-                raise ValueError(
-                    f"upload {request.program_upload_id} is not a program: upload a safetensors "
-                    "file with one uint8 tensor named 'program'"
-                )
-            data = np.asarray(tree["program"], np.uint8).tobytes()
         program = programs.load(data, max_bytes=self._max_program_bytes)
         try:
             return export.export_program(program)
