@@ -90,6 +90,7 @@ def check_destination(
         ValueError: the output is the source or inside it; with `overwrite`, the source is
             inside the output (replacing it would delete the source); or, with no
             `output_format`, the output's name ends in a suffix qmill does not write (out.pt).
+        FileExistsError: the output exists and `overwrite` is not set.
     """
     src = pathlib.Path(source).resolve()
     dest = pathlib.Path(destination).resolve()
@@ -116,6 +117,9 @@ def check_destination(
             "Orbax directory, or a folder like the source's), or pass --format "
             f"({', '.join(FORMATS)}) to write that name anyway"
         )
+    named = pathlib.Path(destination)
+    if not overwrite and (named.exists() or named.is_symlink()):
+        raise FileExistsError(f"{named} already exists; pass --overwrite to replace it")
 
 
 def _open_directory(path: pathlib.Path) -> protocols.TensorSource:

@@ -89,8 +89,6 @@ def quantize_checkpoint(
     """
     dest = pathlib.Path(destination)
     formats.check_destination(source_path, dest, overwrite=overwrite, output_format=output_format)
-    if not overwrite and (dest.exists() or dest.is_symlink()):
-        raise FileExistsError(f"{dest} already exists; pass --overwrite to replace it")
     with formats.open_source(source_path) as source:
         entries = source.entries()
         _check_sizes(entries, max_tensor_bytes)

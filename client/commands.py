@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import pathlib
 import sys
 import threading
 import time
@@ -135,12 +134,9 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
 def _dry_run(args: argparse.Namespace, recipe: dict, out: Console) -> int:
     if args.report_json:
         raise ValueError("--dry-run writes nothing; drop --report-json")
-    output = pathlib.Path(args.output)
     formats.check_destination(
-        args.source, output, overwrite=args.overwrite, output_format=args.format
+        args.source, args.output, overwrite=args.overwrite, output_format=args.format
     )
-    if not args.overwrite and (output.exists() or output.is_symlink()):
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     from qmill.checkpoints import plan  # lazy: the plan comes from the engine (jax)
 
     rows = plan.plan_checkpoint(args.source, recipe)
