@@ -218,12 +218,11 @@ class _InOrder:
             if final:
                 raise self._failed
             return
-        if final:
-            self._write(fresh, final)
-            return
         try:
             self._write(fresh, final)
         except OSError as e:
+            if final:
+                raise
             self._failed = e
 
     def _write(self, fresh: tuple[str, dict[str, np.ndarray]] | None, final: bool) -> None:
