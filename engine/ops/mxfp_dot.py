@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from qmill.engine import qarray, qtypes
 from qmill.engine.ops import dot_general as dot_general_lib
 
-MX_QTYPES = ("mxfp8", "mxfp8_16", "mxfp4", "nvfp4")
+# The block-scaled formats: those whose qtype requires a tile (mxfp8, mxfp8_16, mxfp4, nvfp4).
+MX_QTYPES = tuple(n for n in qtypes.names() if qtypes.get(n).required_tile is not None)
 
 
 def _is_mx(x: Any) -> bool:
