@@ -166,21 +166,29 @@ def _scale_to_output(
     return full.reshape(shape)
 
 
+def native_codes(
+    lhs: qarray.QArray, rhs: qarray.QArray, lq: jax.Array, rq: jax.Array
+) -> tuple[jax.Array, jax.Array, Any]:
+    """(lq, rq, accumulator dtype) for a native matmul of the codes lq / rq of lhs / rhs (a
+    `_native_pair`): integers as int8 into int32 (int32 past 8 bits), floats into float32 (mixed
+    float codes as bfloat16)."""
+    if qtypes.get(lhs.qtype).kind == qtypes.INT:
+        lq, rq, acc = lq.astype(jnp.int8), rq.astype(jnp.int8), jnp.int32
+        if qtypes.get(lhs.qtype).bits > 8 or qtypes.get(rhs.qtype).bits > 8:
+            lq, rq = lq.astype(jnp.int32), rq.astype(jnp.int32)
+        return lq, rq, acc
+    if lq.dtype != rq.dtype:
+        lq, rq = lq.astype(jnp.bfloat16), rq.astype(jnp.bfloat16)
+    return lq, rq, jnp.float32
+
+
 def _native(lhs: qarray.QArray, rhs: qarray.QArray, dims, preferred_element_type, precision):
     split = _split_contracting(lhs, rhs, dims)
     if split is None:
         return None
     lq, ls, rq, rs, dims2, n_blocks = split
     (lc, rc), (lb, rb) = dims2
-    integer = qtypes.get(lhs.qtype).kind == qtypes.INT
-    if integer:
-        lq, rq, acc = lq.astype(jnp.int8), rq.astype(jnp.int8), jnp.int32
-        if qtypes.get(lhs.qtype).bits > 8 or qtypes.get(rhs.qtype).bits > 8:
-            lq, rq = lq.astype(jnp.int32), rq.astype(jnp.int32)
-    else:
-        acc = jnp.float32
-        if lq.dtype != rq.dtype:
-            lq, rq = lq.astype(jnp.bfloat16), rq.astype(jnp.bfloat16)
+    lq, rq, acc = native_codes(lhs, rhs, lq, rq)
     out = jax.lax.dot_general(lq, rq, dims2, precision=precision, preferred_element_type=acc)
     n_lfree = lq.ndim - len(lb) - len(lc)
     n_rfree = rq.ndim - len(rb) - len(rc)

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import qarray, qtypes
+from qmill.engine import qarray
 from qmill.engine.ops import dot_general as dot_general_lib
 
 
@@ -54,14 +54,7 @@ def _optional(group_offset: Any) -> dict[str, Any]:
 
 
 def _native(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset):
-    integer = qtypes.get(lhs.qtype).kind == qtypes.INT
-    lq, rq = lhs.qvalue, rhs.qvalue
-    if integer:
-        lq, rq, acc = lq.astype(jnp.int8), rq.astype(jnp.int8), jnp.int32
-    else:
-        acc = jnp.float32
-        if lq.dtype != rq.dtype:
-            lq, rq = lq.astype(jnp.bfloat16), rq.astype(jnp.bfloat16)
+    lq, rq, acc = dot_general_lib.native_codes(lhs, rhs, lhs.qvalue, rhs.qvalue)
     extra = _optional(group_offset)
     out = jax.lax.ragged_dot(
         lq, rq, group_sizes, precision=precision, preferred_element_type=acc, **extra
