@@ -187,14 +187,21 @@ def _native(lhs: qarray.QArray, rhs: qarray.QArray, dims, preferred_element_type
     if split is None:
         return None
     lq, ls, rq, rs, dims2, n_blocks = split
-    (lc, rc), (lb, rb) = dims2
     lq, rq, acc = native_codes(lhs, rhs, lq, rq)
     out = jax.lax.dot_general(lq, rq, dims2, precision=precision, preferred_element_type=acc)
+    result_dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
+    return scale_split_product(out, (lq, ls, rq, rs, dims2, n_blocks), result_dtype)
+
+
+def scale_split_product(out: jax.Array, split: Any, result_dtype: Any) -> jax.Array:
+    """The codes' product `out` over a `_split_contracting` split, times both scales (in
+    float32), its contraction blocks summed, as `result_dtype`."""
+    lq, ls, rq, rs, dims2, n_blocks = split
+    (lc, rc), (lb, rb) = dims2
     n_lfree = lq.ndim - len(lb) - len(lc)
     n_rfree = rq.ndim - len(rb) - len(rc)
     s_l = _scale_to_output(ls, lq.shape, lb, lc, n_rfree, lhs=True)
     s_r = _scale_to_output(rs, rq.shape, rb, rc, n_lfree, lhs=False)
-    result_dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
     out = out.astype(jnp.float32) * s_l.astype(jnp.float32) * s_r.astype(jnp.float32)
     if n_blocks:
         n_batch = len(lb) - n_blocks

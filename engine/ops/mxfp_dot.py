@@ -58,19 +58,10 @@ def mxfp_dot_general(
     if split is None:
         return None
     lq, ls, rq, rs, dims2, n_blocks = split
-    (lc2, rc2), (lb2, rb2) = dims2
     lq, rq = lq.astype(jnp.bfloat16), rq.astype(jnp.bfloat16)
     out = jax.lax.dot_general(lq, rq, dims2, preferred_element_type=jnp.float32)
-    n_lfree = lq.ndim - len(lb2) - len(lc2)
-    n_rfree = rq.ndim - len(rb2) - len(rc2)
-    s_l = dot_general_lib._scale_to_output(ls, lq.shape, lb2, lc2, n_rfree, lhs=True)
-    s_r = dot_general_lib._scale_to_output(rs, rq.shape, rb2, rc2, n_lfree, lhs=False)
-    out = out * s_l.astype(jnp.float32) * s_r.astype(jnp.float32)
-    if n_blocks:
-        n_batch = len(lb2) - n_blocks
-        out = jnp.sum(out, axis=tuple(range(n_batch, n_batch + n_blocks)))
     result = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
-    return out.astype(result)
+    return dot_general_lib.scale_split_product(out, (lq, ls, rq, rs, dims2, n_blocks), result)
 
 
 def is_mx_qtype(qtype: Any) -> bool:
