@@ -37,7 +37,7 @@ import numpy as np
 
 from qmill.engine import averaging, qarray
 from qmill.engine import rules as rules_lib
-from qmill.engine.providers import odml
+from qmill.engine.providers import odml, odml_boundary
 
 MAGIC = b"QMILLPRG\x01\n"
 FORMAT = "qmill.program/1"
@@ -308,7 +308,7 @@ def stat_qtypes(stats: Any, rules: Sequence[rules_lib.QuantizationRule]) -> dict
     for path in {p.rsplit("/", 1)[0] for p in flat_paths(stats)}:
         module, _, name = path.rpartition("/")
         if name.startswith(odml.MODEL_OUTPUT):
-            rule = next((r for r in rules if r.act_qtype and r.resolved_act_static_scale), None)
+            rule = odml_boundary.static_rule(rules)
         else:
             m = _OP_ID.fullmatch(name)
             rule = rules_lib.find_rule(rules, module, m["op"])[1] if m else None
