@@ -74,9 +74,8 @@ def _coerce(value: Any, like: Any, path: str, *, broadcast: bool = False) -> jax
 
 
 def _stored_qarray(entry: Mapping[str, Any]) -> qarray.QArray:
-    zp = entry.get("zero_point")
     return qarray.QArray(
-        jnp.asarray(entry["qvalue"]), jnp.asarray(entry["scale"]), None if zp is None else zp
+        jnp.asarray(entry["qvalue"]), jnp.asarray(entry["scale"]), entry.get("zero_point")
     )
 
 
