@@ -36,7 +36,8 @@ import safetensors.numpy
 
 import qmill.engine as qe
 from qmill.client import Client
-from qmill.engine import program_build, programs
+from qmill.engine.programs import build as program_build
+from qmill.engine.programs import program as programs
 from qmill.proto.v1 import qmill_pb2 as pb
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

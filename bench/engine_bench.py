@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine import layout, leaf, qarray
+from qmill.engine import qarray
+from qmill.engine.modelfree import layout, leaf
 
 CASES: dict[str, dict] = {
     "int8": dict(qtype="int8", channelwise_axes=(1,)),

@@ -31,7 +31,11 @@ class EmbeddedClient:
     def quantize(
         self, recipe: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]], **_: Any
     ) -> Iterator[outcome.TensorOutcome]:
-        from qmill.engine import layout, leaf, recipes  # lazy: pulls in jax
+        from qmill.engine.modelfree import (
+            layout,
+            leaf,
+            recipes,  # lazy: pulls in jax
+        )
 
         try:
             engine_recipe = recipes.recipe_from_mapping(recipe)

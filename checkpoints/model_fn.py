@@ -9,8 +9,9 @@ The function (no arguments) returns a mapping with:
   params   optional, Linen: the float params (a pure dict); else `--params` or a fresh init
 
 The model's code runs here, on the client, and nowhere else: the server gets a serialized
-jax.export program (qmill.engine.programs), never the code. The engine and jax are imported on
-use, so `import qmill.client` stays free of jax. Rules arrive as dicts of ModelRule fields.
+jax.export program (qmill.engine.programs.program), never the code. The engine and jax are
+imported on use, so `import qmill.client` stays free of jax. Rules arrive as dicts of ModelRule
+fields.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-# The artifact layout of qmill.engine.programs (read here without jax).
+# The artifact layout of qmill.engine.programs.program (read here without jax).
 _MAGIC = b"QMILLPRG\x01\n"
 
 
@@ -86,7 +87,7 @@ def read_header(data: bytes) -> dict[str, Any]:
 
 
 def _rules(rules: Sequence[Mapping[str, Any]]) -> list[Any]:
-    from qmill.engine import rules as rules_lib
+    from qmill.engine.modeling import rules as rules_lib
 
     return [
         rules_lib.QuantizationRule(
@@ -128,7 +129,7 @@ def calibration_program(
     params: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[bytes, dict[str, np.ndarray]]:
     """(calibrate artifact taking batches of `batch_size`, {path: float param})."""
-    from qmill.engine import program_build
+    from qmill.engine.programs import build as program_build
 
     tree = _nested(params) if params is not None else fn.params
     data, flat = program_build.calibration_program(
@@ -144,7 +145,7 @@ def export_program(
     stats: Mapping[str, np.ndarray] | None = None,
 ) -> bytes:
     """An export artifact for one example at a time (batch 1), with the calibration's stats."""
-    from qmill.engine import program_build
+    from qmill.engine.programs import build as program_build
 
     tree = _nested(params) if params is not None else fn.params
     return program_build.export_program(

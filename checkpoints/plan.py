@@ -26,7 +26,10 @@ def plan_checkpoint(source_path: str | os.PathLike, recipe: dict[str, Any]) -> l
         ValueError: the recipe is malformed, or a tensor's plan is refused (a tile that does not
             divide its axis), as the run itself would.
     """
-    from qmill.engine import layout, recipes  # lazy: pulls in jax
+    from qmill.engine.modelfree import (
+        layout,
+        recipes,  # lazy: pulls in jax
+    )
 
     with formats.open_source(source_path) as source:
         entries = source.entries()
@@ -63,7 +66,7 @@ def _output_bytes(entry: Any, plan: Any) -> int:
     """Bytes of qvalue, scale and zero point as stored (4-bit codes two to a byte)."""
     import jax
 
-    from qmill.engine import qarray, qtypes
+    from qmill.engine.core import qarray, qtypes
 
     how = qarray.HowToQuantize(
         qtype=plan.qtype,

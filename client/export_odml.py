@@ -10,16 +10,14 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from qmill.client import credentials, programs, uploads
+from qmill.client.service_client import ServiceClient
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-
-if TYPE_CHECKING:
-    from qmill.client import client as client_lib
 
 # Named rule sets for the CLI: weight-only int8 / int4, and static-range int8 (needs a calibration).
 PRESETS: dict[str, list[pb.ModelRule]] = {
@@ -120,7 +118,7 @@ def add_command(sub: Any) -> None:
 
 
 def run_command(
-    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
+    client: ServiceClient, args: argparse.Namespace, print_line: Callable[[str], None]
 ) -> int:
     """Runs `qmill export-odml` on `client`; returns the exit code."""
     if not args.model:

@@ -9,14 +9,12 @@ server restart, and can be watched again by id.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qmill.client import credentials as credentials_lib
 from qmill.client import errors, recipes
+from qmill.client.service_client import ServiceClient
 from qmill.proto.v1 import qmill_pb2 as pb
-
-if TYPE_CHECKING:
-    from qmill.client import client as client_lib
 
 FINAL_STATES = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 
@@ -123,7 +121,7 @@ def add_commands(sub: Any, recipe_help: str) -> None:
         credentials_lib.add_arguments(p)
 
 
-def run_command(client: client_lib.Client, args: Any, print_line: Any) -> int:
+def run_command(client: ServiceClient, args: Any, print_line: Any) -> int:
     """Runs `submit` or `jobs ...`; returns the exit code (1 when a watched job did not succeed)."""
     jobs = client.jobs
     if args.command == "submit":

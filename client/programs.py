@@ -11,18 +11,16 @@ import argparse
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import safetensors.numpy
 
 from qmill import checkpoints
 from qmill.checkpoints import model_fn
-from qmill.client import uploads
+from qmill.client import model_rules, uploads
+from qmill.client.service_client import ServiceClient
 from qmill.proto.v1 import qmill_pb2 as pb
-
-if TYPE_CHECKING:
-    from qmill.client import client as client_lib
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, registry_help: str) -> None:
@@ -62,13 +60,13 @@ def add_params_arguments(parser: argparse.ArgumentParser) -> None:
 INLINE_BYTES = 4 * 1024 * 1024
 
 
-def upload_program(client: client_lib.Client, data: bytes) -> str:
+def upload_program(client: ServiceClient, data: bytes) -> str:
     """Uploads an artifact (a safetensors file of one uint8 tensor "program"); its upload id."""
     content = safetensors.numpy.save({"program": np.frombuffer(data, np.uint8)})
     return client.upload(content, name="program").upload_id
 
 
-def program_fields(client: client_lib.Client, data: bytes) -> dict[str, Any]:
+def program_fields(client: ServiceClient, data: bytes) -> dict[str, Any]:
     """{"program": bytes} for a small artifact, else {"program_upload_id": id} (uploaded)."""
     if len(data) <= INLINE_BYTES:
         return {"program": data}
@@ -108,7 +106,7 @@ def load_batches(spec: str, batch_size: int, print_line: Callable[[str], None]) 
 
 
 def calibration_program(
-    client: client_lib.Client,
+    client: ServiceClient,
     args: argparse.Namespace,
     rules: Sequence[pb.ModelRule],
     print_line: Callable[[str], None],
@@ -143,7 +141,7 @@ def calibration_program(
 
 
 def write_srq(
-    client: client_lib.Client,
+    client: ServiceClient,
     upload_id: str,
     calibration_id: str,
     rules: Sequence[pb.ModelRule],
@@ -205,13 +203,11 @@ def export_program(args: argparse.Namespace, rules: Sequence[pb.ModelRule]) -> b
 
 def add_command(sub: Any) -> None:
     """Adds `qmill export-program` (no server needed)."""
-    from qmill.client import calibrate  # its rule presets and TOML loader
-
     e = sub.add_parser("export-program", help="write a model as a program for a qmill server")
     e.add_argument("--model-fn", required=True, metavar="MODULE:FUNCTION", help="the model")
     e.add_argument("--kind", choices=("calibrate", "export"), default="calibrate")
     e.add_argument(
-        "--rules", default="w8a8-static", help=f"preset ({', '.join(calibrate.PRESETS)}) or TOML"
+        "--rules", default="w8a8-static", help=f"preset ({', '.join(model_rules.PRESETS)}) or TOML"
     )
     e.add_argument("--batch-size", type=int, default=32, help="calibrate: examples per batch")
     e.add_argument("--params", metavar="CKPT", help="the float params (else the model's own)")
@@ -223,9 +219,7 @@ def add_command(sub: Any) -> None:
 
 def run_local(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
     """Runs `qmill export-program`; returns the exit code."""
-    from qmill.client import calibrate
-
-    rules = calibrate.load_rules(args.rules)
+    rules = model_rules.load_rules(args.rules)
     args.artifact = None
     if args.kind == "export":
         data = export_program(args, rules)

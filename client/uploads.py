@@ -14,14 +14,12 @@ import argparse
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qmill.client import connection, credentials, errors, upload_content
+from qmill.client.service_client import ServiceClient
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
-
-if TYPE_CHECKING:
-    from qmill.client import client as client_lib
 
 CHUNK_BYTES = 1024 * 1024
 # Status codes after which resuming from QueryUpload's offset can succeed.
@@ -120,7 +118,7 @@ def add_command(sub: Any) -> None:
 
 
 def run_command(
-    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
+    client: ServiceClient, args: argparse.Namespace, print_line: Callable[[str], None]
 ) -> int:
     """Runs `qmill upload`: prints the upload id (the last line, alone, for scripts)."""
     sent = _Counter()
@@ -150,7 +148,7 @@ class _Counter:
 
 
 def params_upload_id(
-    client: client_lib.Client, args: argparse.Namespace, print_line: Callable[[str], None]
+    client: ServiceClient, args: argparse.Namespace, print_line: Callable[[str], None]
 ) -> str:
     """The upload id of the params named by programs.add_params_arguments' flags (uploading a
     --params checkpoint first)."""

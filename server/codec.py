@@ -13,8 +13,9 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from qmill.engine import layout, leaf, qtypes, recipes
-from qmill.engine import rules as rules_lib
+from qmill.engine.core import qtypes
+from qmill.engine.modelfree import layout, leaf, recipes
+from qmill.engine.modeling import rules as rules_lib
 from qmill.proto import recipe, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 

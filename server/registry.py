@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from qmill.engine import zoo
+from qmill.engine.programs import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors
 

@@ -23,16 +23,15 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import averaging, flax_util, qarray
-from qmill.engine import rules as rules_lib
+from qmill.engine.core import averaging, qarray
+from qmill.engine.modeling import flax_util
+from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.ops import einsum as einsum_lib
-from qmill.engine.providers import base, ptq
+from qmill.engine.providers import base, model, ptq
 
 
 def _can_update(module: Any) -> bool:
     """Statistics are added while applying with quant_stats mutable, never while initializing."""
-    from qmill.engine import model  # cycle: model imports the providers
-
     if isinstance(module, nn.Module):
         return module.is_mutable_collection("quant_stats") and not module.is_initializing()
     return not model.is_initializing_nnx()

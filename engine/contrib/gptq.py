@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import qarray, qtypes
-from qmill.engine import rules as rules_lib
 from qmill.engine.contrib import calibration
+from qmill.engine.core import qarray, qtypes
+from qmill.engine.modeling import rules as rules_lib
 
 normalize_weight = calibration.normalize_weight
 

@@ -1,5 +1,7 @@
 """Quantized ops: dot_general, einsum, dot, conv_general_dilated, ragged_dot taking QArrays or
-arrays; ragged_dot_qt adds quantized backward passes; mxfp_dot multiplies block-scaled formats."""
+arrays; mxfp_dot multiplies block-scaled formats. The *_qt modules add quantized backward passes
+for QT, and op_adapter turns a rule into the HowToQuantize each side of an op needs. Built on
+engine.core and engine.modeling; the providers call these."""
 
 from qmill.engine.ops import conv_general as conv_general
 from qmill.engine.ops import dot as dot

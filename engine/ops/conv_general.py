@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import qarray, qtypes
+from qmill.engine.core import qarray, qtypes
 from qmill.engine.ops import dot_general as dot_general_lib
 
 

@@ -15,8 +15,7 @@ from typing import Any
 import jax
 
 from qmill.engine.ops import conv_general as conv_general_lib
-from qmill.engine.ops import dot_general_qt
-from qmill.engine.providers import op_adapter
+from qmill.engine.ops import dot_general_qt, op_adapter
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

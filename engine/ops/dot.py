@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from qmill.engine import qarray
+from qmill.engine.core import qarray
 from qmill.engine.ops import dot_general as dot_general_lib
 
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import jax
 
-from qmill.engine import interception, qarray
+from qmill.engine.core import qarray
+from qmill.engine.modeling import interception
 from qmill.engine.ops import dot_general as dot_general_lib
-from qmill.engine.providers import op_adapter
+from qmill.engine.ops import op_adapter
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

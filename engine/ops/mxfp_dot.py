@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import qarray, qtypes
+from qmill.engine.core import qarray, qtypes
 from qmill.engine.ops import dot_general as dot_general_lib
 
 # The block-scaled formats: those whose qtype requires a tile (mxfp8, mxfp8_16, mxfp4, nvfp4).

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import interception, qarray
+from qmill.engine.core import qarray
+from qmill.engine.modeling import interception
 from qmill.engine.ops import ragged_dot as ragged_dot_lib
 
 

@@ -16,8 +16,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
-from qmill.engine import flax_util, provenance, qarray
-from qmill.engine import rules as qrules
+from qmill.engine.core import qarray
+from qmill.engine.modeling import flax_util, provenance
+from qmill.engine.modeling import rules as qrules
 
 
 class QuantizationProvider:
@@ -101,7 +102,7 @@ class QuantizationProvider:
         return {
             **provenance.view_handlers(),
             # qconfig.CURRENT_RULE_TARGET (qconfig imports this module).
-            "qmill.engine.qconfig.get_current_rule": self.current_rule,
+            "qmill.engine.providers.qconfig.get_current_rule": self.current_rule,
             "flax.linen.Module.param": self.nn_param,
             "flax.linen.dtypes.promote_dtype": self.promote_dtype,
             "flax.nnx.nn.dtypes.promote_dtype": self.nnx_promote_dtype,

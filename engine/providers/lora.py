@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import flax_util
-from qmill.engine import model as model_lib
-from qmill.engine import rules as rules_lib
+from qmill.engine.modeling import flax_util
+from qmill.engine.modeling import rules as rules_lib
+from qmill.engine.providers import model as model_lib
 from qmill.engine.providers import ptq
 
 # NNX attribute the reference reads dropout rngs from (set with model.set_attributes).

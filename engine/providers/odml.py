@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine import averaging, flax_util, qarray, qtypes
-from qmill.engine import rules as rules_mod
+from qmill.engine.core import averaging, qarray, qtypes
+from qmill.engine.modeling import flax_util
+from qmill.engine.modeling import rules as rules_mod
 from qmill.engine.providers import odml_boundary as boundary
 from qmill.engine.providers import qt
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from qmill.engine import calibration, qarray
-from qmill.engine import rules as rules_mod
+from qmill.engine.core import calibration, qarray
+from qmill.engine.modeling import rules as rules_mod
 
 MODEL_OUTPUT = "model_output"
 MODEL_INPUT = "model_input"

@@ -22,8 +22,10 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import averaging, flax_util, provenance, qarray, rules
-from qmill.engine.providers import base, op_adapter
+from qmill.engine.core import averaging, qarray
+from qmill.engine.modeling import flax_util, provenance, rules
+from qmill.engine.ops import op_adapter
+from qmill.engine.providers import base
 
 A = TypeVar("A", jax.Array, qarray.QArray)
 

@@ -20,15 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax import nnx
 
-from qmill.engine import averaging, flax_util, qarray, rules, stochastic_rounding
-from qmill.engine.providers import base, op_adapter
-
-
-class QuantStat(nnx.Variable):
-    """NNX variable holding a static-range statistic ({"count", "sum_of_..."})."""
-
+from qmill.engine.core import averaging, qarray, stochastic_rounding
+from qmill.engine.modeling import flax_util, rules
+from qmill.engine.ops import op_adapter
+from qmill.engine.providers import base, model
 
 _DEFAULT_QT = rules.QtRule()
 
@@ -187,8 +183,6 @@ class _Op:
 
 
 def _can_update(module: Any) -> bool:
-    from qmill.engine import model  # cycle: model imports the providers' base
-
     if isinstance(module, nn.Module):
         return module.is_mutable_collection("quant_stats") and not module.is_initializing()
     return not model.is_initializing_nnx() and not getattr(
@@ -200,10 +194,10 @@ def _get_or_init_stat(module: Any, name: str, calibration: dict[str, jax.Array])
     if isinstance(module, nn.Module):
         return module.variable("quant_stats", name, averaging.init, calibration).value
     existing = getattr(module, name, None)
-    if isinstance(existing, QuantStat):
+    if isinstance(existing, flax_util.QuantStat):
         return existing.get_value()
     stat = averaging.init(calibration)
-    setattr(module, name, QuantStat(stat))
+    setattr(module, name, flax_util.QuantStat(stat))
     return stat
 
 

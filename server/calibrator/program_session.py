@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from qmill.engine import programs
+from qmill.engine.programs import program as programs
 from qmill.server import errors
 from qmill.server import params as params_lib
 from qmill.server.calibrator import store

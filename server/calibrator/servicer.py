@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from qmill.engine import programs
+from qmill.engine.programs import program as programs
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc

@@ -20,8 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import qmill.engine as qe
-from qmill.engine import flax_util, layout, leaf, programs, qarray, zoo
-from qmill.engine import rules as rules_lib
+from qmill.engine.core import qarray
+from qmill.engine.modelfree import layout, leaf
+from qmill.engine.modeling import flax_util
+from qmill.engine.modeling import rules as rules_lib
+from qmill.engine.programs import program as programs
+from qmill.engine.programs import zoo
 from qmill.engine.providers import odml
 from qmill.server import errors
 from qmill.server import params as params_lib

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
-from qmill.engine import programs
+from qmill.engine.programs import program as programs
 from qmill.engine.providers import odml
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc

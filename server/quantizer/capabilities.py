@@ -6,7 +6,7 @@ from importlib import metadata
 
 import jax
 
-from qmill.engine import calibration, qtypes
+from qmill.engine.core import calibration, qtypes
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.engine import programs
+from qmill.engine.programs import program as programs
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec, errors

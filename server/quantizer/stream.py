@@ -17,7 +17,7 @@ from concurrent import futures
 
 import numpy as np
 
-from qmill.engine import layout, leaf, recipes
+from qmill.engine.modelfree import layout, leaf, recipes
 from qmill.proto import memory, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth, codec, errors, limits

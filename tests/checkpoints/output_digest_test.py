@@ -5,7 +5,8 @@ format with the in-process engine; safetensors and npz files are hashed as writt
 directories name their data files at random and stamp times in their metadata, so for them the
 digest covers what a reader gets back: every tensor's path, dtype, shape and bytes.
 
-Quantized codes and scales are exact on every x86-64 CPU (NUMERICS.md), so the digests are too.
+Quantized codes and scales are exact on every x86-64 CPU (docs/numerics-spec.md), so the digests
+are too.
 The expected values were recorded before the "one house" refactor (tests/checkpoints/digests.json);
 regenerate them only for a deliberate change of the output format, never to make this pass.
 """

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from qmill.client import calibrate
+from qmill.client import calibrate, model_rules
 from qmill.proto.v1 import qmill_pb2 as pb
 
 
 def test_rule_fields_cover_the_proto():
-    assert set(calibrate.RULE_FIELDS) == {f.name for f in pb.ModelRule.DESCRIPTOR.fields}
+    assert set(model_rules.RULE_FIELDS) == {f.name for f in pb.ModelRule.DESCRIPTOR.fields}
 
 
 def test_a_toml_file_equals_the_preset_it_spells_out(tmp_path):
@@ -18,13 +18,13 @@ def test_a_toml_file_equals_the_preset_it_spells_out(tmp_path):
         '[[rules]]\nweight_qtype = "int8"\nact_qtype = "int8"\nact_static_scale = true\n'
         'op_names = ["dot_general", "conv_general_dilated"]\n'
     )
-    first, second = calibrate.load_rules(str(path))
+    first, second = model_rules.load_rules(str(path))
     assert first == pb.ModelRule(module_path="Dense_1", weight_qtype="int8")
     assert second.act_static_scale and list(second.op_names)[1] == "conv_general_dilated"
-    preset = calibrate.load_rules("w8a8-static")
+    preset = model_rules.load_rules("w8a8-static")
     assert preset == [pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
     preset[0].weight_qtype = "int4"  # the caller's copy; the preset itself stays
-    assert calibrate.load_rules("w8a8-static")[0].weight_qtype == "int8"
+    assert model_rules.load_rules("w8a8-static")[0].weight_qtype == "int8"
 
 
 @pytest.mark.parametrize(
@@ -42,13 +42,13 @@ def test_bad_rules_files_say_what_to_fix(tmp_path, text, needle):
     path = tmp_path / "rules.toml"
     path.write_text(text)
     with pytest.raises(ValueError) as info:
-        calibrate.load_rules(str(path))
+        model_rules.load_rules(str(path))
     assert needle in str(info.value)
 
 
 def test_unknown_rules_name_the_presets():
     with pytest.raises(ValueError, match=r"neither a preset .*w8a8-static"):
-        calibrate.load_rules("w9a9")
+        model_rules.load_rules("w9a9")
 
 
 def test_batches_split_along_the_first_axis(tmp_path):

@@ -8,8 +8,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from qmill import checkpoints
-from qmill.client import Client
-from qmill.client import calibrate as client_calibrate
+from qmill.client import Client, model_rules
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -66,7 +65,7 @@ def test_calibrate_in_two_runs_equals_one_call_and_writes_ptq_params(setup, run_
         start = pb.CalibrateStart(
             model=pb.ModelSpec(name="cnn"),
             params_upload_id=upload_id,
-            rules=client_calibrate.load_rules("w8a8-static"),
+            rules=model_rules.load_rules("w8a8-static"),
         )
         one = client.calibrate(start, np.split(x, 6))
     with np.load(tmp / "stats.npz") as merged:

@@ -16,7 +16,7 @@ import pytest
 
 import qmill.engine as qe
 from qmill import checkpoints
-from qmill.engine import programs
+from qmill.engine.programs import program as programs
 from tests import litert_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

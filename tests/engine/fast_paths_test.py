@@ -19,7 +19,8 @@ from qmill.engine import numerics, qarray, qtypes, tiling
 
 
 def _nf4_argmin(y: np.ndarray) -> np.ndarray:
-    """Nearest of the 16 levels with float32 distances, ties to the lower index (NUMERICS.md)."""
+    """Nearest of the 16 levels with float32 distances, ties to the lower index
+    (docs/numerics-spec.md)."""
     levels = np.asarray(qtypes.NF4_LEVELS, np.float32)
     return np.argmin(np.abs(y[:, None] - levels[None, :]), axis=1).astype(np.uint8)
 

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qmill.engine import layout, recipes
+from qmill.engine.modelfree import layout, recipes
 
 
 def _recipe(convention="auto", **rule):

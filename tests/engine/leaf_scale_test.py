@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qmill.engine import layout, leaf
+from qmill.engine.modelfree import layout, leaf
 
 
 def _plan(scale_dtype: str | None, qtype: str = "int8") -> layout.LeafPlan:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from qmill.engine import layout, leaf, qarray
+from qmill.engine import qarray
+from qmill.engine.modelfree import layout, leaf
 
 # Recorded by jax once per XLA compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

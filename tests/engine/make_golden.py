@@ -10,8 +10,8 @@ stochastic rounding, its HowToQuantize with a noise function returning a fixed a
 qvalue, scale, zero_point and the dequantized array. Inputs are small (<= 2048 elements) so the
 file stays far below 2 MB. Float arrays are stored as raw bits so comparisons are bit for bit.
 
-Cases the reference (0.1.8) refuses but NUMERICS.md defines (int16, mxfp8_16) are not here;
-their tests use hand-computed expectations instead.
+Cases the reference (0.1.8) refuses but docs/numerics-spec.md defines (int16, mxfp8_16) are not
+here; their tests use hand-computed expectations instead.
 """
 
 from __future__ import annotations

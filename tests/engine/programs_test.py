@@ -14,8 +14,8 @@ from flax import linen as nn
 from flax import nnx
 
 import qmill.engine as qe
-from qmill.engine import program_build, programs
-from qmill.engine.providers import qt
+from qmill.engine.programs import build as program_build
+from qmill.engine.programs import program as programs
 
 RULES = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
 
@@ -72,7 +72,7 @@ def test_nnx_program_stats_and_scales_equal_local_srq(nnx_program) -> None:
     step = nnx.jit(lambda m, x, y: m(x, y))  # jitted, as a local calibration loop runs
     for batch in batches:
         step(local, *batch)
-    local_stats = nnx.to_pure_dict(nnx.state(local, qt.QuantStat))
+    local_stats = nnx.to_pure_dict(nnx.state(local, qe.QuantStat))
     for path, value in programs.flat_paths(local_stats).items():
         np.testing.assert_array_equal(programs.flat_paths(stats)[path], value)
     ptq = qe.quantize_model(model, qe.PtqProvider(RULES), *batches[0])

@@ -86,7 +86,7 @@ def test_int16_per_numerics() -> None:
     assert q.zero_point.dtype == jnp.int16
 
 
-# NUMERICS.md reference figures for x ~ N(0,1) bf16 (10, 256, 16), channelwise axis 0. The
+# docs/numerics-spec.md reference figures for x ~ N(0,1) bf16 (10, 256, 16), channelwise axis 0. The
 # exact sample of the reference is unknown; this one (f32 normal rounded to bf16) is within a
 # few percent of int8/int4/minmax and within 15 % for the rest, bit-exactness being covered by
 # golden_test.py.

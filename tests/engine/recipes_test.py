@@ -1,6 +1,6 @@
 import pytest
 
-from qmill.engine import recipes
+from qmill.engine.modelfree import recipes
 
 
 def test_bad_regex_is_reported_with_the_rule_index():

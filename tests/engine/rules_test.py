@@ -4,7 +4,7 @@ import pytest
 from flax import linen as nn
 
 import qmill.engine as qe
-from qmill.engine import rules
+from qmill.engine.modeling import rules
 
 
 def test_full_match_and_first_rule_wins():

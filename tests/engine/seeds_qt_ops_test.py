@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qmill.engine import qarray, stochastic_rounding
+from qmill.engine import qarray
+from qmill.engine.core import stochastic_rounding
 from qmill.engine.ops import conv_general_qt as conv_qt
 from qmill.engine.ops import dot_general_qt as dot_qt
 from qmill.engine.providers import qt

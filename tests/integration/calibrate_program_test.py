@@ -15,8 +15,8 @@ import qmill.engine as qe
 from qmill.client import Client, errors
 from qmill.client import calibrate as client_calibrate
 from qmill.client import programs as client_programs
-from qmill.engine import program_build, programs
-from qmill.engine.providers import qt
+from qmill.engine.programs import build as program_build
+from qmill.engine.programs import program as programs
 from qmill.proto.v1 import qmill_pb2 as pb
 
 RULES = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
@@ -61,7 +61,7 @@ def _local_srq(model: TwoInputs, batches) -> dict[str, np.ndarray]:
     step = nnx.jit(lambda m, x, y: m(x, y))
     for batch in batches:
         step(local, *batch)
-    stats = nnx.to_pure_dict(nnx.state(local, qt.QuantStat))
+    stats = nnx.to_pure_dict(nnx.state(local, qe.QuantStat))
     ptq = qe.quantize_model(model, qe.PtqProvider(RULES), *batches[0])
     floats = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return programs.flat_paths(qe.quantize_params(floats, ptq, stats))

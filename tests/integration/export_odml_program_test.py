@@ -13,7 +13,7 @@ from flax import nnx
 import qmill.engine as qe
 from qmill.client import Client, errors
 from qmill.client import programs as client_programs
-from qmill.engine import program_build
+from qmill.engine.programs import build as program_build
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import params as params_lib
 from tests.integration.calibrate_program_test import RULES, TwoInputs

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 import qmill.engine as qe
-from qmill.engine import program_build, programs
+from qmill.engine.programs import build as program_build
+from qmill.engine.programs import program as programs
 from qmill.server import errors
 from qmill.server.calibrator import program_session
 

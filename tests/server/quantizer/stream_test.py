@@ -9,7 +9,7 @@ from concurrent import futures
 import numpy as np
 import pytest
 
-from qmill.engine import leaf
+from qmill.engine.modelfree import leaf
 from qmill.proto import recipe as recipe_lib
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb

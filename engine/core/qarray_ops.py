@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from qmill.engine import tiling
+from qmill.engine.core import tiling
 
-if TYPE_CHECKING:
-    from qmill.engine.qarray import QArray
+# A QArray: typed by a variable rather than imported, because qarray.py imports this module for
+# its methods (every function here maps one QArray to another with its .replace).
+QArray = TypeVar("QArray")
 
 # Factor kinds of the mixed-radix decomposition used by reshape.
 _COUNT, _TILE = "count", "tile"

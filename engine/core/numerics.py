@@ -7,8 +7,8 @@ Lingo:
   q        the stored code (qvalue): an integer, a narrow float, or an nf4 index.
   levels   the real value of each nf4 code.
 
-NUMERICS.md fixes every step (the reference is bit for bit); comments below say which rule a line
-implements where the reason is not obvious.
+docs/numerics-spec.md fixes every step (the reference is bit for bit); comments below say which
+rule a line implements where the reason is not obvious.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from qmill.engine import qtypes
+from qmill.engine.core import qtypes
 
 # The reference's public helpers (bounds, conversions); see numerics_api.py.
-from qmill.engine.numerics_api import can_dequant_on_output as can_dequant_on_output
-from qmill.engine.numerics_api import convert_from as convert_from
-from qmill.engine.numerics_api import convert_to as convert_to
-from qmill.engine.numerics_api import get_asymmetric_bound as get_asymmetric_bound
-from qmill.engine.numerics_api import get_nf4_buckets as get_nf4_buckets
-from qmill.engine.numerics_api import get_symmetric_bound as get_symmetric_bound
-from qmill.engine.numerics_api import should_quantize as should_quantize
+from qmill.engine.core.numerics_api import can_dequant_on_output as can_dequant_on_output
+from qmill.engine.core.numerics_api import convert_from as convert_from
+from qmill.engine.core.numerics_api import get_asymmetric_bound as get_asymmetric_bound
+from qmill.engine.core.numerics_api import get_nf4_buckets as get_nf4_buckets
+from qmill.engine.core.numerics_api import get_symmetric_bound as get_symmetric_bound
+from qmill.engine.core.numerics_api import should_quantize as should_quantize
 
 # (exponent bits, mantissa bits) of the float formats computed in float32 and rounded back.
 _NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
@@ -180,8 +180,9 @@ def _snap_pow2(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
     The reference takes log2 in the scale's dtype as jnp does (log(s) / log(2), each op rounded
     to the dtype, the division a multiply by the rounded reciprocal), so a scale just above a
-    power of two may stay on it in bf16/f16; the power itself is exact. (NUMERICS.md describes a
-    "× c, keep the bf16 exponent" rule; the reference 0.1.8 measurably does this instead.)
+    power of two may stay on it in bf16/f16; the power itself is exact. (docs/numerics-spec.md
+    describes a "× c, keep the bf16 exponent" rule; the reference 0.1.8 measurably does this
+    instead.)
     """
     log = fit(jnp.log(scale), dtype)
     log2 = divide_broadcast(log, float(np.log(2.0)), dtype)
@@ -368,3 +369,15 @@ def from_qtype(q: jax.Array, qtype: qtypes.QType | str, dtype: jnp.dtype) -> jax
         levels = np.asarray(qt.levels, np.float32).astype(dtype).astype(wide_dtype(dtype))
         return jnp.take(jnp.asarray(levels), q.astype(jnp.int32), axis=0)
     return fit(q.astype(wide_dtype(dtype)), dtype)
+
+
+def convert_to(
+    x: jax.Array, qtype: Any, noise_fn: Callable[[tuple[int, ...]], jax.Array] | None = None
+) -> jax.Array:
+    """Codes of `qtype` for x already divided by its scale: integers round half to even and
+    saturate, floats clip to the format's range, nf4 takes the nearest level's index.
+    `noise_fn` (integer qtypes) adds noise before rounding, in float32: stochastic rounding."""
+    qt = qtypes.get(qtype)
+    if noise_fn is not None and qt.kind == qtypes.INT:
+        x = x.astype(jnp.float32) + noise_fn(tuple(x.shape))
+    return to_qtype(x, qt)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import numerics
+from qmill.engine.core import numerics
 
 _PREFIX = "sum_of_"
 

@@ -1,4 +1,4 @@
-"""Calibration: the range a block of values is quantized over, per NUMERICS.md.
+"""Calibration: the range a block of values is quantized over, per docs/numerics-spec.md.
 
 A calibration is a dict of arrays with the scale's shape: {"absmax"} for symmetric ranges,
 {"min", "max"} for asymmetric ones. Methods are strings "<method>[,<args>]", case-insensitive:
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import numerics, tiling
+from qmill.engine.core import numerics, tiling
 
 # Method names, for GetCapabilities and error messages.
 METHODS: tuple[str, ...] = ("absmax", "minmax", "rms", "fixed")

@@ -3,7 +3,7 @@
 Lingo:
   qtype     the logical type of quantized values ("int4", "nf4", "mxfp4", ...). It may differ from
             the storage dtype of `qvalue` (int3 is stored in int4, nf4 indices in uint4).
-  bound     B in `scale = absmax / B` for symmetric calibration (NUMERICS.md, "Bounds").
+  bound     B in `scale = absmax / B` for symmetric calibration (docs/numerics-spec.md, "Bounds").
   range     (qmin, qmax): the values a quantized integer may take; for asymmetric calibration the
             zero point shifts data into this range.
   levels    the real values the stored codes stand for when they are not the codes themselves (nf4).
@@ -155,7 +155,7 @@ def _build() -> dict[str, QType]:
         storage = jnp.int4 if bits <= 4 else jnp.int8
         table[f"int{bits}"] = _int(f"int{bits}", bits, storage)
     table["int8"] = _int("int8", 8, jnp.int8)
-    # NUMERICS.md fixes the int16 bound at 32768 (not 32767.5).
+    # docs/numerics-spec.md fixes the int16 bound at 32768 (not 32767.5).
     table["int16"] = _int("int16", 16, jnp.int16, bound=32768.0)
     table["uint4"] = _uint("uint4", 4, jnp.uint4)
     table["uint8"] = _uint("uint8", 8, jnp.uint8)

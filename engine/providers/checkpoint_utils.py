@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qmill.engine import flax_util, qarray, qtypes, rules
+from qmill.engine.core import qarray, qtypes
+from qmill.engine.modeling import flax_util, rules
 from qmill.engine.providers import ptq
 
 _QUANTIZED_KEYS = frozenset({"qvalue", "scale", "zero_point"})

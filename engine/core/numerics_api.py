@@ -1,21 +1,22 @@
 """The reference's public numerics helpers, re-exported by numerics.py (which keeps the engine's
-own formulations): bounds, the quantizable dtypes, and element conversion to / from qtypes."""
+own formulations and convert_to, which is built on them): bounds, the quantizable dtypes, and
+conversion from qtypes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import qtypes
+from qmill.engine.core import qtypes
 
 _QUANTIZABLE = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
 
 def get_symmetric_bound(qtype: Any) -> float:
-    """B in ``scale = absmax / B`` for symmetric quantization to `qtype` (NUMERICS.md, "Bounds").
+    """B in ``scale = absmax / B`` for symmetric quantization to `qtype` (docs/numerics-spec.md,
+    "Bounds").
 
     Raises:
       ValueError: not a qtype (e.g. bfloat16): the message lists the valid ones.
@@ -48,20 +49,6 @@ def can_dequant_on_output(qtype: Any) -> bool:
     """Whether codes of `qtype` are uniform, so a matmul may run on them and scale its output
     (not nf4, whose codes index a table of levels)."""
     return qtypes.get(qtype).kind != qtypes.LOOKUP
-
-
-def convert_to(
-    x: jax.Array, qtype: Any, noise_fn: Callable[[tuple[int, ...]], jax.Array] | None = None
-) -> jax.Array:
-    """Codes of `qtype` for x already divided by its scale: integers round half to even and
-    saturate, floats clip to the format's range, nf4 takes the nearest level's index.
-    `noise_fn` (integer qtypes) adds noise before rounding, in float32: stochastic rounding."""
-    from qmill.engine import numerics  # numerics re-exports this module
-
-    qt = qtypes.get(qtype)
-    if noise_fn is not None and qt.kind == qtypes.INT:
-        x = x.astype(jnp.float32) + noise_fn(tuple(x.shape))
-    return numerics.to_qtype(x, qt)
 
 
 def convert_from(x: jax.Array, qtype: Any) -> jax.Array:

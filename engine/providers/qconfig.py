@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-from qmill.engine import interception
+from qmill.engine.modeling import interception
+from qmill.engine.modeling.rules import QuantizationRule as QuantizationRule
 from qmill.engine.providers.base import QuantizationProvider as QuantizationProvider
-from qmill.engine.rules import QuantizationRule as QuantizationRule
 
 # The target providers register a handler for; see get_current_rule.
-CURRENT_RULE_TARGET = "qmill.engine.qconfig.get_current_rule"
+CURRENT_RULE_TARGET = "qmill.engine.providers.qconfig.get_current_rule"
 
 
 def get_current_rule(op_name: str) -> QuantizationRule | None:

@@ -16,10 +16,9 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import flax_util
-from qmill.engine import model as model_lib
-from qmill.engine import rules as rules_lib
-from qmill.engine.programs import (
+from qmill.engine.modeling import flax_util
+from qmill.engine.modeling import rules as rules_lib
+from qmill.engine.programs.program import (
     CALIBRATE,
     CALIBRATE_PLATFORMS,
     EXPORT,
@@ -27,6 +26,7 @@ from qmill.engine.programs import (
     serialize,
     stat_qtypes,
 )
+from qmill.engine.providers import model as model_lib
 from qmill.engine.providers import odml, qt
 
 
@@ -105,7 +105,9 @@ def _linen_calibrate(module: nn.Module, provider: Any, inputs: Sequence[Any], pa
 
 def _nnx_calibrate(model: nnx.Module, provider: Any, inputs: Sequence[Any]):
     qmodel = model_lib.quantize_model(model, provider, *inputs)
-    graphdef, params_state, stats_state, rest = nnx.split(qmodel, nnx.Param, qt.QuantStat, ...)
+    graphdef, params_state, stats_state, rest = nnx.split(
+        qmodel, nnx.Param, flax_util.QuantStat, ...
+    )
 
     # A QuantStat's value is a dict, which replace_by_pure_dict does not descend into: rebuild
     # the states from leaves instead (a pure dict and its state flatten in the same key order).
@@ -116,7 +118,7 @@ def _nnx_calibrate(model: nnx.Module, provider: Any, inputs: Sequence[Any]):
         ss = jax.tree.unflatten(stats_def, jax.tree.leaves(stats))
         m = nnx.merge(graphdef, ps, ss, rest)
         m(*xs)
-        return nnx.to_pure_dict(nnx.state(m, qt.QuantStat))
+        return nnx.to_pure_dict(nnx.state(m, flax_util.QuantStat))
 
     return fn, nnx.to_pure_dict(params_state), nnx.to_pure_dict(stats_state)
 

@@ -27,20 +27,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine import calibration as calibration_lib
-from qmill.engine import numerics, qarray_ops, qarray_util, qtypes, tiling
-from qmill.engine.qarray_util import broadcast_to as broadcast_to
-from qmill.engine.qarray_util import call_with_generic_broadcast as call_with_generic_broadcast
-from qmill.engine.qarray_util import clip_gradient_to_calibration as clip_gradient_to_calibration
-from qmill.engine.qarray_util import clip_to_calibration as clip_to_calibration
-from qmill.engine.qarray_util import (
+from qmill.engine.core import calibration as calibration_lib
+from qmill.engine.core import numerics, qarray_ops, qarray_util, qtypes, tiling
+from qmill.engine.core.qarray_util import broadcast_to as broadcast_to
+from qmill.engine.core.qarray_util import call_with_generic_broadcast as call_with_generic_broadcast
+from qmill.engine.core.qarray_util import (
+    clip_gradient_to_calibration as clip_gradient_to_calibration,
+)
+from qmill.engine.core.qarray_util import clip_to_calibration as clip_to_calibration
+from qmill.engine.core.qarray_util import (
     get_accumulator_and_result_type as get_accumulator_and_result_type,
 )
-from qmill.engine.qarray_util import get_scale_shape as get_scale_shape
-from qmill.engine.qarray_util import get_tiled_axes as get_tiled_axes
-from qmill.engine.qarray_util import is_gradient_clipping_noop as is_gradient_clipping_noop
-from qmill.engine.sparsity import HowToSparsify as HowToSparsify
-from qmill.engine.sparsity import sparsify as sparsify
+from qmill.engine.core.qarray_util import get_scale_shape as get_scale_shape
+from qmill.engine.core.qarray_util import get_tiled_axes as get_tiled_axes
+from qmill.engine.core.qarray_util import is_gradient_clipping_noop as is_gradient_clipping_noop
+from qmill.engine.core.sparsity import HowToSparsify as HowToSparsify
+from qmill.engine.core.sparsity import sparsify as sparsify
 
 # A noise function for stochastic rounding: shape -> noise added to x / scale before rounding
 # (uniform in [-0.5, 0.5) gives unbiased rounding).

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from qmill.engine import linear_regex
+from qmill.engine.modeling import linear_regex
 
 QType = Any  # a qtype name ("int8", "nf4", ...) or a dtype (jnp.int8, jnp.float8_e4m3fn, ...).
 
@@ -47,7 +47,7 @@ class QuantizationRule:
     tile_size: int | float | None = None
     # Activations use a static scale computed from calibration statistics; None means False.
     act_static_scale: bool | None = None
-    # Calibration of weights, "<method>[,<args>]" as in NUMERICS.md.
+    # Calibration of weights, "<method>[,<args>]" as in docs/numerics-spec.md.
     weight_calibration_method: str = "absmax"
     # Calibration of activations; None means "absmax".
     act_calibration_method: str | None = None

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine import averaging, qarray
-from qmill.engine import rules as rules_lib
+from qmill.engine.core import averaging, qarray
+from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.providers import odml, odml_boundary
 
 MAGIC = b"QMILLPRG\x01\n"
@@ -138,7 +138,7 @@ def load(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, platform: str = "cp
             f"the program has {len(data):,} bytes, over this server's limit of {max_bytes:,}; "
             "export a smaller model or raise the server's limit"
         )
-    rebuild = "rebuild it with `qmill export-program` (or qmill.engine.programs)"
+    rebuild = "rebuild it with `qmill export-program` (or qmill.engine.programs.program)"
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
         raise ProgramError(f"not a qmill program (wrong magic bytes); {rebuild}")
     (n,) = struct.unpack_from("<I", data, len(MAGIC))

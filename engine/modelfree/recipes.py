@@ -18,7 +18,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from qmill.engine import calibration, linear_regex, qtypes
+from qmill.engine.core import calibration, qtypes
+from qmill.engine.modeling import linear_regex
 
 CONVENTIONS = ("auto", "flax", "torch")
 
@@ -37,7 +38,7 @@ class TensorRule:
     tile_if_divisible: bool = False
     # Explicit {axis: tile} tiles; overrides tile_size.
     tiled_axes: tuple[tuple[int, int], ...] | None = None
-    # "<method>[,<args>]" as in NUMERICS.md.
+    # "<method>[,<args>]" as in docs/numerics-spec.md.
     calibration_method: str = "absmax"
     # Layout override: axes a matmul contracts (None = inferred from the path and shape).
     contracting_axes: tuple[int, ...] | None = None

@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qmill.engine import calibration as calibration_lib
-from qmill.engine import tiling
+from qmill.engine.core import calibration as calibration_lib
+from qmill.engine.core import tiling
 
 
 def _is_qarray(x: Any) -> bool:

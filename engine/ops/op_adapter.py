@@ -14,7 +14,11 @@ from typing import Any
 
 import jax
 
-from qmill.engine import ops, qarray, rules
+from qmill.engine.core import qarray
+from qmill.engine.modeling import rules
+from qmill.engine.ops import conv_general as conv_general_lib
+from qmill.engine.ops import dot_general as dot_general_lib
+from qmill.engine.ops import einsum as einsum_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +49,13 @@ class HowFor:
 def dot_general_how(rule: rules.QuantizationRule, lhs, rhs, dimension_numbers) -> HowFor:
     """How to quantize either operand of this dot_general under ``rule``."""
     return _bind(
-        ops.dot_general.get_how_to_quantize, rule, lhs, rhs, dimension_numbers=dimension_numbers
+        dot_general_lib.get_how_to_quantize, rule, lhs, rhs, dimension_numbers=dimension_numbers
     )
 
 
 def einsum_how(rule: rules.QuantizationRule, lhs, rhs, einsum_str: str) -> HowFor:
     """How to quantize either operand of this two-operand einsum under ``rule``."""
-    return _bind(ops.einsum.get_how_to_quantize, rule, lhs, rhs, einsum_str=einsum_str)
+    return _bind(einsum_lib.get_how_to_quantize, rule, lhs, rhs, einsum_str=einsum_str)
 
 
 def _bind(get_how, rule, lhs, rhs, **op_args) -> HowFor:
@@ -65,20 +69,20 @@ def conv_how(
     rule: rules.QuantizationRule, dimension_numbers: jax.lax.ConvDimensionNumbers
 ) -> HowFor:
     """How to quantize either operand of a conv (per batch item / output feature, never tiled)."""
-    get = ops.conv_general.get_how_to_quantize
+    get = conv_general_lib.get_how_to_quantize
     return HowFor(functools.partial(get, dimension_numbers=dimension_numbers), rule)
 
 
 def dot_general(lhs, rhs, dimension_numbers, **kwargs) -> jax.Array:
-    return ops.dot_general.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+    return dot_general_lib.dot_general(lhs, rhs, dimension_numbers, **kwargs)
 
 
 def einsum(einsum_str, lhs, rhs, **kwargs) -> jax.Array:
-    return ops.einsum.einsum(einsum_str, lhs, rhs, **kwargs)
+    return einsum_lib.einsum(einsum_str, lhs, rhs, **kwargs)
 
 
 def conv_general_dilated(lhs, rhs, *args, **kwargs) -> jax.Array:
-    return ops.conv_general.conv_general_dilated(lhs, rhs, *args, **kwargs)
+    return conv_general_lib.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
 
 # ---- ragged_dot (lhs [m, k], rhs [groups, k, n], out [m, n]; rows grouped by group_sizes) ------

@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from qmill.engine import recipes
+from qmill.engine.modelfree import recipes
 
 FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
 

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine import layout, qarray
+from qmill.engine.core import qarray
+from qmill.engine.modelfree import layout
 
 
 @dataclasses.dataclass(frozen=True)

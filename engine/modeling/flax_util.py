@@ -20,9 +20,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import provenance
+from qmill.engine.modeling import provenance
 
 PATH_ATTR = "qmill_path"  # NNX: attribute holding a module's path, set by quantize_model.
+
+
+class QuantStat(nnx.Variable):
+    """NNX variable holding a static-range statistic ({"count", "sum_of_..."})."""
 
 
 def _frame_module(frame: Any) -> Any:
@@ -193,9 +197,7 @@ def get_variable(module: Any, collection: str, name: str) -> Any:
 
 
 def _in_collection(variable: nnx.Variable, collection: str) -> bool:
-    from qmill.engine.providers import qt  # cycle: QuantStat is defined by the QT provider
-
-    kinds = {"params": nnx.Param, "quant_stats": qt.QuantStat}
+    kinds = {"params": nnx.Param, "quant_stats": QuantStat}
     return isinstance(variable, kinds.get(collection, nnx.Variable))
 
 
@@ -258,9 +260,7 @@ def get_or_create_variable(
 
 
 def _variable_type(collection: str) -> type[nnx.Variable]:
-    from qmill.engine.providers import qt  # cycle: QuantStat is defined by the QT provider
-
-    known = {"params": nnx.Param, "quant_stats": qt.QuantStat}
+    known = {"params": nnx.Param, "quant_stats": QuantStat}
     if collection in known:
         return known[collection]
     return nnx.variable_type_from_name(collection, allow_register=True)

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from qmill.engine import interception
+from qmill.engine.modeling import interception
 
 
 class WeightRef(str):

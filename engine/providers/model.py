@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from flax import linen as nn
 from flax import nnx
 
-from qmill.engine import flax_util, interception, provenance
+from qmill.engine.modeling import flax_util, interception, provenance
 from qmill.engine.providers import base
 
 ModelT = TypeVar("ModelT", nn.Module, nnx.Module)
