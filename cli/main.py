@@ -1,6 +1,6 @@
 """`qmill`: a thin dispatcher over the client's commands and the server's `serve`.
 
-This is the composition root (ARCHITECTURE.md): client and server never import each other, and
+This is the composition root (docs/architecture.md): client and server never import each other, and
 what the server needs from the client side -- the fan-out client its batch jobs use to spread
 tensors over --job-peers -- is handed to it here (serve.py).
 

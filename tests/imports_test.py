@@ -1,4 +1,4 @@
-"""The allowed imports of ARCHITECTURE.md.
+"""The allowed imports of docs/architecture.md, its engine rooms, and no import circles.
 
 One documented extension: qmill.proto.wire needs numpy and ml_dtypes, because the byte layout of
 tensors is part of the contract and client and server must share one implementation of it.
@@ -128,3 +128,147 @@ def test_importing_the_client_does_not_import_jax():
         "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# The engine's rooms, each allowed to import only itself and the rooms listed for it
+# (docs/architecture.md, "The engine's rooms"). A room's name is its sub-package of engine/.
+ENGINE_ROOMS = {
+    "core": set(),
+    "modeling": {"core"},
+    "ops": {"core", "modeling"},
+    "providers": {"core", "modeling", "ops"},
+    "contrib": {"core", "modeling", "ops", "providers"},
+    "modelfree": {"core", "modeling"},
+    "programs": {"core", "modeling", "ops", "providers"},
+}
+PART_PACKAGES = {"engine": "qmill.engine", "client": "qmill.client"}
+
+
+def _module_names(part: str) -> dict[str, pathlib.Path]:
+    names = {}
+    for path in (ROOT / part).rglob("*.py"):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        parts = path.relative_to(ROOT / part).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join((PART_PACKAGES[part], *parts))] = path
+    return names
+
+
+def _module_imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """Every module of `known` that `path` imports, wherever the import statement is: at the top,
+    inside a function, or under `if TYPE_CHECKING:` (a late import that avoids a circle at load
+    time is still a circle). ``from pkg import name`` counts as importing pkg.name when that is a
+    module, else pkg."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in known else node.module)
+    return {name for name in found if name in known}
+
+
+def _graph(part: str) -> dict[str, set[str]]:
+    modules = _module_names(part)
+    known = set(modules)
+    return {name: _module_imports(path, known) - {name} for name, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+@pytest.mark.parametrize("part", sorted(PART_PACKAGES))
+def test_no_import_circles(part):
+    graph = _graph(part)
+    # The package __init__ re-exports the public surface; a module importing it back would make
+    # every module part of one circle, so engine and client modules import each other directly.
+    package = PART_PACKAGES[part]
+    back_to_package = sorted(name for name, deps in graph.items() if package in deps)
+    assert not back_to_package, f"import {package}'s modules directly, not the package: " + str(
+        back_to_package
+    )
+    circles = _circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in ENGINE_ROOMS) else None
+
+
+def test_engine_rooms_import_only_the_rooms_below_them():
+    graph = _graph("engine")
+    rooms = {_room(name) for name in graph} - {None}
+    assert rooms == set(ENGINE_ROOMS), "every engine sub-package needs a place in ENGINE_ROOMS"
+    bad = []
+    for name, deps in sorted(graph.items()):
+        room = _room(name)
+        if room is None:
+            continue  # engine/__init__.py, the public surface, may import every room
+        for dep in sorted(deps):
+            target = _room(dep)
+            if target != room and target not in ENGINE_ROOMS[room]:
+                bad.append(f"{name} -> {dep}")
+    assert not bad, "back-edges between the engine's rooms:\n" + "\n".join(bad)
+
+
+def test_circle_finder_finds_a_late_import_circle():
+    # The checks above would pass vacuously if the finder missed circles; a ring through a
+    # function-level import and a TYPE_CHECKING import must be found.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_module_imports_count_late_and_type_checking_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from qmill.client import client\n"
+        "def f():\n    from qmill.client.jobs import Jobs\n"
+    )
+    known = {"qmill.client", "qmill.client.client", "qmill.client.jobs"}
+    assert _module_imports(source, known) == {"qmill.client.client", "qmill.client.jobs"}

@@ -1,6 +1,6 @@
 """LiteRT (.tflite) export: a Flax model + rules (+ quant_stats) -> flatbuffer bytes.
 
-The route (see ../shared/ODML-ROUTE.md): the model runs under OdmlConversionProvider, so every
+The route (see docs/odml-route.md): the model runs under OdmlConversionProvider, so every
 quantize -> dequantize pair is a ``quant.fake_quant`` composite carrying qmill's scales; the
 function is exported with ``jax.export``; the standalone ``litert-converter`` turns the StableHLO
 into TFLite in strict QDQ mode (without it the composites would stay as composite ops and the
@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from qmill.engine import model as model_lib
-from qmill.engine import programs
-from qmill.engine import rules as rules_lib
+from qmill.engine.modeling import rules as rules_lib
+from qmill.engine.programs import program as programs
+from qmill.engine.providers import model as model_lib
 from qmill.engine.providers import odml
 
 _PACKAGES = ("litert_converter", "ai_edge_litert")
@@ -114,7 +114,7 @@ def export_program(program: programs.Program) -> tuple[bytes, ExportInfo]:
     if program.kind != programs.EXPORT:
         raise programs.ProgramError(
             f"ExportOdml takes an export program, not a {program.kind} one: build it with "
-            "`qmill export-program --kind export` (qmill.engine.programs.export_program)"
+            "`qmill export-program --kind export` (qmill.engine.programs.program.export_program)"
         )
     schema = _require()[3]
     tflite = convert(program.exported)
