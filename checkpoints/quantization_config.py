@@ -95,6 +95,19 @@ def build(
     }
 
 
+def _strategy(weights: dict[str, Any]) -> str:
+    """ "per channel", "in groups of 128": compressed-tensors' strategy, said in words."""
+    strategy, size = weights.get("strategy"), weights.get("group_size")
+    if strategy == "channel":
+        return "per channel"
+    if strategy != "group":
+        return f"per {strategy}"
+    text = f"in groups of {size}" if size else "in groups"
+    if size and weights.get("qmill_group_if_divisible"):
+        text += " (per channel where that does not divide)"
+    return text
+
+
 def describe(config: dict[str, Any]) -> str:
     """One line on how a config.json's weights are quantized ("not quantized" without one)."""
     qc = config.get("quantization_config")
@@ -104,10 +117,7 @@ def describe(config: dict[str, Any]) -> str:
     parts = []
     for group in (qc.get("config_groups") or {}).values():
         w = (group or {}).get("weights") or {}
-        size = f" group_size {w['group_size']}" if w.get("group_size") else ""
-        if size and w.get("qmill_group_if_divisible"):
-            size += " (per channel where it does not divide)"
         targets = ",".join(group.get("targets") or [])
-        parts.append(f"{w.get('type')}{w.get('num_bits')} {w.get('strategy')}{size} on {targets}")
+        parts.append(f"{w.get('type')}{w.get('num_bits')} {_strategy(w)} on {targets}")
     detail = "; ".join(parts) or qc.get("format", "")
     return f"quantized ({method}): {detail}"

@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 
+from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from qmill import checkpoints
 from qmill.checkpoints import dtypes as checkpoint_dtypes
@@ -30,6 +30,7 @@ from qmill.client import (
     programs,
     recipes,
     report,
+    report_table,
     retry,
     uploads,
 )
@@ -220,17 +221,25 @@ def _source_format(path: str) -> str:
 def _inspect(args: argparse.Namespace, out: Console) -> int:
     with checkpoints.open_source(args.checkpoint) as source:
         entries = source.entries()
-        table = Table(title=f"{args.checkpoint} ({source.format})", title_justify="left")
-        table.add_column("path", overflow="fold", min_width=24, ratio=1)
-        table.add_column("dtype", overflow="fold")
-        table.add_column("shape", overflow="fold")
-        table.add_column("bytes", justify="right")
-        for e in entries:
+        rows = [
             # As stored: 4-bit codes take half a byte each on disk (and on the wire).
-            stored = checkpoint_dtypes.packed_nbytes(e.dtype, e.shape)
-            table.add_row(
-                e.path, e.dtype.name, "×".join(map(str, e.shape)) or "scalar", f"{stored:,}"
+            (
+                e.path,
+                e.dtype.name,
+                "×".join(map(str, e.shape)) or "scalar",
+                f"{checkpoint_dtypes.packed_nbytes(e.dtype, e.shape):,}",
             )
+            for e in entries
+        ]
+        columns = [
+            report_table.Column("dtype"),
+            report_table.Column("shape"),
+            report_table.Column("bytes", "right"),
+        ]
+        title = f"{args.checkpoint} ({source.format})"
+        table = report_table.PathTable(
+            title, columns, rows, whole=True, box=box.SQUARE, pad_edge=True
+        )
         folder = _folder_lines(source) if isinstance(source, hf_folder.HfFolderSource) else []
     out.print(table)
     for text in folder:

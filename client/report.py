@@ -2,9 +2,9 @@
 
 Sizes are what was written: per tensor the bytes as stored (4-bit codes two to a byte, scales and
 zero points included), in total the files on disk, stat'ed after the output was committed. The
-80-column view shows whole paths (folded, never cut), the lowest-SQNR tensors, the quantized
+80-column view shows the lowest-SQNR tensors (long paths elided in the middle), the quantized
 tensors grouped by qtype and tiling, the kept ones grouped by reason, and the totals; `full`
-lists every tensor.
+lists every tensor with its whole path (wrapped after a separator), as the JSON report does.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qmill.checkpoints import pipeline
+from qmill.client import report_table
 
 
 class ProgressBar:
@@ -152,23 +153,23 @@ def _short(n: float) -> str:
     return f"{n:.1f}G"  # pragma: no cover
 
 
-def _rows_table(title: str, rows: Sequence[pipeline.ReportRow], *, sqnr: bool = True) -> Table:
-    # No vertical rules and narrow columns: at 80 columns the path keeps about 35 of them, and
-    # folds onto more lines rather than being cut, so every tensor can be found by its path.
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("path", overflow="fold", ratio=1)
-    table.add_column("shape", overflow="fold", max_width=11)
-    table.add_column("qtype", overflow="fold", max_width=11)
+def _rows_table(
+    title: str, rows: Sequence[pipeline.ReportRow], *, sqnr: bool = True, whole: bool = False
+) -> report_table.PathTable:
+    # Every column but the path keeps its width; the path takes the rest of the line, elided in
+    # the middle (the summary) or wrapped after a separator (`whole`: full table, plan).
+    columns = [report_table.Column("shape"), report_table.Column("qtype")]
     if sqnr:
-        table.add_column("SQNR", justify="right", no_wrap=True)
-    table.add_column("bytes", justify="right", no_wrap=True)
+        columns.append(report_table.Column("SQNR", "right"))
+    columns.append(report_table.Column("bytes", "right"))
+    cells = []
     for r in rows:
         qtype = "kept" if r.qtype == "kept" else f"{r.qtype} {r.tiles}".strip()
-        cells = [r.path, "×".join(map(str, r.shape)) or "scalar", qtype]
+        row = [r.path, "×".join(map(str, r.shape)) or "scalar", qtype]
         if sqnr:
-            cells.append(_db(r.sqnr_db))
-        table.add_row(*cells, f"{_short(r.bytes_before)} → {_short(r.bytes_after)}")
-    return table
+            row.append(_db(r.sqnr_db))
+        cells.append((*row, f"{_short(r.bytes_before)} → {_short(r.bytes_after)}"))
+    return report_table.PathTable(title, columns, cells, whole=whole)
 
 
 def _groups_table(summary: Summary, *, sqnr: bool = True) -> Table:
@@ -194,13 +195,14 @@ def render(summary: Summary, table: str = "summary", *, plan: bool = False) -> G
     parts: list[Any] = []
     if plan:
         # A plan is read to check what happens to each tensor: every row, always.
-        parts.append(_rows_table("qmill: plan (nothing quantized)", summary.rows, sqnr=False))
+        plan_title = "qmill: plan (nothing quantized)"
+        parts.append(_rows_table(plan_title, summary.rows, sqnr=False, whole=True))
     elif table == "full":
-        parts.append(_rows_table("qmill: every tensor", summary.rows))
+        parts.append(_rows_table("qmill: every tensor", summary.rows, whole=True))
     else:
         worst = summary.worst()
         title = f"lowest SQNR (dB): {len(worst)} of {len(summary.quantized)} quantized tensors"
-        parts.append(_rows_table(title + " (--table full: all)", worst))
+        parts.append(_rows_table(title + " (--table full: all, whole paths)", worst))
     parts.append(_groups_table(summary, sqnr=not plan))
     parts.append(Text(totals_line(summary, plan=plan)))
     return Group(*parts)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import embedded, formats, hf_folder, pipeline, staging
+from qmill.checkpoints import embedded, formats, hf_folder, pipeline, quantization_config, staging
 
 CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 32, "z": [1, 2]}
 
@@ -91,6 +91,10 @@ def test_a_folder_comes_out_as_the_same_folder(tmp_path, sharded):
     weights_cfg = qc["config_groups"]["group_0"]["weights"]
     assert weights_cfg["num_bits"] == 4 and weights_cfg["type"] == "int"
     assert weights_cfg["strategy"] == "group" and weights_cfg["group_size"] == 16
+    # `qmill inspect` says it in words, not in the schema's (not "int4 group group_size 16").
+    assert quantization_config.describe(config) == (
+        "quantized (qmill): int4 in groups of 16 (per channel where that does not divide) on re:.*"
+    )
     assert qc["qmill"]["recipe"]["convention"] == "torch"
     assert qc["qmill"]["quantized_tensors"] == sum(r.qtype != "kept" for r in rows) == 2
     assert qc["qmill"]["not_copied"] == ["pytorch_model.bin"]

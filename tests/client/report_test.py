@@ -1,14 +1,20 @@
-"""The report people read: 80 columns, whole paths, the worst tensors, kept ones grouped, and a
-JSON report with totals, recipe, timings and the worst tensors."""
+"""The report people read: 80 columns, no word cut in two (long paths elided in the middle in the
+summary, whole in the full table), the worst tensors, kept ones grouped, and a JSON report with
+totals, recipe, timings and the worst tensors."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 
+import numpy as np
+import pytest
+import safetensors.numpy
 from rich.console import Console
 
 from qmill.checkpoints import pipeline
-from qmill.client import report
+from qmill.client import commands, report, report_table
 
 LONG = "model.encoder.layers.11.self_attention.query_key_value_projection.weight"
 
@@ -44,7 +50,7 @@ def _render(summary: report.Summary, table: str = "summary") -> list[str]:
 
 
 def _path_column(lines: list[str], title: str) -> list[str]:
-    """The paths of the row table titled `title`, their folded pieces joined again."""
+    """The paths of the row table titled `title`, their wrapped pieces joined again."""
     start = next(i for i, line in enumerate(lines) if line.startswith(title))
     header = next(i for i in range(start, len(lines)) if "path" in lines[i] and "shape" in lines[i])
     width = lines[header].index("shape")
@@ -60,14 +66,15 @@ def _path_column(lines: list[str], title: str) -> list[str]:
     return paths
 
 
-def test_80_columns_show_whole_paths_worst_first_and_kept_grouped():
+def test_80_columns_elide_long_paths_in_the_middle_worst_first_and_kept_grouped():
     summary = _summary()
     lines = _render(summary)
     assert max(len(line) for line in lines) <= 80
     paths = _path_column(lines, "lowest SQNR")
-    # The 10 lowest-SQNR tensors, worst first, each path whole although it is wider than
-    # the column.
-    assert paths == [LONG] + [f"layers.{i}.mlp.weight" for i in range(9)]
+    # The 10 lowest-SQNR tensors, worst first, one line each: the long path keeps its root
+    # and its own name, whole pieces of its middle give way to `…`.
+    assert paths[1:] == [f"layers.{i}.mlp.weight" for i in range(9)]
+    assert paths[0] == "model.encoder.layers.11.…weight"
     text = "\n".join(lines)
     assert any("kept: vectors" in line and " 5 " in line for line in lines), text
     assert any("kept: int32" in line and " 1 " in line for line in lines), text
@@ -76,11 +83,40 @@ def test_80_columns_show_whole_paths_worst_first_and_kept_grouped():
     assert "21/27 tensors quantized in 2.5 s: 107.4 KiB → 29.3 KiB on disk" in " ".join(lines)
 
 
-def test_full_table_lists_every_tensor():
-    summary = _summary()
+def test_full_table_lists_every_tensor_whole_wrapped_after_separators():
+    summary = dataclasses.replace(
+        _summary(), rows=[*_summary().rows, _row("x/e/kernel", "float8_e4m3fn", tiles="1:128")]
+    )
     lines = _render(summary, "full")
     assert max(len(line) for line in lines) <= 80
-    assert _path_column(lines, "qmill: every tensor") == [r.path for r in summary.rows]
+    paths = _path_column(lines, "qmill: every tensor")
+    assert [p.replace(" ", "") for p in paths] == [r.path for r in summary.rows]
+    assert any("float8_e4m3fn 1:128" in line for line in lines)  # the qtype is not folded
+    start = next(i for i, line in enumerate(lines) if line.startswith("qmill: every tensor"))
+    width = lines[start + 2].index("shape")
+    end = lines.index(" " * 80, start + 4)
+    wrapped = [line[:width].strip() for line in lines[start + 4 : end]]
+    # Each line of a wrapped path ends at a separator or ends its path.
+    ends = [r.path for r in summary.rows]
+    assert all(w.endswith((".", "/")) or any(p.endswith(w) for p in ends) for w in wrapped)
+    assert "model.encoder.layers.11." in wrapped
+
+
+@pytest.mark.parametrize("width", [12, 20, 33, 50])
+def test_elide_and_wrap_cut_no_name_that_fits(width):
+    path = "model.layers.11.self_attn.q_proj.weight/array/qvalue"
+    elided = report_table.elide(path, width)
+    assert len(elided) <= width
+    head, tail = elided.split("…")
+    assert path.startswith(head) and path.endswith(tail)
+    assert set(head.replace("/", ".").split(".")) <= set(path.replace("/", ".").split(".")) | {""}
+    lines = report_table.wrap(path, width).splitlines()
+    assert "".join(lines) == path and all(len(line) <= width for line in lines)
+    assert all(line.endswith((".", "/")) for line in lines[:-1])
+    assert report_table.elide("params/Dense_0/kernel", 80) == "params/Dense_0/kernel"
+    # A name wider than the column is the one thing cut, keeping both its ends.
+    single = report_table.elide("x" * 30 + "y" * 30, width)
+    assert len(single) == width and single.startswith("x") and single.endswith("y")
 
 
 def test_json_report_has_totals_recipe_timings_and_the_worst(tmp_path):
@@ -113,3 +149,17 @@ def test_disk_bytes_counts_files_directories_and_an_index_with_its_shards(tmp_pa
     index = tmp_path / "m.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
     assert report.disk_bytes(index) == 150 + index.stat().st_size
+
+
+def test_inspect_lists_whole_paths_in_80_columns_without_cutting_names(tmp_path):
+    long = "model.layers.11.self_attention.query_key_value_projection.weight"
+    tensors = {long: np.zeros((4, 8), np.float32), "step": np.zeros((), np.int32)}
+    safetensors.numpy.save_file(tensors, tmp_path / "m.safetensors")
+    console = Console(width=80, record=True, color_system=None)
+    args = argparse.Namespace(command="inspect", checkpoint=str(tmp_path / "m.safetensors"))
+    assert commands.run(args, console, console) == 0
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    cells = [line.split("│")[1].strip() for line in lines if line.startswith("│")]
+    assert "".join(cells[1:-1]) == long and cells[-1] == "step"  # header, the long path, step
+    assert all(cell.endswith(".") for cell in cells[1:-2])

@@ -50,7 +50,7 @@ def test_minilm_folder_round_trip_with_true_sizes(tmp_path, run_qmill):
     assert shown.returncode == 0, shown.stderr
     text = " ".join(shown.stdout.split())
     assert "model_type bert, architectures BertModel" in text
-    assert "quantized (qmill): int8 channel on re:.*" in text
+    assert "quantized (qmill): int8 per channel on re:.*" in text
     assert "1_Pooling/config.json" in text and "tokenizer.json" in text
     assert "quantized leaves (int8)" in text
 
