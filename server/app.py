@@ -121,6 +121,14 @@ class Server:
             self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
         log.info("qmill serving on %s:%d", self.config.host, self.port)
+        # Where the server keeps what outlives a call: a user should not have to find out.
+        data_dir = pathlib.Path(self.config.data_dir)
+        log.info(
+            "keeping uploads in %s, calibrations in %s, batch jobs in %s (--data-dir, --jobs-db)",
+            data_dir / "uploads",
+            data_dir / "calibrations",
+            jobs_servicer.jobs_db_path(self.config),
+        )
 
     async def stop(self, grace: float | None = None) -> None:
         """Reports NOT_SERVING, lets in-flight calls finish within the grace period, then stops."""

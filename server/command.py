@@ -33,6 +33,11 @@ _OPTIONAL_FIELDS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `qmill serve`."""
+    parser.description = (
+        "Serve qmill.v1 over gRPC. Uploads, calibrations and the batch-job database "
+        f"(jobs.sqlite3) are kept in the data dir: {config_lib.default_data_dir()} "
+        f"(--data-dir; ${config_lib.DATA_DIR_ENV}, else ~/.cache/qmill)."
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks one)")
     parser.add_argument("--workers", type=int, default=2, help="threads running the engine")
@@ -45,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_security(parser)
     _add_limits(parser)
     parser.add_argument(
-        "--data-dir", help="uploads and calibrations ($QMILL_DATA_DIR, ~/.cache/qmill)"
+        "--data-dir",
+        help="where uploads, calibrations and the jobs database are kept (default: "
+        "$QMILL_DATA_DIR, else ~/.cache/qmill)",
     )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     _add_jobs(parser)
