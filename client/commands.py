@@ -12,33 +12,24 @@ import contextlib
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
 
 from qmill import checkpoints
 from qmill.checkpoints import dtypes as checkpoint_dtypes
+from qmill.checkpoints import errors as checkpoint_errors
 from qmill.checkpoints import formats, hf_folder, pipeline, quantization_config
-from qmill.client import (
-    admin,
-    calibrate,
-    credentials,
-    errors,
-    export_odml,
-    fanout,
-    jobs,
-    programs,
-    recipes,
-    report,
-    report_table,
-    retry,
-    uploads,
-)
-from qmill.client import client as client_lib
+from qmill.client import credentials, recipes, report, report_table, retry
+
+if TYPE_CHECKING:
+    from qmill.client import client as client_lib
 
 # Raised for what a user can fix: printed in one line, exit status 1.
 USER_ERRORS = (
-    errors.QmillError,
+    checkpoint_errors.QmillError,
     ValueError,
     FileNotFoundError,
     FileExistsError,
@@ -46,31 +37,97 @@ USER_ERRORS = (
 )
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Adds the client's subcommands to the `qmill` parser."""
-    _add_quantize(sub)
+def user_message(error: Exception, args: argparse.Namespace) -> str:
+    """The line printed for a user error. A run without --server has no RPC: its message speaks
+    of the input, not of a gRPC status (the status name stays where a server answered)."""
+    if isinstance(error, checkpoint_errors.QmillError) and not getattr(args, "server", None):
+        return error.details
+    return str(error)
 
-    jobs.add_commands(
-        sub, recipe_help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
-    )
 
-    uploads.add_command(sub)
-    admin.add_command(sub)
-    calibrate.add_command(sub)
+def _add_jobs(sub: Any, name: str) -> None:
+    from qmill.client import jobs  # lazy, as every other command's module: see add_command
 
-    i = sub.add_parser("inspect", help="list a checkpoint's tensors")
+    recipe_help = f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
+    jobs.add_commands(_Only(sub, name), recipe_help=recipe_help)
+
+
+def _add_module_command(module: str) -> Callable[[Any, str], None]:
+    def add(sub: Any, name: str) -> None:
+        from qmill.client import admin, calibrate, export_odml, programs, uploads
+
+        modules = {
+            "admin": admin,
+            "calibrate": calibrate,
+            "export_odml": export_odml,
+            "programs": programs,
+            "uploads": uploads,
+        }
+        modules[module].add_command(sub)
+
+    return add
+
+
+def _add_inspect(sub: Any, name: str) -> None:
+    i = sub.add_parser(name, help="list a checkpoint's tensors")
     i.add_argument("checkpoint")
 
-    c = sub.add_parser("capabilities", help="what a server supports")
+
+def _add_capabilities(sub: Any, name: str) -> None:
+    c = sub.add_parser(name, help="what a server supports")
     c.add_argument("--server", required=True, help="HOST:PORT")
     credentials.add_arguments(c)
 
-    export_odml.add_command(sub)
-    programs.add_command(sub)  # export-program: a model as a program file (no server)
+
+class _Only:
+    """The `qmill` subparsers, adding only the parser named `name` (a module that adds two
+    commands, as jobs.py does, adds the other to a parser that is thrown away)."""
+
+    def __init__(self, sub: Any, name: str) -> None:
+        self._sub, self._name = sub, name
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if name == self._name:
+            return self._sub.add_parser(name, **kwargs)
+        return argparse.ArgumentParser(prog=name, add_help=False)
 
 
-def _add_quantize(sub: argparse._SubParsersAction) -> None:
-    q = sub.add_parser("quantize", help="quantize a checkpoint (Orbax, safetensors, npz)")
+def add_command(sub: Any, name: str) -> None:
+    """Adds the client command `name`, with all its flags, to the `qmill` parser.
+
+    Each command's module is imported here, for the command being run only: the gRPC client
+    (qmill.client.client and the services' modules) is not loaded by `qmill quantize` without
+    --server or `qmill inspect`.
+    """
+    adders: dict[str, Callable[[Any, str], None]] = {
+        "quantize": _add_quantize,
+        "inspect": _add_inspect,
+        "capabilities": _add_capabilities,
+        "submit": _add_jobs,
+        "jobs": _add_jobs,
+        "upload": _add_module_command("uploads"),
+        "admin": _add_module_command("admin"),
+        "calibrate": _add_module_command("calibrate"),
+        "export-odml": _add_module_command("export_odml"),
+        "export-program": _add_module_command("programs"),  # a model as a program (no server)
+    }
+    adders[name](_Only(sub, name), name)
+
+
+CLIENT_COMMANDS = (
+    "quantize", "inspect", "capabilities", "submit", "jobs", "upload", "admin", "calibrate",
+    "export-odml", "export-program",
+)  # fmt: skip
+
+
+def add_commands(sub: Any) -> None:
+    """Adds every client command to the `qmill` parser."""
+    for name in CLIENT_COMMANDS:
+        add_command(sub, name)
+
+
+def _add_quantize(sub: Any, name: str) -> None:
+    q = sub.add_parser(name, help="quantize a checkpoint (Orbax, safetensors, npz)")
     q.add_argument("source", help="checkpoint: Orbax directory, .safetensors file/set, or .npz")
     q.add_argument("-o", "--output", required=True, help="where to write the quantized checkpoint")
     q.add_argument(
@@ -146,6 +203,29 @@ def _dry_run(args: argparse.Namespace, recipe: dict, out: Console) -> int:
     return 0
 
 
+def _backend(args: argparse.Namespace) -> pipeline.Backend:
+    """The engine in-process, one server, or several (--server a,b or --streams)."""
+    if not args.server:
+        from qmill.checkpoints import embedded  # lazy: the engine (jax)
+
+        return embedded.EmbeddedClient()
+    from qmill.client import fanout  # lazy: the gRPC client, for --server only
+
+    if not fanout.is_fanout(args.server) and args.streams == 1:
+        return _client(args)
+    return fanout.FanoutClient(
+        args.server,
+        timeout=args.timeout,
+        credentials=credentials.from_args(args),
+        streams=args.streams,
+        on_replica_lost=lambda address, e: print(
+            f"qmill: replica {address} failed ({e.code}); its tensors go to the others",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+
+
 def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     recipe = recipes.load(args.recipe)
     if args.dry_run:
@@ -154,24 +234,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     quiet = args.quiet or not err.is_terminal
 
     def attempt(restart: bool) -> list[pipeline.ReportRow]:
-        if args.server and (fanout.is_fanout(args.server) or args.streams != 1):
-            backend = fanout.FanoutClient(
-                args.server,
-                timeout=args.timeout,
-                credentials=credentials.from_args(args),
-                streams=args.streams,
-                on_replica_lost=lambda address, e: print(
-                    f"qmill: replica {address} failed ({e.code}); its tensors go to the others",
-                    file=sys.stderr,
-                    flush=True,
-                ),
-            )
-        elif args.server:
-            backend = _client(args)
-        else:
-            from qmill.checkpoints import embedded
-
-            backend = embedded.EmbeddedClient()
+        backend = _backend(args)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.quantize_checkpoint(
                 args.source,
@@ -281,6 +344,8 @@ def _folder_lines(source: hf_folder.HfFolderSource) -> list[str]:
 
 def _client(args: argparse.Namespace) -> client_lib.Client:
     """The one Client of a command that talks to `--server`, with its connection flags."""
+    from qmill.client import client as client_lib  # lazy: see add_command
+
     return client_lib.Client(
         args.server,
         credentials=credentials.from_args(args),
@@ -290,10 +355,10 @@ def _client(args: argparse.Namespace) -> client_lib.Client:
 
 def _capabilities(client: client_lib.Client, out: Console) -> int:
     caps = client.capabilities()
-    out.print(
-        f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {caps.device_kind}: "
-        f"{caps.device_description}"
-    )
+    device = caps.device_kind
+    if caps.device_description.lower() not in ("", device.lower()):  # not "on cpu: cpu"
+        device += f": {caps.device_description}"
+    out.print(f"qmill {caps.qmill_version} (jax {caps.jax_version}) on {device}")
     out.print("qtypes: " + ", ".join(caps.qtypes))
     out.print("calibration methods: " + ", ".join(caps.calibration_methods))
     out.print(f"max tensor bytes: {caps.max_tensor_bytes:,}")
@@ -303,8 +368,11 @@ def _capabilities(client: client_lib.Client, out: Console) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Runs the client command `args.command`; returns the exit status."""
+def run(args: argparse.Namespace, out: Console | None = None, err: Console | None = None) -> int:
+    """Runs the client command `args.command` (printing to `out` and `err`, stdout and stderr by
+    default); returns the exit status."""
+    out = out or Console()
+    err = err or Console(stderr=True)
 
     def line(text: str) -> None:
         out.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -313,6 +381,9 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         return _quantize(args, out, err)
     if args.command == "inspect":
         return _inspect(args, out)
+    # The gRPC client's commands (and export-program's model loading): imported on use.
+    from qmill.client import admin, calibrate, export_odml, jobs, programs, uploads
+
     if args.command == "export-program":
         return programs.run_local(args, line)
     modules = {

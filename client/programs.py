@@ -26,15 +26,16 @@ from qmill.proto.v1 import qmill_pb2 as pb
 def add_model_arguments(parser: argparse.ArgumentParser, registry_help: str) -> None:
     """--model NAME | --artifact FILE | --model-fn MODULE:FUNCTION, exactly one."""
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--model", help=registry_help)
+    # Short metavars: the group is one unit of the usage line, which must fit 80 columns.
+    group.add_argument("--model", metavar="NAME", help=registry_help)
     group.add_argument(
         "--artifact", metavar="FILE", help="a program written by `qmill export-program`"
     )
     group.add_argument(
         "--model-fn",
-        metavar="MODULE:FUNCTION",
-        help="a Python function returning {'model', 'inputs'[, 'params']}: the model is made "
-        "into a program here, its code never leaves this machine",
+        metavar="MOD:FUNC",
+        help="module:function, a Python function returning {'model', 'inputs'[, 'params']}: "
+        "the model is made into a program here, its code never leaves this machine",
     )
 
 

@@ -21,6 +21,7 @@ calibration_method, contracting_axes, channel_axes, skip, include_vectors, scale
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import pathlib
 import tomllib
@@ -61,7 +62,11 @@ def load(spec: Recipe) -> dict[str, Any]:
         return copy.deepcopy(PRESETS[spec])
     path = pathlib.Path(spec)
     if not path.is_file():
-        raise ValueError(f"recipe {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+        close = difflib.get_close_matches(str(spec).lower(), PRESETS, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(
+            f"recipe {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file{hint}"
+        )
     try:
         fields = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -29,6 +29,13 @@ def test_recipe_file(tmp_path):
 def test_bad_recipe_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="neither a preset"):
         recipes.load("int9")
+    # A preset in the wrong case, or one letter off, gets a suggestion; nonsense does not.
+    with pytest.raises(ValueError, match=r"did you mean int8\?$"):
+        recipes.load("INT8")
+    with pytest.raises(ValueError, match=r"did you mean nf4\?$"):
+        recipes.load("nf5")
+    with pytest.raises(ValueError, match=r"nor a file$"):
+        recipes.load("gptq-awq")
     bad = tmp_path / "bad.toml"
     bad.write_text("[[rules]\n")
     with pytest.raises(ValueError, match=r"bad\.toml"):

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from qmill import checkpoints
+from qmill.cli import main as cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 QMILL = [sys.executable, "-m", "qmill.cli"]
@@ -69,6 +70,10 @@ def test_an_output_named_npz_is_an_npz_even_from_orbax(tmp_path):
             ["quantize", "examples/tiny-mlp", "-o", "{tmp}/o", "--recipe", "int9"],
             "neither a preset",
         ),
+        (
+            ["quantize", "examples/tiny-mlp", "-o", "{tmp}/o", "--recipe", "INT8"],
+            "did you mean int8?",
+        ),
         (["quantize", "{tmp}/missing", "-o", "{tmp}/o"], "missing"),
         (
             [
@@ -97,6 +102,18 @@ def test_user_errors_print_one_line_and_exit_1(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_in_process_errors_speak_of_the_input_not_of_grpc(tmp_path, capsys, monkeypatch):
+    recipe = tmp_path / "tiles.toml"
+    recipe.write_text('[[rules]]\nqtype = "int4"\ntile_size = 32\n')
+    monkeypatch.chdir(ROOT)
+    argv = ["quantize", "examples/tiny-mlp", "-o", str(tmp_path / "o"), "--recipe", str(recipe)]
+    assert cli.main([*argv, "-q"]) == 1
+    err = capsys.readouterr().err
+    # No RPC was made: no status name, the tensor and what to change.
+    assert err.startswith("qmill: error: params/Conv_0/kernel: tile size 32 does not divide"), err
+    assert "INVALID_ARGUMENT" not in err and "tile_if_divisible" in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,11 +122,13 @@ def _free_port() -> int:
 
 def test_serve_quantize_and_graceful_sigterm(tmp_path):
     port = _free_port()
+    data = tmp_path / "data"
     server = subprocess.Popen(
         [*_qmill_bin(), "serve", "--port", str(port), "--grace", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "QMILL_DATA_DIR": str(data)},
     )
     try:
         deadline = time.monotonic() + 120
@@ -125,6 +144,7 @@ def test_serve_quantize_and_graceful_sigterm(tmp_path):
             time.sleep(0.5)
         assert caps.returncode == 0, caps.stderr
         assert "int8" in caps.stdout
+        assert caps.stdout.startswith("qmill ") and ": cpu\n" not in caps.stdout  # not "cpu: cpu"
         result = subprocess.run(
             [
                 *_qmill_bin(),
@@ -150,3 +170,6 @@ def test_serve_quantize_and_graceful_sigterm(tmp_path):
     assert server.returncode == 0, log
     assert "QuantizeParams" in log and "outcome=ok" in log
     assert "qmill stopped" in log
+    # It said where it keeps what outlives a call.
+    assert f"keeping uploads in {data / 'uploads'}, calibrations in {data / 'calibrations'}" in log
+    assert f"batch jobs in {data / 'jobs.sqlite3'}" in log
