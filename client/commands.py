@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import pathlib
 import sys
 import threading
 import time
@@ -151,7 +152,9 @@ def _add_quantize(sub: Any, name: str) -> None:
     q.add_argument(
         "--format",
         choices=("orbax", "safetensors", "npz"),
-        help="output format (default: the output's suffix, .npz or .safetensors; else the input's)",
+        help="output format (default: the output's suffix, .npz or .safetensors; else the "
+        "input's). safetensors to a name without .safetensors writes a folder: "
+        "NAME/model.safetensors, or shards and their index",
     )
     q.add_argument("--overwrite", action="store_true", help="replace an existing output")
     q.add_argument(
@@ -226,8 +229,36 @@ def _backend(args: argparse.Namespace) -> pipeline.Backend:
     )
 
 
+def _check_output_folder(output: str) -> None:
+    """Refuses `-o a/b/out` when a/b/ does not exist, as `cp` does: a mistyped path would
+    otherwise leave a tree of folders nobody asked for."""
+    parent = pathlib.Path(output).parent
+    if not parent.is_dir():
+        raise ValueError(
+            f"the output's folder {parent} does not exist: create it first (mkdir -p {parent}) "
+            "or choose another -o"
+        )
+
+
+def _safetensors_folder_note(output: str) -> str | None:
+    """What to tell a user whose safetensors output became a folder (a name without
+    .safetensors gets the Hugging Face layout, which shards need): None for a file, or for a
+    Hugging Face model folder, which came out as the folder it went in."""
+    folder = pathlib.Path(output)
+    weights = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not weights or (folder / "config.json").exists():
+        return None
+    shown = ", ".join(weights[:2]) + (", ..." if len(weights) > 2 else "")
+    return (
+        f"qmill: {output} is a folder ({shown}): a safetensors output named without "
+        f".safetensors is written in the Hugging Face layout; -o {folder.name}.safetensors "
+        "writes one file"
+    )
+
+
 def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     recipe = recipes.load(args.recipe)
+    _check_output_folder(args.output)
     if args.dry_run:
         return _dry_run(args, recipe, out)
     started = time.monotonic()
@@ -273,6 +304,10 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(report.render(summary, args.table))
     if args.report_json:
         report.write_json(summary, args.report_json)
+    note = _safetensors_folder_note(args.output)
+    if note:
+        sys.stdout.flush()  # after the totals, not inside them
+        print(note, file=sys.stderr)
     return 0
 
 

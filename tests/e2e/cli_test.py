@@ -114,6 +114,26 @@ def test_in_process_errors_speak_of_the_input_not_of_grpc(tmp_path, capsys, monk
     assert "INVALID_ARGUMENT" not in err and "tile_if_divisible" in err
 
 
+def test_an_output_in_a_folder_that_does_not_exist_is_refused(tmp_path, capsys):
+    out = tmp_path / "nodir" / "sub" / "out.safetensors"
+    assert cli.main(["quantize", str(ROOT / "examples/tiny-mlp"), "-o", str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert f"folder {out.parent} does not exist" in err and "mkdir -p" in err
+    assert list(tmp_path.iterdir()) == []  # no folders made
+
+
+def test_safetensors_to_a_name_without_the_suffix_says_it_wrote_a_folder(tmp_path, capsys):
+    out = tmp_path / "weights"
+    argv = ["quantize", str(ROOT / "examples/tiny-mlp"), "-o", str(out), "-q"]
+    assert cli.main([*argv, "--format", "safetensors"]) == 0
+    assert (out / "model.safetensors").is_file()
+    err = capsys.readouterr().err
+    assert f"{out} is a folder (model.safetensors)" in err and "-o weights.safetensors" in err
+    # A name that says .safetensors is one file, and nothing is said.
+    assert cli.main([*argv[:3], str(tmp_path / "w.safetensors"), "-q"]) == 0
+    assert (tmp_path / "w.safetensors").is_file() and capsys.readouterr().err == ""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
