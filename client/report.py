@@ -202,7 +202,7 @@ def render(summary: Summary, table: str = "summary", *, plan: bool = False) -> G
     else:
         worst = summary.worst()
         title = f"lowest SQNR (dB): {len(worst)} of {len(summary.quantized)} quantized tensors"
-        parts.append(_rows_table(title + " (--table full: all, whole paths)", worst))
+        parts.append(_rows_table(title + " (--table full: all)", worst))
     parts.append(_groups_table(summary, sqnr=not plan))
     parts.append(Text(totals_line(summary, plan=plan)))
     return Group(*parts)

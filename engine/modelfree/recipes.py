@@ -28,7 +28,8 @@ CONVENTIONS = ("auto", "flax", "torch")
 class TensorRule:
     """One line of a recipe."""
 
-    # Python regex that must match the whole tensor path.
+    # Regex (RE2: Python's syntax without backreferences or lookaround) that must match the
+    # whole tensor path.
     path_regex: str = ".*"
     # Logical qtype name ("int8", "int4", "float8_e4m3fn", "nf4", ...); None only with skip.
     qtype: str | None = None
@@ -38,7 +39,7 @@ class TensorRule:
     tile_if_divisible: bool = False
     # Explicit {axis: tile} tiles; overrides tile_size.
     tiled_axes: tuple[tuple[int, int], ...] | None = None
-    # "<method>[,<args>]" as in docs/numerics-spec.md.
+    # "<method>[,<args>]": absmax[,f] | minmax[,f] | rms,f | fixed,lo,hi (docs/numerics-spec.md).
     calibration_method: str = "absmax"
     # Layout override: axes a matmul contracts (None = inferred from the path and shape).
     contracting_axes: tuple[int, ...] | None = None
