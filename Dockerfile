@@ -2,7 +2,7 @@
 # CUDA build (NVIDIA GPUs): docker build --build-arg JAX_EXTRA=cuda13 -t qmill:cuda .
 # (JAX_EXTRA selects the jax[...] extra: "" for CPU, "cuda12" or "cuda13" for NVIDIA GPUs.)
 # Optional qmill extras: --build-arg QMILL_EXTRAS=objectstore (gs:// and s3:// batch jobs),
-# odml (ExportOdml, ~1.2 GB), or both comma-separated.
+# odml (ExportOdml, ~380 MB), or both comma-separated.
 
 ARG PYTHON_VERSION=3.11
 

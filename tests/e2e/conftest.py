@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 from collections.abc import Callable
 
@@ -22,3 +23,14 @@ def run_qmill() -> Callable[..., subprocess.CompletedProcess]:
         )
 
     return run
+
+
+_HERE = pathlib.Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here runs the `qmill` command in processes of its own (each start imports
+    jax): all are `slow`, left out of the edit-test loop (`pytest -m "not slow"`); CI runs them."""
+    for item in items:
+        if _HERE in item.path.parents:
+            item.add_marker(pytest.mark.slow)
