@@ -53,9 +53,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
             serve_command.add_arguments(sub.add_parser(name, help=help_text))
         else:
-            from qmill.client import commands  # lazy: grpc, numpy, the checkpoint readers
+            from qmill.client import parsers  # lazy: grpc and the command's own module
 
-            commands.add_command(sub, name)
+            parsers.add_command(sub, name)
     return parser
 
 
