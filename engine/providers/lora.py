@@ -41,7 +41,7 @@ from qmill.engine.providers import model as model_lib
 from qmill.engine.providers import ptq
 
 # NNX attribute the reference reads dropout rngs from (set with model.set_attributes).
-_USER_RNGS = "qwix_rngs"
+_USER_RNGS = flax_util.RNGS_ATTR
 
 # NNX variable type of the adapters: flax's own, so nnx.LoRAParam filters find them.
 LoRAParam = nnx.LoRAParam
