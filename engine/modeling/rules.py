@@ -69,7 +69,10 @@ class QuantizationRule:
                 "quantized are left unquantized. Set weight_qtype too."
             )
         if self.act_static_scale and self.act_qtype is None:
-            raise ValueError("act_static_scale=True needs act_qtype; set act_qtype or drop it.")
+            raise ValueError(
+                "act_static_scale is set to True but act_qtype is None; set act_qtype or drop "
+                "act_static_scale."
+            )
         if self.act_calibration_method is not None and self.act_qtype is None:
             raise ValueError("act_calibration_method is set but act_qtype is None; set act_qtype.")
         if isinstance(self.tile_size, Mapping):

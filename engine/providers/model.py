@@ -45,7 +45,15 @@ def is_initializing_nnx() -> bool:
 def _running(provider: base.QuantizationProvider, model: Any) -> Iterator[None]:
     handlers = _handlers(provider)
     originals = interception.originals_of(list(handlers))
-    with provenance.tracking(), interception.intercepted(handlers):
+    # One block per provider and thread: a quantized method called by another (or by a
+    # handler) runs under the block already there, as the reference applies an interceptor once.
+    interceptor = interception.Interceptor(handlers, id=("provider", id(provider)))
+    block = (
+        contextlib.nullcontext()
+        if interception.is_active(interceptor.id)
+        else interception.intercepted(interceptor)
+    )
+    with provenance.tracking(), block:
         if isinstance(model, nnx.Module):
             flax_util.track_module_params(model)
             yield
@@ -142,6 +150,7 @@ def quantize_model(
                 "Linen models take no inputs here; call init/apply on the quantized model."
             )
         cls = _subclass(_float_class(type(model)), methods, {_PROVIDER_ATTR: provider})
+        provider.quantization_completed = True
         return cls(**_linen_fields(model))
     if not isinstance(model, nnx.Module):
         raise ModelInputsError(f"expected a Linen or NNX module, got {type(model).__name__}")
@@ -160,7 +169,9 @@ def quantize_model(
             "they are run once to create the quantized variables. Pass skip_nnx_init=True to "
             "skip that run."
         )
-    return _quantize_nnx(model, provider, methods, model_inputs, model_inputs_kwargs, rngs)
+    quantized = _quantize_nnx(model, provider, methods, model_inputs, model_inputs_kwargs, rngs)
+    provider.quantization_completed = True
+    return quantized
 
 
 class ModelInputsError(ValueError, TypeError):
