@@ -45,6 +45,10 @@ def get_how_to_quantize(
     if isinstance(tile_size, Mapping | qarray_util.AxisTiles):
         tiled = dict(tile_size.items())
     else:
+        # mx / nv formats come with their block size: without a tile_size they are tiled by it
+        # (the reference infers it too), along the axis the dot sums, where a block's scale can
+        # be applied after the product.
+        tile_size = tile_size or qtypes.get(qtype).required_tile
         tiled = {contracting[-1]: tile_size} if tile_size and contracting else {}
     channelwise = tuple(a for a in range(ndim) if a not in contracting and a not in tiled)
     return qarray.HowToQuantize(
