@@ -161,3 +161,15 @@ def test_qt_sparsity_rule_prunes_weights_before_quantizing(framework):
         fp = nnx.Linear(4, 1, use_bias=False, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
         out = qwix.quantize_model(fp, qwix.QtProvider([rule]), x)(x)
     np.testing.assert_allclose(out, [[2.0]], rtol=1e-2)  # int8 fake quant: 2 · 127 / 127.5
+
+
+def test_qt_forward_traces_a_float_dot_by_design():
+    # Deliberate difference (docs/api-differences.md, dot_general_qt): QT fake-quantizes and
+    # runs the float op, the same numbers on every device; the reference traces an int8 dot.
+    rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8")
+    model = qwix.quantize_model(LinenDense(), qwix.QtProvider([rule]))
+    x = jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(model.apply)(variables, x)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.float32 for e in dots for v in e.invars)
