@@ -186,8 +186,12 @@ def validate(qa: QArray) -> None:  # the reference's validate_qarray
             f"zero_point shape {qa.zero_point.shape} must equal scale shape {qa.scale.shape}"
         )
     if qa.qtype is not None:
-        storage = qtypes.get(qa.qtype).storage
-        if np.dtype(qa.qvalue.dtype) != storage:
+        qt = qtypes.get(qa.qtype)
+        storage, held = qt.storage, np.dtype(qa.qvalue.dtype)
+        # Float formats (fp8, mx, nv) may hold their values in a wider float dtype, as the
+        # reference's QArray allows (e.g. float32 values on the mxfp8 grid); they dequantize alike.
+        wider_float = qt.kind == qtypes.FLOAT and jnp.issubdtype(held, jnp.floating)
+        if held != storage and not wider_float:
             raise ValueError(
                 f"qvalue dtype {np.dtype(qa.qvalue.dtype).name} is not the storage dtype "
                 f"{storage.name} of qtype {qa.qtype}"

@@ -11,6 +11,7 @@ to model classes and survives Flax transforms (nn.scan, nnx.vmap...), which call
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -101,16 +102,29 @@ def find_param(array: Any, module: Any = _RUNNING) -> provenance.WeightRef | Non
     views that led to ``array``; None for anything else, and for ``module=None`` (an op outside
     any module has no weights). ``module`` defaults to the running one.
     """
-    module = get_current_module() if module is _RUNNING else module
+    public = module is _RUNNING
+    module = get_current_module() if public else module
     if module is None:
         return None
     ref = provenance.lookup(array)
     if ref is not None:
         return ref if ref.owner is module else None
-    for name, value in _direct_params(module):
+    params = _direct_params(module)
+    for name, value in params:
         if _same(value, array):
             return provenance.WeightRef(module, name)
-    return None
+    return _by_shape(module, params, array) if public else None
+
+
+def _by_shape(module: Any, params: list[tuple[str, Any]], array: Any) -> Any:
+    """The reference's last resort for user code: the module's only param of ``array``'s shape
+    (two: unknown, None; more: ValueError, as the reference). The providers pass ``module`` and
+    never guess: an activation shaped like a weight must not be quantized as one."""
+    shape = getattr(array, "shape", None)
+    same = [name for name, value in params if getattr(value, "shape", None) == shape]
+    if len(same) > 2:
+        raise ValueError(f"Multiple candidate params found: {same}")
+    return provenance.WeightRef(module, same[0]) if len(same) == 1 else None
 
 
 def _same(param: Any, array: Any) -> bool:
@@ -153,28 +167,33 @@ def update_boxed(
     transpose: Sequence[int | None] | None = None,
 ) -> Any:
     """``value`` (default: the boxed value) in a box like ``boxed``, its axis names following
-    the value's axes (see update_sharding): a Linen box's ``names``, an NNX variable's
-    ``sharding_names``. An unboxed array is simply replaced by ``value``."""
+    the value's axes (see update_sharding): a Linen box's ``names`` / ``mesh_axes`` /
+    ``axes_types``, an NNX variable's ``out_sharding`` (a variable given no value is updated in
+    place, as the reference). An unboxed array is simply replaced by ``value``.
+
+    Raises:
+      ValueError: ``boxed`` is neither a box nor an array.
+    """
+    follow = functools.partial(update_sharding, split=split, merge=merge, transpose=transpose)
     if isinstance(boxed, nnx.Variable):
-        out = boxed.copy(boxed.get_value() if value is None else value)
-        names = out.get_metadata().get("sharding_names")
-        if isinstance(names, list | tuple):
-            shape = jnp.shape(out.get_value())
-            names = update_sharding(
-                names, shape=shape, split=split, merge=merge, transpose=transpose
-            )
-            out.set_metadata("sharding_names", names)
+        out = boxed if value is None else boxed.copy(value)
+        metadata = out.get_metadata()
+        # Flax 0.12 names them out_sharding (sharding_names before, as the reference reads).
+        for key in ("out_sharding", "sharding_names"):
+            names = metadata.get(key)
+            if isinstance(names, list | tuple):
+                out.set_metadata(key, follow(names, shape=jnp.shape(out.get_value())))
         return out
     if isinstance(boxed, nn.meta.AxisMetadata):
         out = boxed if value is None else boxed.replace_boxed(value)
-        names = getattr(out, "names", None)
-        if isinstance(names, list | tuple):
-            shape = jnp.shape(out.unbox())
-            names = update_sharding(
-                names, shape=shape, split=split, merge=merge, transpose=transpose
-            )
-            out = dataclasses.replace(out, names=names)
+        shape = jnp.shape(out.unbox())
+        for field in ("names", "mesh_axes", "axes_types"):
+            axes = getattr(out, field, None)
+            if isinstance(axes, list | tuple):
+                out = dataclasses.replace(out, **{field: follow(axes, shape=shape)})
         return out
+    if not hasattr(boxed, "shape"):
+        raise ValueError(f"Unsupported type: {type(boxed)}")
     return boxed if value is None else value
 
 
@@ -213,21 +232,24 @@ def get_and_delete_variable(collection: str, name: str, *, module: Any = None) -
 
 def get_or_create_param(
     name: str,
-    init_fn: Callable[[], Any],
+    init_fn: Callable[..., Any],
     nnx_param_type: type[nnx.Variable] = nnx.Param,
     *,
+    need_rng: bool = False,
     module: Any = None,
 ) -> Any:
     """Returns the unboxed param ``name`` of the module, creating it with ``init_fn()`` if absent.
 
-    ``module`` defaults to the running one; NNX params are created as ``nnx_param_type``.
+    ``need_rng``: ``init_fn`` takes a key (Linen: the "params" stream; NNX: the module's rngs, see
+    ``make_rng``). ``module`` defaults to the running one; NNX params are created as
+    ``nnx_param_type``.
     """
     module = get_current_module() if module is None else module
     if isinstance(module, nn.Module):
-        return unbox(module.param(name, lambda *_: init_fn()))
+        return unbox(module.param(name, init_fn if need_rng else lambda *_: init_fn()))
     existing = getattr(module, name, None)
     if existing is None:
-        value = init_fn()
+        value = init_fn(nnx_rngs(module).params()) if need_rng else init_fn()
         # nnx.data: a pytree holding Variables in a new attribute must be declared as data.
         setattr(module, name, nnx.data(jax.tree.map(nnx_param_type, value)))
         return value
@@ -266,8 +288,29 @@ def _variable_type(collection: str) -> type[nnx.Variable]:
     return nnx.variable_type_from_name(collection, allow_register=True)
 
 
+RNGS_ATTR = "qwix_rngs"  # NNX: the rngs quantize_model(..., rngs=) lends every module
+
+
+def nnx_rngs(module: nnx.Module) -> nnx.Rngs:
+    """The nnx.Rngs an NNX module draws from: ``qwix_rngs`` (set by quantize_model(..., rngs=)
+    while it runs the model, or by ``model.set_attributes(qwix_rngs=nnx.Rngs(...))``), else the
+    module's own ``rngs`` attribute.
+
+    Raises:
+      ValueError: neither is an nnx.Rngs.
+    """
+    for attr in (RNGS_ATTR, "rngs"):
+        rngs = getattr(module, attr, None)
+        if isinstance(rngs, nnx.Rngs):
+            return rngs
+    raise ValueError(
+        f"Cannot find rngs in the NNX module {type(module).__name__}: set them with "
+        "model.set_attributes(qwix_rngs=nnx.Rngs(...)) (or store an nnx.Rngs as self.rngs)."
+    )
+
+
 def make_rng(rng_stream: str, *, module: Any = None) -> jax.Array:
-    """A new key from ``rng_stream`` of the module (Linen: its rngs; NNX: its ``rngs`` attribute).
+    """A new key from ``rng_stream`` of the module (Linen: its rngs; NNX: see ``nnx_rngs``).
 
     Raises:
       ValueError: the module has no such stream.
@@ -279,13 +322,7 @@ def make_rng(rng_stream: str, *, module: Any = None) -> jax.Array:
                 f"no {rng_stream!r} rng stream; pass rngs={{{rng_stream!r}: key}} to init/apply."
             )
         return module.make_rng(rng_stream)
-    rngs = getattr(module, "rngs", None)
-    if not isinstance(rngs, nnx.Rngs):
-        raise ValueError(
-            f"the NNX module {type(module).__name__} has no `rngs` attribute (an nnx.Rngs) to "
-            f"draw {rng_stream!r} from; store the module's nnx.Rngs as self.rngs."
-        )
-    return rngs[rng_stream]()
+    return nnx_rngs(module)[rng_stream]()
 
 
 def update_sharding(
@@ -310,6 +347,9 @@ def update_sharding(
     """
     if sum(bool(x) for x in (split, merge, transpose)) > 1:
         raise ValueError("update_sharding takes at most one of split, merge and transpose.")
+    # The reference hands back a list given a list when it only drops entries (merge, or
+    # nothing to do); a tuple otherwise.
+    keep_list = isinstance(spec, list) and not (split or transpose or shape)
     out = list(spec)
     if split:
         out = [e for i, a in enumerate(spec) for e in ((a, None) if i in split else (a,))]
@@ -320,11 +360,11 @@ def update_sharding(
         out = [a for j, a in enumerate(spec) if j not in drop]
     elif transpose:
         out = [None if i is None else spec[i] for i in transpose]
-    if shape is not None:
+    if shape:
         if len(shape) != len(out):
             raise ValueError(f"shape {tuple(shape)} has {len(shape)} axes but the spec {len(out)}.")
         out = [None if d == 1 else a for a, d in zip(out, shape, strict=True)]
-    return tuple(out)
+    return out if keep_list else tuple(out)
 
 
 def replace_param(module: Any, name: str, value: Any) -> None:

@@ -2,10 +2,12 @@
 
 A quantized model calls the same ``jax.lax.dot_general`` (or ``jnp.einsum``, ``nn.Module.param``,
 ...) as the float model; we swap those attributes for *dispatchers* while any quantized model is
-running. A dispatcher calls the handler of the innermost ``intercepted`` block of *its own thread*,
-and the original function everywhere else, so other threads, and code running outside a quantized
-model, are unaffected. Handlers run "suspended": functions they call reach the originals, which
-is what lets a handler fall back to the float op without recursing into itself.
+running. A dispatcher calls the handler of the outermost ``intercepted`` block of *its own
+thread* that handles the target, and the original function everywhere else, so other threads, and
+code running outside a quantized model, are unaffected. A handler's own calls of intercepted
+targets reach the blocks opened after its own (as the reference chains interceptors: the one
+installed last runs closest to the original), and the originals past the last: a handler falls
+back to the float op without recursing into itself.
 
 Patches are reference counted across threads and removed by the last thread to leave, in
 ``finally``: nothing stays patched after the model returns or raises.
@@ -44,7 +46,23 @@ _patches: dict[str, _Patch] = {}
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.stack: list[Mapping[str, Handler]] = []
+        self.ids: list[Any] = []  # the Interceptor id of each block (None for a plain map)
         self.suspended = 0
+        # Dispatchers see the blocks from this index on: a running handler's own level and the
+        # ones before it are hidden from the calls it makes.
+        self.floor = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Interceptor:
+    """A target -> handler map with an identity, as the reference's factories return.
+
+    ``wrap`` applies an interceptor once per thread: a wrapped function called while an
+    interceptor of the same ``id`` is active runs plainly (without its own transforms).
+    """
+
+    mapping: Mapping[str, Handler]
+    id: Any = None
 
 
 _state = _ThreadState()
@@ -68,23 +86,32 @@ def resolve(path: str) -> tuple[Any, str] | None:
     return None
 
 
-def _active_handler(path: str) -> Handler | None:
-    if _state.suspended or not _state.stack:
+def _active_handler(path: str) -> tuple[int, Handler] | None:
+    """(level, handler) of the first visible block handling ``path``, or None."""
+    if _state.suspended:
         return None
-    return _state.stack[-1].get(path)
+    for level in range(_state.floor, len(_state.stack)):
+        handler = _state.stack[level].get(path)
+        if handler is not None:
+            return level, handler
+    return None
 
 
-def _call_handler(handler: Handler, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    with suspended():
+def _call_handler(level: int, handler: Handler, args: tuple[Any, ...], kwargs: dict) -> Any:
+    saved = _state.floor
+    _state.floor = level + 1
+    try:
         return handler(*args, **kwargs)
+    finally:
+        _state.floor = saved
 
 
 def _make_dispatcher(path: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def dispatcher(*args: Any, **kwargs: Any) -> Any:
-        handler = _active_handler(path)
-        if handler is None:
+        found = _active_handler(path)
+        if found is None:
             return original(*args, **kwargs)
-        return _call_handler(handler, args, kwargs)
+        return _call_handler(*found, args, kwargs)
 
     with contextlib.suppress(AttributeError, TypeError):
         functools.update_wrapper(dispatcher, original)
@@ -126,8 +153,10 @@ def _uninstall(path: str) -> None:
 
 
 @contextlib.contextmanager
-def intercepted(handlers: Mapping[str, Handler]) -> Iterator[None]:
+def intercepted(handlers: Mapping[str, Handler] | Interceptor) -> Iterator[None]:
     """Routes calls of the given targets, made by this thread, to the handlers."""
+    interceptor_id = getattr(handlers, "id", None)
+    handlers = getattr(handlers, "mapping", handlers)
     paths = list(handlers)
     installed: list[str] = []
     try:
@@ -136,10 +165,12 @@ def intercepted(handlers: Mapping[str, Handler]) -> Iterator[None]:
                 _install(path)
                 installed.append(path)
         _state.stack.append(dict(handlers))
+        _state.ids.append(interceptor_id)
         try:
             yield
         finally:
             _state.stack.pop()
+            _state.ids.pop()
     finally:
         with _lock:
             for path in installed:
@@ -168,12 +199,20 @@ def is_patched(path: str) -> bool:
 
 
 def current_handler(path: str) -> Handler | None:
-    """The handler of ``path`` in this thread's innermost ``intercepted`` block, or None.
+    """The handler of ``path`` in this thread's last ``intercepted`` block that has one, or None.
 
     Unlike the dispatchers this ignores ``suspended``: it answers "which provider is running",
     which a handler may ask too.
     """
-    return _state.stack[-1].get(path) if _state.stack else None
+    for handlers in reversed(_state.stack):
+        if path in handlers:
+            return handlers[path]
+    return None
+
+
+def is_active(interceptor_id: Any) -> bool:
+    """Whether an Interceptor with this id is active in this thread."""
+    return interceptor_id is not None and interceptor_id in _state.ids
 
 
 def _identity_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -193,7 +232,7 @@ def wrap(
 
     Args:
       fn: the function to wrap.
-      get_handlers: called at each call for the target -> handler map.
+      get_handlers: called at each call for the target -> handler map (or an Interceptor).
       input_transform: (args, kwargs) -> (args, kwargs), applied before ``fn`` runs.
       output_transform: applied to ``fn``'s result, outside the intercepted block.
       should_intercept: when it returns False, ``fn`` runs plainly (no transforms either).
@@ -205,13 +244,16 @@ def wrap(
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not should_intercept():
             return fn(*args, **kwargs)
+        handlers = get_handlers()
+        if is_active(getattr(handlers, "id", None)):
+            return fn(*args, **kwargs)  # this interceptor already applies (see Interceptor)
         args, kwargs = input_transform(args, kwargs)
         with contextlib.ExitStack() as stack:
             if disable_jit:
                 import jax  # here: this module is imported by code that must not need jax
 
                 stack.enter_context(jax.disable_jit())
-            stack.enter_context(intercepted(get_handlers()))
+            stack.enter_context(intercepted(handlers))
             out = fn(*args, **kwargs)
         return output_transform(out)
 

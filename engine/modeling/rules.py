@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from qmill.engine.core import qarray_util, sparsity
 from qmill.engine.modeling import linear_regex
 
 QType = Any  # a qtype name ("int8", "nf4", ...) or a dtype (jnp.int8, jnp.float8_e4m3fn, ...).
@@ -43,8 +44,9 @@ class QuantizationRule:
     weight_qtype: QType | None = None
     # Qtype of activations; None quantizes weights only.
     act_qtype: QType | None = None
-    # Tile size along contracting axes (subchannel quantization); a float is 1 / tile count.
-    tile_size: int | float | None = None
+    # Tile size along contracting axes (subchannel quantization); a float is 1 / tile count. A
+    # mapping {axis: tile} tiles exactly those axes of each operand.
+    tile_size: int | float | Mapping[int, int | float] | None = None
     # Activations use a static scale computed from calibration statistics; None means False.
     act_static_scale: bool | None = None
     # Calibration of weights, "<method>[,<args>]" as in docs/numerics-spec.md.
@@ -53,6 +55,8 @@ class QuantizationRule:
     act_calibration_method: str | None = None
     # Axes of activations that static statistics are averaged over (the batch axes).
     act_batch_axes: Collection[int] = (0,)
+    # N:M sparsity of weights (sparsity.SparsityRule), applied by QT before quantizing them.
+    sparsity_rule: sparsity.SparsityRule | None = None
 
     def __post_init__(self) -> None:
         compile_module_path(self.module_path)  # refuses a bad regex now, not at the first op
@@ -65,11 +69,22 @@ class QuantizationRule:
                 "quantized are left unquantized. Set weight_qtype too."
             )
         if self.act_static_scale and self.act_qtype is None:
-            raise ValueError("act_static_scale=True needs act_qtype; set act_qtype or drop it.")
+            raise ValueError(
+                "act_static_scale is set to True but act_qtype is None; set act_qtype or drop "
+                "act_static_scale."
+            )
         if self.act_calibration_method is not None and self.act_qtype is None:
             raise ValueError("act_calibration_method is set but act_qtype is None; set act_qtype.")
-        if self.tile_size is not None and not self.tile_size > 0:
-            raise ValueError(f"tile_size must be positive, got {self.tile_size!r}.")
+        if isinstance(self.tile_size, Mapping):
+            # {axis: tile} tiles those axes of every operand, as the reference; kept as a
+            # hashable AxisTiles (reads as the mapping) so that rules and the HowToQuantize built
+            # from them stay usable as static jit arguments.
+            tiles = qarray_util.AxisTiles(sorted((int(a), t) for a, t in self.tile_size.items()))
+            object.__setattr__(self, "tile_size", tiles)
+        tiles = self.tile_size if isinstance(self.tile_size, tuple) else [(None, self.tile_size)]
+        for _, tile in tiles:
+            if tile is not None and not tile > 0:
+                raise ValueError(f"tile_size must be positive, got {self.tile_size!r}.")
 
     def matches(self, module_path: str, op_name: str) -> bool:
         """Whether this rule applies to ``op_name`` running in the module at ``module_path``."""

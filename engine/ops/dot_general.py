@@ -15,14 +15,14 @@ Lingo:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.core import qarray, qtypes, tiling
+from qmill.engine.core import qarray, qarray_util, qtypes, tiling
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
@@ -33,16 +33,24 @@ def get_how_to_quantize(
     ndims: tuple[int, int],
     for_lhs: bool,
     qtype: Any,
-    tile_size: int | float | None = None,
+    tile_size: int | float | Mapping[int, int | float] | None = None,
     calibration_method: str = "absmax",
 ) -> qarray.HowToQuantize:
     """How to quantize one operand: channelwise on its non-contracting axes, and the (last)
-    contracting axis tiled by `tile_size` when given (sub-channel quantization)."""
+    contracting axis tiled by `tile_size` when given (sub-channel quantization). A mapping
+    {axis: tile} (also as an AxisTiles) tiles exactly those axes, which then are not channelwise."""
     (lhs_c, rhs_c), _ = dimension_numbers
     ndim = ndims[0] if for_lhs else ndims[1]
     contracting = tuple(a % ndim for a in (lhs_c if for_lhs else rhs_c))
-    channelwise = tuple(a for a in range(ndim) if a not in contracting)
-    tiled = {contracting[-1]: tile_size} if tile_size and contracting else {}
+    if isinstance(tile_size, Mapping | qarray_util.AxisTiles):
+        tiled = dict(tile_size.items())
+    else:
+        # mx / nv formats come with their block size: without a tile_size they are tiled by it
+        # (the reference infers it too), along the axis the dot sums, where a block's scale can
+        # be applied after the product.
+        tile_size = tile_size or qtypes.get(qtype).required_tile
+        tiled = {contracting[-1]: tile_size} if tile_size and contracting else {}
+    channelwise = tuple(a for a in range(ndim) if a not in contracting and a not in tiled)
     return qarray.HowToQuantize(
         qtype=qtype,
         channelwise_axes=channelwise,

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from qmill.engine.core import qarray
+from qmill.engine.core import qarray, sparsity
 from qmill.engine.modeling import interception
 from qmill.engine.ops import dot_general as dot_general_lib
 from qmill.engine.ops import op_adapter
@@ -52,6 +52,27 @@ class DotGeneralQtConfig:
     drhs_tile_size: int | float | None = None
     drhs_stochastic_rounding_noise_fn: Callable[..., jax.Array] | None = None
     drhs_grad_disable_channelwise_axes: bool = False
+    # As the reference: the operands' gradients are zeroed where the operand fell outside the
+    # range its calibration kept ("absmax,0.8", "fixed,-1,1", ...; absmax / minmax keep all of
+    # it, so nothing is masked). True passes every gradient straight through.
+    disable_gradient_clipping: bool = False
+    # The backward pass uses the operands as given instead of their fake-quantized values.
+    use_original_residuals: bool = False
+    # N:M sparsity of the rhs (a sparsity.SparsityRule's weight settings), applied before it is
+    # quantized; pruned weights get no gradient.
+    sparsity_rule: sparsity.SparsityRule | None = None
+
+
+# A pytree, as the reference's: the noise functions (whose keys are arrays) are its children, so
+# a config can be passed through jit; every other field is static.
+_NOISE_FIELDS = ("dlhs_stochastic_rounding_noise_fn", "drhs_stochastic_rounding_noise_fn")
+jax.tree_util.register_dataclass(
+    DotGeneralQtConfig,
+    data_fields=list(_NOISE_FIELDS),
+    meta_fields=[
+        f.name for f in dataclasses.fields(DotGeneralQtConfig) if f.name not in _NOISE_FIELDS
+    ],
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +116,46 @@ def quantize_grad(
     return fake_quant(g, how)
 
 
-def qt_call(op, layout, lhs_how, rhs_how, dlhs: GradQuant, drhs: GradQuant, lhs, rhs):
-    """op(lhs, rhs) with the operands fake-quantized and the gradients quantized as given."""
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What the backward pass keeps of the forward pass (see qt_call)."""
+
+    original: bool = False  # the operands as given instead of their fake-quantized values
+    clip_gradients: bool = True  # zero gradients outside the operands' calibrated ranges
+
+    @classmethod
+    def of(cls, config: Any) -> Residuals:
+        return cls(
+            getattr(config, "use_original_residuals", False),
+            not getattr(config, "disable_gradient_clipping", False),
+        )
+
+
+def _clips(how: qarray.HowToQuantize | None, keep: Residuals) -> bool:
+    return (
+        keep.clip_gradients
+        and how is not None
+        and not qarray.is_gradient_clipping_noop(how.calibration_method)
+    )
+
+
+def _clip(grad: jax.Array, x: jax.Array | None, how: qarray.HowToQuantize | None) -> jax.Array:
+    """The operand's gradient zeroed where x fell outside the range its calibration kept (x is
+    None where nothing is clipped)."""
+    if x is None or how is None:
+        return grad
+    calibration = qarray.calibrate(x, how)
+    return qarray.clip_gradient_to_calibration(grad, x, calibration, how.calibration_method)
+
+
+def qt_call(op, layout, lhs_how, rhs_how, dlhs: GradQuant, drhs: GradQuant, lhs, rhs, keep=None):
+    """op(lhs, rhs) with the operands fake-quantized and the gradients quantized as given.
+
+    ``keep`` (Residuals) says what the backward pass keeps; the default is the conv's: the
+    fake-quantized operands, no gradient clipping.
+    """
+    keep = keep or Residuals(clip_gradients=False)
+    hows = (lhs_how, rhs_how)
 
     @jax.custom_vjp
     def run(a, b):
@@ -105,13 +164,17 @@ def qt_call(op, layout, lhs_how, rhs_how, dlhs: GradQuant, drhs: GradQuant, lhs,
     @interception.disable_interceptions
     def fwd(a, b):
         qa, qb = fake_quant(a, lhs_how), fake_quant(b, rhs_how)
-        return op(qa, qb), (qa, qb)
+        # The operands as given are kept only where the backward pass reads them.
+        clip = tuple(x if _clips(h, keep) else None for x, h in zip((a, b), hows, strict=True))
+        operands = (a, b) if keep.original else (qa, qb)
+        return op(qa, qb), (operands, clip)
 
     def bwd(residuals, g):
-        _, vjp = jax.vjp(op, *residuals)
+        operands, (a, b) = residuals
+        _, vjp = jax.vjp(op, *operands)
         da, _ = vjp(quantize_grad(g, layout, "lhs", dlhs))
         _, db = vjp(quantize_grad(g, layout, "rhs", drhs))
-        return da, db
+        return _clip(da, a, lhs_how), _clip(db, b, rhs_how)
 
     run.defvjp(fwd, bwd)
     return run(lhs, rhs)
@@ -173,4 +236,8 @@ def dot_general_qt(
     def op(a, b):
         return jax.lax.dot_general(a, b, dimension_numbers)
 
-    return qt_call(op, layout, hows[0], hows[1], *grad_quants(config), lhs, rhs)
+    if config.sparsity_rule is not None:
+        # Before quantization, as the reference: the kept weights get the whole range.
+        rhs = sparsity.sparsify(rhs, config.sparsity_rule)
+    keep = Residuals.of(config)
+    return qt_call(op, layout, hows[0], hows[1], *grad_quants(config), lhs, rhs, keep)

@@ -43,6 +43,8 @@ class QuantizationProvider:
         self._rules = tuple(rules)
         self._used: set[int] = set()
         self._used_lock = threading.Lock()
+        # Set by quantize_model: until then "unused" would only mean "not run yet".
+        self.quantization_completed = False
 
     @property
     def rules(self) -> tuple[qrules.QuantizationRule, ...]:
@@ -57,9 +59,15 @@ class QuantizationProvider:
     def get_unused_rules(self) -> list[qrules.QuantizationRule]:
         """Rules that have not matched any op run so far (usually a mistyped module_path).
 
-        Asked before any quantized model has run, every rule is unused: that is an answer, not an
-        error.
+        Raises:
+          ValueError: quantize_model has not been called with this provider yet (as the
+            reference: before it, every rule would be reported unused).
         """
+        if not self.quantization_completed:
+            raise ValueError(
+                "Quantization is not completed yet. Please call `quantize_model` before calling "
+                "`get_unused_rules`."
+            )
         with self._used_lock:
             return [r for i, r in enumerate(self._rules) if i not in self._used]
 

@@ -35,10 +35,51 @@ def _check_entry(entry: Mapping[str, Any], path: str) -> None:
     extra = set(entry) - _QUANTIZED_KEYS
     if extra:
         raise ValueError(
-            f"{path}: a quantized entry holds only {sorted(_QUANTIZED_KEYS)}, not {sorted(extra)}."
+            f"{path} has unsupported quantized leaves {sorted(extra)}. Expected only "
+            f"{sorted(_QUANTIZED_KEYS)}."
         )
     if "scale" not in entry:
-        raise ValueError(f"{path}: a quantized entry needs a 'scale' next to its 'qvalue'.")
+        raise ValueError(
+            f'{path} is missing required "qvalue" or "scale" in pre-quantized dictionary. '
+            f"Found keys: {sorted(entry)}; a quantized entry needs a 'scale' next to its 'qvalue'."
+        )
+
+
+def _quantized_template(template: Any) -> qarray.QArray | None:
+    """The QArray a template param stands for: a WithAux's, a QArray, or a plain dict of
+    {"qvalue", "scale"[, "zero_point"]} (a model that holds its quantized weight as a dict,
+    possibly under "array"), as the reference accepts; None for a float param."""
+    template = flax_util.unbox(template)
+    if isinstance(template, ptq.WithAux):
+        template = flax_util.unbox(template.array)
+    if isinstance(template, Mapping) and "array" in template:
+        template = template["array"]
+    if isinstance(template, Mapping) and {"qvalue", "scale"} <= set(template):
+        zp = template.get("zero_point")
+        qvalue = flax_util.unbox(template["qvalue"])
+        return qarray.QArray(
+            qvalue, flax_util.unbox(template["scale"]), flax_util.unbox(zp), qtype=qvalue.dtype
+        )
+    return template if isinstance(template, qarray.QArray) else None
+
+
+def _how_of(template: Any, target: qarray.QArray) -> qarray.HowToQuantize:
+    """How the model quantizes the param: the WithAux's; else read from the scale's shape (one
+    scale per index: channelwise; fewer: tiled), with "minmax" where a zero point is held."""
+    template = flax_util.unbox(template)
+    if isinstance(template, ptq.WithAux):
+        return template.how
+    qshape, sshape = tuple(target.qvalue.shape), tuple(target.scale.shape)
+    channelwise = [a for a, (q, s) in enumerate(zip(qshape, sshape, strict=True)) if q == s]
+    tiled = {
+        a: q // s for a, (q, s) in enumerate(zip(qshape, sshape, strict=True)) if s not in (1, q)
+    }
+    return qarray.HowToQuantize(
+        qtype=target.qtype,
+        channelwise_axes=channelwise,
+        tiled_axes=tiled,
+        calibration_method="absmax" if target.zero_point is None else "minmax",
+    )
 
 
 def _resolve(template: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
@@ -53,23 +94,40 @@ def _resolve(template: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any
     return path, (None if found is ptq._MISSING else found)
 
 
+def _placement(like: Any, path: str) -> Any:
+    """The sharding to put a value like ``like`` on; a NamedSharding of an AbstractMesh (an
+    abstract model's) is made concrete on the active mesh (``jax.set_mesh``), as the reference."""
+    sharding = getattr(flax_util.unbox(like), "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        concrete = jax.sharding.get_mesh()
+        if concrete.empty:
+            raise ValueError(
+                f"{path} requires an active mesh to place pre-quantized arrays. Run "
+                "process_prequantized_params inside the jax.set_mesh(...) of the sharded model."
+            )
+        return jax.sharding.NamedSharding(concrete, sharding.spec)
+    return sharding
+
+
 def _coerce(value: Any, like: Any, path: str, *, broadcast: bool = False) -> jax.Array:
     """value as an array with like's dtype, shape (scales may broadcast) and sharding."""
+    sharding = _placement(like, path)
     like = flax_util.unbox(like)
-    sharding = getattr(like, "sharding", None)
     out = jnp.asarray(value).astype(like.dtype)
     if out.shape != tuple(like.shape):
         if not broadcast:
-            raise ValueError(
-                f"{path}: shape {out.shape} in the checkpoint, the model has {like.shape}."
-            )
+            raise ValueError(f"{path} has shape {out.shape}, expected {tuple(like.shape)}.")
         try:
             out = jnp.broadcast_to(out, like.shape)
         except ValueError:
             raise ValueError(
-                f"{path}: scale shape {out.shape} does not broadcast to the model's {like.shape}."
+                f"{path} has shape {out.shape}, expected {tuple(like.shape)} (a scale must "
+                "broadcast to the model's)."
             ) from None
-    if isinstance(sharding, jax.sharding.Sharding):
+    if sharding is not None:
         out = jax.device_put(out, sharding)
     return out
 
@@ -91,8 +149,8 @@ def _same_scheme(entry: Mapping[str, Any], template: qarray.QArray) -> bool:
     )
 
 
-def _quantized(entry: Mapping[str, Any], template: ptq.WithAux, path: str) -> qarray.QArray:
-    target = flax_util.unbox(template.array)
+def _quantized(entry: Mapping[str, Any], template: Any, path: str) -> qarray.QArray:
+    target = _quantized_template(template)
     if _same_scheme(entry, target):
         zp = entry.get("zero_point")
         return qarray.QArray(
@@ -102,8 +160,11 @@ def _quantized(entry: Mapping[str, Any], template: ptq.WithAux, path: str) -> qa
             qtype=target.qtype,
         )
     # Another scheme (qtype, channels, tiles): requantize the stored values as the model asks.
-    values = qarray.dequantize(_stored_qarray(entry)).reshape(target.shape)
-    return qarray.quantize(values.astype(flax_util.unbox(target.scale).dtype), template.how)
+    values = qarray.dequantize(_stored_qarray(entry))
+    if values.shape != tuple(target.shape):
+        raise ValueError(f"{path} has shape {values.shape}, expected {tuple(target.shape)}.")
+    scale_dtype = flax_util.unbox(target.scale).dtype
+    return qarray.quantize(values.astype(scale_dtype), _how_of(template, target))
 
 
 def process_prequantized_params(
@@ -141,22 +202,21 @@ def process_prequantized_params(
             if allow_extra_params:
                 continue
             raise ValueError(
-                f"{where} is not in the model; pass allow_extra_params=True to skip it."
+                "Found extra parameters in prequantized_params not present in template: "
+                f"{where}; pass allow_extra_params=True to skip them."
             )
         out[path] = _process(entry, template, where, use_checkpoint_sharding)
     return flax.traverse_util.unflatten_dict(out)
 
 
 def _process(entry: Any, template: Any, where: str, keep_placement: bool) -> Any:
+    quantized_template = _quantized_template(template) is not None
     template = flax_util.unbox(template)
-    quantized_template = isinstance(template, ptq.WithAux) and isinstance(
-        flax_util.unbox(template.array), qarray.QArray
-    )
     if isinstance(entry, Mapping):
         _check_entry(entry, where)
         if quantized_template:
             qa = _quantized(entry, template, where)
-            return {"array": ptq._pure(qa)}
+            return {"array": ptq._pure(qa)} if _holds_array(template) else ptq._pure(qa)
         value = qarray.dequantize(_stored_qarray(entry))
     elif quantized_template:
         raise ValueError(
@@ -168,6 +228,13 @@ def _process(entry: Any, template: Any, where: str, keep_placement: bool) -> Any
     if keep_placement:
         return jnp.asarray(value).astype(flax_util.unbox(template).dtype)
     return _coerce(value, template, where)
+
+
+def _holds_array(template: Any) -> bool:
+    # Our WithAux (and a dict template spelled {"array": {...}}) nest the codes under "array".
+    return isinstance(template, ptq.WithAux) or (
+        isinstance(template, Mapping) and "array" in template
+    )
 
 
 def restore_quantization_rules(

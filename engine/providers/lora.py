@@ -41,7 +41,7 @@ from qmill.engine.providers import model as model_lib
 from qmill.engine.providers import ptq
 
 # NNX attribute the reference reads dropout rngs from (set with model.set_attributes).
-_USER_RNGS = "qwix_rngs"
+_USER_RNGS = flax_util.RNGS_ATTR
 
 # NNX variable type of the adapters: flax's own, so nnx.LoRAParam filters find them.
 LoRAParam = nnx.LoRAParam
@@ -83,13 +83,18 @@ class LoraProvider(ptq.PtqProvider):
         else:
             base = self.quantized_dot_general(rule, op_id, module, lhs, rhs, dimension_numbers)
         (lc, rc), (lb, rb) = dimension_numbers
-        if not isinstance(rule, rules_lib.LoraRule) or ref is None or lb or rb:
+        if not isinstance(rule, rules_lib.LoraRule) or ref is None:
             return base
-        free = [a for a in range(len(rhs.shape)) if a not in rc]
-        a, b = self._adapters(module, rule, ref.name, rhs, list(rc), free)
+        # Batch axes (a batched weight, e.g. one matrix per head) lead both adapters, as the
+        # reference: lora_a (*batch, *contracting, rank), lora_b (*batch, rank, *free).
+        nb = len(rb)
+        free = [a for a in range(len(rhs.shape)) if a not in rc and a not in rb]
+        a, b = self._adapters(module, rule, ref.name, rhs, list(rc), free, list(rb))
         x = self._dropout(module, rule, ref.name, lhs)
-        t = jax.lax.dot_general(x, a, ((tuple(lc), tuple(range(len(rc)))), ((), ())))
-        delta = jax.lax.dot_general(t, b, (((t.ndim - 1,), (0,)), ((), ())))
+        a_contract = tuple(range(nb, nb + len(rc)))
+        batch = tuple(range(nb))
+        t = jax.lax.dot_general(x, a, ((tuple(lc), a_contract), (tuple(lb), batch)))
+        delta = jax.lax.dot_general(t, b, (((t.ndim - 1,), (nb,)), (batch, batch)))
         return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
 
     def einsum(self, einsum_str, *operands, **kwargs) -> jax.Array:
@@ -107,30 +112,46 @@ class LoraProvider(ptq.PtqProvider):
         shared_out = set(lhs_s) & set(rhs_s) & set(out)
         if not isinstance(rule, rules_lib.LoraRule) or ref is None or shared_out or "." in ins:
             return base
-        r = next(c for c in string.ascii_letters if c not in ins + out)
+        # The rank's letter as the reference picks it: "r", else the first free letter.
+        used = set(ins + out)
+        r = "r" if "r" not in used else sorted(set(string.ascii_letters) - used)[0]
         contract = [i for i, c in enumerate(rhs_s) if c in lhs_s]
         free = [i for i, c in enumerate(rhs_s) if c not in lhs_s]
         a, b = self._adapters(module, rule, ref.name, rhs, contract, free)
         kept = "".join(c for c in lhs_s if c in out)
         x = self._dropout(module, rule, ref.name, lhs)
         c_s, f_s = "".join(rhs_s[i] for i in contract), "".join(rhs_s[i] for i in free)
+        if isinstance(module, nnx.Module):
+            # The adapters' einsum, kept on the module as the reference does (for debugging).
+            setattr(module, f"{ref.name}_lora_einsum_str", f"{lhs_s},{c_s}{r},{r}{f_s}->{out}")
         t = jnp.einsum(f"{lhs_s},{c_s}{r}->{kept}{r}", x, a)
         delta = jnp.einsum(f"{kept}{r},{r}{f_s}->{out}", t, b)
         return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
 
-    def _adapters(self, module, rule: rules_lib.LoraRule, name: str, weight, contract, free):
+    def _adapters(
+        self, module, rule: rules_lib.LoraRule, name: str, weight, contract, free, batch=()
+    ):
         shape = tuple(weight.shape)
         dtype = weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.float32
-        a_shape = (*(shape[i] for i in contract), rule.rank)
-        b_shape = (rule.rank, *(shape[i] for i in free))
+        a_axes = (*batch, *contract, None)  # the weight's axes each adapter axis comes from
+        b_axes = (*batch, None, *free)
+        a_shape = tuple(rule.rank if i is None else shape[i] for i in a_axes)
+        b_shape = tuple(rule.rank if i is None else shape[i] for i in b_axes)
         names = _sharding_names(module, name)
-        a_names = _pick(names, (*contract, None))
-        b_names = _pick(names, (None, *free))
-        a = self._param(module, f"{name}_lora_a", rule.lora_a_initializer, a_shape, dtype, a_names)
-        b = self._param(module, f"{name}_lora_b", rule.lora_b_initializer, b_shape, dtype, b_names)
+        a_names = _pick(names, a_axes)
+        b_names = _pick(names, b_axes)
+        a_init, b_init = rule.lora_a_initializer, rule.lora_b_initializer
+        a = self._param(module, f"{name}_lora_a", a_init, a_shape, dtype, a_names, name)
+        b = self._param(module, f"{name}_lora_b", b_init, b_shape, dtype, b_names, name)
         return a, b
 
-    def _param(self, module, name, init, shape, dtype, names=None) -> jax.Array:
+    def _param(self, module, name, init, shape, dtype, names=None, base=None) -> jax.Array:
+        mesh = None if names is None or base is None else _mesh_of(module, base)
+        if mesh is not None:
+            # The base weight is placed on a mesh: its adapter is placed likewise, as the
+            # reference places it (P(None, None, 'in', None) for an HWIO kernel's lora_a).
+            placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*names))
+            init = _placed(init, placed)
         if isinstance(module, nn.Module):
             if names is not None:
                 init = nn.with_partitioning(init, names)
@@ -141,7 +162,7 @@ class LoraProvider(ptq.PtqProvider):
                 # A data slot (not static) so set_attributes(qwix_rngs=nnx.Rngs(...)) may fill it.
                 setattr(module, _USER_RNGS, nnx.data(None))
             rngs = self.rngs if self.rngs is not None else nnx.Rngs(0)
-            # Annotation only (no eager placement): the adapter is created outside any mesh.
+            # The annotation (placement, if any, was done above by the initializer).
             meta = {} if names is None else {"out_sharding": names, "eager_sharding": False}
             existing = LoRAParam(init(rngs.params(), shape, dtype), **meta)
             setattr(module, name, existing)
@@ -198,13 +219,11 @@ class LoraProvider(ptq.PtqProvider):
         dtype = rhs.dtype if jnp.issubdtype(rhs.dtype, jnp.floating) else jnp.float32
         names = _sharding_names(module, ref.name)
         a_axes = tuple(None if i == out_feature else i for i in range(rhs.ndim))
-        a_init = rule.lora_a_initializer
-        a = self._param(module, f"{ref.name}_lora_a", a_init, shape, dtype, _pick(names, a_axes))
+        a_init, a_names = rule.lora_a_initializer, _pick(names, a_axes)
+        a = self._param(module, f"{ref.name}_lora_a", a_init, shape, dtype, a_names, ref.name)
         b_shape = (rule.rank, rhs.shape[out_feature])
-        b_names = _pick(names, (None, out_feature))
-        b = self._param(
-            module, f"{ref.name}_lora_b", rule.lora_b_initializer, b_shape, dtype, b_names
-        )
+        b_init, b_names = rule.lora_b_initializer, _pick(names, (None, out_feature))
+        b = self._param(module, f"{ref.name}_lora_b", b_init, b_shape, dtype, b_names, ref.name)
         x = self._dropout(module, rule, ref.name, lhs)
         conv_kwargs = {k: v for k, v in call.values.items() if k != "dimension_numbers"}
         t = jax.lax.conv_general_dilated(
@@ -235,6 +254,25 @@ def _sharding_names(module: Any, name: str) -> tuple | None:
             if names is not None:
                 return tuple(names)
     return None
+
+
+def _mesh_of(module: Any, name: str) -> Any:
+    """The mesh the base weight's value is placed on (a NamedSharding's), or None."""
+    value = flax_util.unbox(
+        module.get_variable("params", name)
+        if isinstance(module, nn.Module)
+        else getattr(module, name, None)
+    )
+    value = getattr(getattr(value, "array", None), "qvalue", value)  # a quantized base
+    sharding = getattr(value, "sharding", None)
+    return sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
+def _placed(init: Any, sharding: Any) -> Any:
+    def placed_init(*args: Any, **kwargs: Any) -> jax.Array:
+        return jax.device_put(init(*args, **kwargs), sharding)
+
+    return placed_init
 
 
 def _pick(names: tuple | None, axes: tuple[int | None, ...]) -> tuple | None:

@@ -45,7 +45,15 @@ def is_initializing_nnx() -> bool:
 def _running(provider: base.QuantizationProvider, model: Any) -> Iterator[None]:
     handlers = _handlers(provider)
     originals = interception.originals_of(list(handlers))
-    with provenance.tracking(), interception.intercepted(handlers):
+    # One block per provider and thread: a quantized method called by another (or by a
+    # handler) runs under the block already there, as the reference applies an interceptor once.
+    interceptor = interception.Interceptor(handlers, id=("provider", id(provider)))
+    block = (
+        contextlib.nullcontext()
+        if interception.is_active(interceptor.id)
+        else interception.intercepted(interceptor)
+    )
+    with provenance.tracking(), block:
         if isinstance(model, nnx.Module):
             flax_util.track_module_params(model)
             yield
@@ -142,26 +150,28 @@ def quantize_model(
                 "Linen models take no inputs here; call init/apply on the quantized model."
             )
         cls = _subclass(_float_class(type(model)), methods, {_PROVIDER_ATTR: provider})
+        provider.quantization_completed = True
         return cls(**_linen_fields(model))
     if not isinstance(model, nnx.Module):
         raise ModelInputsError(f"expected a Linen or NNX module, got {type(model).__name__}")
     skip_init = bool(model_inputs_kwargs.pop("skip_nnx_init", False))
-    # The seeds' rngs= initialises LoRA adapters; it is not an input of the model.
+    # The seeds' rngs= is lent to the modules while the model first runs (flax_util.nnx_rngs:
+    # LoRA adapters, params made with need_rng); it is not an input of the model.
     rngs = model_inputs_kwargs.pop("rngs", None)
     if rngs is not None:
-        if not isinstance(rngs, nnx.Rngs) or not hasattr(provider, "rngs"):
-            raise ModelInputsError(
-                "rngs= must be an nnx.Rngs, for a provider that initialises variables from it "
-                f"(LoraProvider); got {type(rngs).__name__} for {type(provider).__name__}."
-            )
-        provider.rngs = rngs
+        if not isinstance(rngs, nnx.Rngs):
+            raise ModelInputsError(f"rngs= must be an nnx.Rngs; got {type(rngs).__name__}.")
+        if hasattr(provider, "rngs"):
+            provider.rngs = rngs
     if not (model_inputs or model_inputs_kwargs or skip_init):
         raise ModelInputsError(
             "NNX models need example inputs here (quantize_model(model, provider, *inputs)): "
             "they are run once to create the quantized variables. Pass skip_nnx_init=True to "
             "skip that run."
         )
-    return _quantize_nnx(model, provider, methods, model_inputs, model_inputs_kwargs)
+    quantized = _quantize_nnx(model, provider, methods, model_inputs, model_inputs_kwargs, rngs)
+    provider.quantization_completed = True
+    return quantized
 
 
 class ModelInputsError(ValueError, TypeError):
@@ -177,7 +187,7 @@ def _linen_fields(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _quantize_nnx(model, provider, methods, inputs, kwargs) -> nnx.Module:
+def _quantize_nnx(model, provider, methods, inputs, kwargs, rngs=None) -> nnx.Module:
     graphdef, state = nnx.split(model)
     new = nnx.merge(graphdef, state)
     # The provider is set on the top module only; its presence marks the model as quantized.
@@ -190,6 +200,8 @@ def _quantize_nnx(model, provider, methods, inputs, kwargs) -> nnx.Module:
             # (the seeds' way to freeze them for evaluation) reaches them all.
             if not hasattr(node, "disable_quant_stats_update"):
                 node.disable_quant_stats_update = False
+            # A data slot, so set_attributes(qwix_rngs=nnx.Rngs(...)) may fill it later.
+            setattr(node, flax_util.RNGS_ATTR, nnx.data(rngs))
             interception.late_bind_attributes(node, originals)
     object.__setattr__(new, "__class__", _nnx_subclass(_float_class(type(new)), methods))
     setattr(new, _PROVIDER_ATTR, provider)
@@ -199,4 +211,6 @@ def _quantize_nnx(model, provider, methods, inputs, kwargs) -> nnx.Module:
             getattr(new, methods[0])(*inputs, **kwargs)
         finally:
             _init_state.initializing -= 1
+    # As the reference, the rngs are lent for the first run only; set_attributes lends others.
+    new.set_attributes(**{flax_util.RNGS_ATTR: None}, raise_if_not_found=False)
     return new

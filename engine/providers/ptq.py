@@ -13,6 +13,7 @@ activation scale ``<op_id>_{lhs,rhs}_scale/array`` (+ ``..._zero_point``) in the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -156,15 +157,32 @@ class PtqProvider(base.OpsProvider):
             return nn.unbox(existing)
         return super().nn_param(module, name, *args, **kwargs)
 
+    def asarray(self, a: Any, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """jnp.asarray in a PTQ model, as the reference: a quantized weight (WithAux, QArray, in a
+        box or not) stays quantized (cast to ``dtype``'s scale) for the op that reads it; a
+        float array converts as usual, a param keeping its identity as a weight."""
+        value = flax_util.unbox(a) if isinstance(a, nnx.Variable | nn.meta.AxisMetadata) else a
+        if isinstance(value, WithAux):
+            return value.replace(array=self.asarray(flax_util.unbox(value.array), dtype))
+        if isinstance(value, qarray.QArray):
+            return value if dtype is None or value.dtype == dtype else value.astype(dtype)
+        return _float_asarray()(a, dtype, *args, **kwargs)
+
+    def get_intercept_map(self) -> dict[str, Any]:
+        return super().get_intercept_map() | {"jax.numpy.asarray": self.asarray}
+
     # ---- operands ----------------------------------------------------------------------------
 
     def _prepare_operands(self, lhs, rhs, how, rule, op_id, module) -> tuple[Any, Any]:
         out = []
         for side, x in (("lhs", lhs), ("rhs", rhs)):
             for_lhs = side == "lhs"
-            ref = None if isinstance(x, WithAux) else flax_util.find_param(x, module)
+            quantized = isinstance(x, WithAux | qarray.QArray)
+            ref = None if quantized else flax_util.find_param(x, module)
             if isinstance(x, WithAux):
                 x = x.array
+            elif quantized:
+                pass  # a QArray the model code took out of its weight (jnp.asarray, .array)
             elif ref is not None:
                 x = self.quantize_weight(module, ref, x, how.weight(for_lhs)).array
             elif rule.act_qtype is not None:
@@ -179,6 +197,12 @@ class PtqProvider(base.OpsProvider):
 
     def quantize_act(self, module, array, how, rule, act_name) -> qarray.QArray:
         return quantize_act(module, array, how, rule, act_name)
+
+
+@functools.cache
+def _float_asarray() -> Any:
+    # jnp.asarray through provenance's view handler: a float param stays known as a weight.
+    return provenance.view_handlers()["jax.numpy.asarray"]
 
 
 class _ConvCall:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from qmill.engine.core.sparsity import SparsityRule as SparsityRule
 from qmill.engine.modeling import interception
 from qmill.engine.modeling.rules import QuantizationRule as QuantizationRule
 from qmill.engine.providers.base import QuantizationProvider as QuantizationProvider
@@ -23,4 +24,4 @@ def get_current_rule(op_name: str) -> QuantizationRule | None:
     return None if handler is None else handler(op_name)
 
 
-__all__ = ["QuantizationProvider", "QuantizationRule", "get_current_rule"]
+__all__ = ["QuantizationProvider", "QuantizationRule", "SparsityRule", "get_current_rule"]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from qmill.engine.core import averaging, qarray, stochastic_rounding
+from qmill.engine.core import averaging, qarray, sparsity, stochastic_rounding
 from qmill.engine.modeling import flax_util, rules
 from qmill.engine.ops import op_adapter
 from qmill.engine.providers import base, model
@@ -42,6 +42,28 @@ def fake_quant(x: jax.Array, how: qarray.HowToQuantize) -> jax.Array:
 def ste(x: jax.Array, fq: jax.Array) -> jax.Array:
     """fq in the forward pass, x's gradient in the backward (the straight-through estimator)."""
     return x + jax.lax.stop_gradient(fq - x)
+
+
+def clipped_ste(
+    x: jax.Array, fq: jax.Array, how: qarray.HowToQuantize, calibration=None
+) -> jax.Array:
+    """ste, with the gradient zeroed where x fell outside the range its calibration kept (as the
+    reference clips gradients; absmax / minmax keep everything, so nothing is masked).
+    ``calibration``: the one x was quantized with (None: x's own)."""
+    if qarray.is_gradient_clipping_noop(how.calibration_method):
+        return ste(x, fq)
+    x0 = jax.lax.stop_gradient(x)
+    if calibration is None:
+        calibration = qarray.calibrate(x0, how)
+    masked = qarray.clip_gradient_to_calibration(x - x0, x0, calibration, how.calibration_method)
+    return ste(x0 + masked, fq)
+
+
+def qt_option(rule: rules.QuantizationRule, name: str, default: Any) -> Any:
+    """A DotGeneralQtConfig field set through the rule's ``additional_qt_config`` (the
+    reference's override); ``sparsity_rule`` may also be a field of the rule itself."""
+    extra = getattr(rule, "additional_qt_config", None) or {}
+    return extra.get(name, getattr(rule, name, default))
 
 
 class QtProvider(base.OpsProvider):
@@ -121,16 +143,25 @@ class QtProvider(base.OpsProvider):
     def _run(self, rule, op_id, module, lhs, rhs, how, compute) -> jax.Array:
         operands = []
         weight_side = None
+        clip = not qt_option(rule, "disable_gradient_clipping", False)
         for side, x in (("lhs", lhs), ("rhs", rhs)):
             for_lhs = side == "lhs"
             if flax_util.find_param(x, module) is not None:
                 weight_side = side
-                x = ste(x, fake_quant(x, self._maybe_per_tensor(rule, how.weight(for_lhs))))
+                if (sparsity_rule := qt_option(rule, "sparsity_rule", None)) is not None:
+                    # Before quantization, as the reference: the kept weights get the range.
+                    x = sparsity.sparsify(x, sparsity_rule)
+                h = self._maybe_per_tensor(rule, how.weight(for_lhs))
+                calibration = None
             elif rule.act_qtype is not None:
                 h = self._maybe_per_tensor(rule, how.act(for_lhs))
                 name = None if op_id is None else f"{op_id}_{side}"
-                x = ste(x, self.fake_quant_act(module, x, h, rule, name))
-            operands.append(x)
+                calibration = self.act_calibration(module, x, h, rule, name)
+            else:
+                operands.append(x)
+                continue
+            fq = _quantize_with(x, h, calibration)
+            operands.append(clipped_ste(x, fq, h, calibration) if clip else ste(x, fq))
         if _qt_setting(rule, "bwd_qtype") is None:
             return compute(*operands)
         cfg = _BwdConfig.of(rule, compute.grad_layout, weight_side)
@@ -143,8 +174,13 @@ class QtProvider(base.OpsProvider):
 
     def fake_quant_act(self, module, x, how, rule, act_name) -> jax.Array:
         """Fake-quantizes an activation; static scales come from the running statistic."""
+        return _quantize_with(x, how, self.act_calibration(module, x, how, rule, act_name))
+
+    def act_calibration(self, module, x, how, rule, act_name) -> dict[str, jax.Array] | None:
+        """The calibration an activation is quantized with: the running statistic's for static
+        scales (updated when the model may), None (x's own, dynamic) otherwise."""
         if not rule.resolved_act_static_scale or module is None or act_name is None:
-            return fake_quant(x, how)
+            return None
         axes = tuple(rule.act_batch_axes)
         current = {
             k: v.mean(axis=axes, keepdims=True)
@@ -154,18 +190,22 @@ class QtProvider(base.OpsProvider):
         if _can_update(module):
             stat = averaging.update(stat, current)
             _set_stat(module, act_name, stat)
-            calibration = averaging.calibration(stat)
-        else:
-            seen = stat["count"] > 0
-            avg = averaging.calibration(stat)
-            calibration = {
-                k: jnp.where(seen, avg[k], v.astype(jnp.float32)) for k, v in current.items()
-            }
-        scale, zero_point = qarray.compute_scale_zero_point(calibration, how.qtype)
-        q = qarray.quantize_with_scale_zero_point(
-            jax.lax.stop_gradient(x), how.qtype, scale.astype(x.dtype), zero_point
-        )
-        return qarray.dequantize(q).astype(x.dtype)
+            return averaging.calibration(stat)
+        seen = stat["count"] > 0
+        avg = averaging.calibration(stat)
+        return {k: jnp.where(seen, avg[k], v.astype(jnp.float32)) for k, v in current.items()}
+
+
+def _quantize_with(x: jax.Array, how: qarray.HowToQuantize, calibration) -> jax.Array:
+    """x fake-quantized (no gradient) as ``how`` says, with ``calibration`` when given (a static
+    scale) and x's own otherwise."""
+    if calibration is None:
+        return fake_quant(x, how)
+    scale, zero_point = qarray.compute_scale_zero_point(calibration, how.qtype)
+    q = qarray.quantize_with_scale_zero_point(
+        jax.lax.stop_gradient(x), how.qtype, scale.astype(x.dtype), zero_point
+    )
+    return qarray.dequantize(q).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,22 +290,16 @@ def stochastic_noise_fn(
     noise_axes: Sequence[int] = (0,),
     *,
     channelwise_noise_axes: Sequence[int] | None = None,
-) -> qarray.NoiseFn:
-    """Noise for stochastic rounding (see stochastic_rounding.py), as a HowToQuantize noise_fn.
+) -> stochastic_rounding.NoiseFn:
+    """stochastic_rounding.get_noise_fn, with the noise axes also by position (``noise_axes``)
+    and the noise broadcast to the full shape asked for.
 
-    The noise varies along ``channelwise_noise_axes`` (the seeds' name; ``noise_axes`` is the
-    same, by position) and is broadcast over the other axes. "uniform" draws float noise,
+    The noise varies along ``channelwise_noise_axes`` only. "uniform" draws float noise,
     "low_bit_uniform" 8-bit noise.
     """
-    if method not in stochastic_rounding.NOISE:
-        raise ValueError(f"stochastic rounding {method!r}; expected 'uniform' or 'low_bit_uniform'")
-    axes = tuple(noise_axes if channelwise_noise_axes is None else channelwise_noise_axes)
-    draw = stochastic_rounding.NOISE[method]
-
-    def noise(shape: tuple[int, ...]) -> jax.Array:
-        return jnp.broadcast_to(draw(shape, key=key, channelwise_noise_axes=axes), shape)
-
-    return noise
+    axes = noise_axes if channelwise_noise_axes is None else channelwise_noise_axes
+    noise = stochastic_rounding.get_noise_fn(method, key, axes)
+    return dataclasses.replace(noise, full_shape=True)
 
 
 def _rounding_key(module: Any, cfg: _BwdConfig) -> jax.Array | None:

@@ -100,7 +100,9 @@ def test_unused_rules_reported_before_and_after_a_run():
     head = qwix.QuantizationRule(module_path="head", weight_qtype="int8")
     nowhere = qwix.QuantizationRule(module_path="nowhere", weight_qtype="int4")
     provider = qwix.PtqProvider(rules=[head, nowhere])
-    assert provider.get_unused_rules() == [head, nowhere]  # nothing has run: all are unused
+    # As the reference (issue 30): asking before quantize_model is an error, not "all unused".
+    with pytest.raises(ValueError, match="call `quantize_model` before"):
+        provider.get_unused_rules()
     qwix.quantize_model(Stack(nnx.Rngs(0)), provider, x)  # NNX: runs the model once
     assert provider.get_unused_rules() == [nowhere]
 

@@ -1,0 +1,182 @@
+"""Reference behaviours of the core and its utilities (issue 30): flax_util's params, rngs and
+sharding helpers, checkpoint_utils' errors and templates, and QArrays of mx formats holding
+their values in float32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import qmill.engine as qwix
+from qmill.engine import checkpoint_utils, flax_util
+
+
+def test_get_or_create_param_with_an_rng_linen_and_nnx():
+    init = lambda key: jax.random.normal(key, (2, 3))  # noqa: E731
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x @ flax_util.get_or_create_param("w", init, need_rng=True)
+
+    variables = Linen().init(jax.random.key(0), jnp.ones((1, 2)))
+    w = variables["params"]["w"]
+    assert w.shape == (2, 3) and float(jnp.abs(w).sum()) > 0
+
+    class Nnx(nnx.Module):
+        def __init__(self):
+            self.qwix_rngs = nnx.Rngs(params=1)  # what quantize_model(..., rngs=) lends
+
+        def __call__(self, x):
+            a = flax_util.get_or_create_param(
+                "lora_a", init, nnx_param_type=nnx.LoRAParam, need_rng=True
+            )
+            return x @ a
+
+    m = Nnx()
+    m(jnp.ones((1, 2)))
+    assert isinstance(m.lora_a, nnx.LoRAParam)
+    np.testing.assert_array_equal(m.lora_a[...], init(nnx.Rngs(params=1).params()))
+
+
+def test_make_rng_uses_the_rngs_lent_by_quantize_model():
+    drawn = []
+
+    class Noisy(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            if getattr(self, "qwix_rngs", None) is not None:
+                drawn.append(flax_util.make_rng("dropout"))
+            return self.linear(x)
+
+    x = jnp.ones((1, 2))
+    model = qwix.quantize_model(
+        Noisy(), qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")]), x, rngs=nnx.Rngs(3)
+    )
+    assert len(drawn) == 1  # the first run drew from the lent rngs (no self.rngs needed)
+    np.testing.assert_array_equal(
+        jax.random.key_data(drawn[0]), jax.random.key_data(nnx.Rngs(3).dropout())
+    )
+    # Lent for the first run only, as the reference; set_attributes lends others.
+    assert model.qwix_rngs is None
+    model.set_attributes(qwix_rngs=nnx.Rngs(4))
+    model(x)
+    assert len(drawn) == 2
+    with pytest.raises(ValueError, match="qwix_rngs"):
+        flax_util.make_rng("dropout", module=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def test_find_param_falls_back_to_the_only_param_of_that_shape():
+    found = []
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.ones, (2, 3))
+            found.append(flax_util.find_param(w * 1.0))  # a new array, not a view we track
+            found.append(flax_util.find_param(jnp.ones((5,))))
+            return x @ w
+
+    Linen().init(jax.random.key(0), jnp.ones((1, 2)))
+
+    class Nnx(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((2, 3)))
+
+        def __call__(self, x):
+            found.append(flax_util.find_param(self.w[...] + 0.0))
+            return x @ self.w
+
+    Nnx()(jnp.ones((1, 2)))
+    assert found == ["w", None, "w"]
+
+
+def test_update_sharding_and_update_boxed():
+    # merge takes split's arguments (the unsplit axes); a list stays a list, as the reference.
+    split = flax_util.update_sharding(("a", "x", "b"), split=[0, 2])
+    assert split == ("a", None, "x", "b", None)
+    assert flax_util.update_sharding(list(split), merge=[0, 2]) == ["a", "x", "b"]
+    assert flax_util.update_sharding(("a", "b"), split=[1]) == ("a", "b", None)
+    assert flax_util.update_sharding(["a", "b"], shape=(1, 4)) == (None, "b")
+    boxed = nn.Partitioned(jnp.ones((4, 8)), names=("in", "out"))
+    out = flax_util.update_boxed(boxed, value=jnp.ones((1, 8)))
+    assert out.names == (None, "out")
+    mesh_boxed = nn.LogicallyPartitioned(jnp.ones((4, 8)), names=("x", "y"), mesh=None)
+    assert flax_util.update_boxed(mesh_boxed, transpose=[1, 0]).names == ("y", "x")
+    var = nnx.Param(jnp.ones((4, 8)), out_sharding=("in", "out"), eager_sharding=False)
+    same = flax_util.update_boxed(var, transpose=[1, 0])  # no value: updated in place
+    assert same is var and var.get_metadata()["out_sharding"] == ("out", "in")
+    with pytest.raises(ValueError, match="Unsupported type"):
+        flax_util.update_boxed("not an array")
+
+
+def test_qarray_of_an_mx_format_may_hold_float32_values():
+    x = jnp.linspace(-3.0, 3.0, 64).reshape(2, 32)
+    q = qwix.quantize(x, "mxfp8", tiled_axes={1: 32})
+    wide = qwix.QArray(q.qvalue.astype(jnp.float32), q.scale, qtype="mxfp8")
+    assert wide.qtype == "mxfp8"
+    np.testing.assert_array_equal(qwix.dequantize(wide), qwix.dequantize(q))
+    with pytest.raises(ValueError, match="storage dtype"):
+        qwix.QArray(q.qvalue.astype(jnp.int32), q.scale, qtype="mxfp8")
+
+
+class Pair(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x)
+
+
+def _abstract(rules):
+    x = jnp.ones((1, 16))
+    return nnx.eval_shape(
+        lambda: qwix.quantize_model(Pair(nnx.Rngs(0)), qwix.PtqProvider(rules), x)
+    )
+
+
+def test_prequantized_params_errors_say_what_the_reference_says():
+    model = _abstract([qwix.QuantizationRule(weight_qtype="int8")])
+    entry = {"qvalue": jnp.ones((16, 4), jnp.int8), "scale": jnp.ones((1, 4))}
+    with pytest.raises(ValueError, match=r"unsupported quantized leaves \['junk'\]"):
+        checkpoint_utils.process_prequantized_params(
+            {"head": {"kernel": entry | {"junk": jnp.ones(1)}}}, model
+        )
+    with pytest.raises(ValueError, match=r"extra parameters.*nope"):
+        checkpoint_utils.process_prequantized_params({"nope": jnp.ones(2)}, model)
+    # A wrong shape is a ValueError (requantized, or loaded as is), never a TypeError.
+    for bad in (
+        {"qvalue": jnp.ones((8, 4), jnp.int4), "scale": jnp.ones((1, 4))},
+        {"qvalue": jnp.ones((8, 4), jnp.int8), "scale": jnp.ones((1, 4))},
+    ):
+        with pytest.raises(ValueError, match=r"head/kernel has shape \(8, 4\), expected \(16, 4\)"):
+            checkpoint_utils.process_prequantized_params({"head": {"kernel": bad}}, model)
+
+
+def test_prequantized_params_into_a_plain_dict_template():
+    # A model holding its quantized weight as a plain dict (no WithAux), as the reference loads.
+    class DictWeight(nnx.Module):
+        def __init__(self):
+            self.w = nnx.data(
+                {"qvalue": jnp.zeros((16, 4), jnp.int8), "scale": jnp.ones((1, 4), jnp.float32)}
+            )
+
+    model = DictWeight()
+    source = qwix.quantize(
+        jax.random.normal(jax.random.key(1), (16, 4)), "int8", channelwise_axes=[1]
+    )
+    out = checkpoint_utils.process_prequantized_params(
+        {"w": {"qvalue": source.qvalue, "scale": source.scale}}, model
+    )
+    np.testing.assert_array_equal(out["w"]["qvalue"], source.qvalue)
+    np.testing.assert_array_equal(out["w"]["scale"], source.scale)
+    # Another scheme (per tensor) is requantized to the template's (per column, from its scale).
+    per_tensor = qwix.quantize(qwix.dequantize(source), "int8")
+    out = checkpoint_utils.process_prequantized_params(
+        {"w": {"qvalue": per_tensor.qvalue, "scale": per_tensor.scale}}, model
+    )
+    assert out["w"]["scale"].shape == (1, 4)

@@ -1,0 +1,74 @@
+"""Reference behaviours of LoRA (issue 30): adapters on batched dot_generals, the adapters'
+einsum kept on NNX modules, and adapters placed like a mesh-placed base weight."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import qmill.engine as qwix
+
+ONES = [qwix.LoraRule(rank=2, alpha=2.0, lora_b_initializer=jax.nn.initializers.ones)]
+DN = (((2,), (1,)), ((0,), (0,)))  # one (4, 6) matrix per head: batch axis 0
+
+
+class LinenBatched(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (5, 4, 6))
+        return jax.lax.dot_general(x, w, DN)
+
+
+class NnxBatched(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (5, 4, 6)))
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, self.w[...], DN)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_batched_dot_general_gets_adapters(framework):
+    x = jax.random.normal(jax.random.key(1), (5, 3, 4))
+    if framework == "linen":
+        model = qwix.apply_lora_to_model(LinenBatched(), qwix.LoraProvider(ONES))
+        params = model.init(jax.random.key(0), x)["params"]
+        w, a, b = params["w"], params["w_lora_a"], params["w_lora_b"]
+        out = model.apply({"params": params}, x)
+    else:
+        model = qwix.apply_lora_to_model(NnxBatched(), qwix.LoraProvider(ONES), x, rngs=nnx.Rngs(1))
+        w, a, b = model.w[...], model.w_lora_a[...], model.w_lora_b[...]
+        out = model(x)
+    # One adapter pair per batch index: lora_a (5, 4, rank), lora_b (5, rank, 6).
+    assert a.shape == (5, 4, 2) and b.shape == (5, 2, 6)
+    expected = jnp.einsum("hbi,hij->hbj", x, w) + jnp.einsum("hbi,hir,hrj->hbj", x, a, b)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_einsum_keeps_the_adapters_einsum():
+    x = jnp.ones((3, 4))
+    model = qwix.apply_lora_to_model(
+        nnx.Einsum("bi,ij->bj", (4, 5), rngs=nnx.Rngs(0)),
+        qwix.LoraProvider(ONES),
+        x,
+        rngs=nnx.Rngs(1),
+    )
+    # As the reference: lhs, lora_a, lora_b, with the rank as "r".
+    assert model.kernel_lora_einsum_str == "bi,ir,rj->bj"
+    a, b = model.kernel_lora_a[...], model.kernel_lora_b[...]
+    expected = x @ model.kernel[...] + jnp.einsum(model.kernel_lora_einsum_str, x, a, b)
+    np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_adapter_is_placed_like_a_mesh_placed_kernel():
+    mesh = jax.make_mesh((1, 1), ("in", "out"))
+    x = jnp.ones((1, 8, 8, 4))
+    with jax.set_mesh(mesh):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None, "in", "out"))
+        conv = nnx.Conv(4, 6, (3, 3), kernel_init=init, rngs=nnx.Rngs(0))
+        model = qwix.apply_lora_to_model(conv, qwix.LoraProvider(ONES), x, rngs=nnx.Rngs(1))
+    assert model.kernel_lora_a[...].sharding.spec == P(None, None, "in", None)
+    assert model.kernel_lora_b[...].sharding.spec == P(None, "out")

@@ -1,0 +1,97 @@
+"""Reference behaviours of the providers (issue 30): jnp.asarray of quantized weights inside a
+PTQ model, mx formats in QT / PTQ without an explicit tile, and the mx dot on the reference's
+inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import qmill.engine as qwix
+from qmill.engine import qarray
+from qmill.engine.ops import mxfp_dot
+
+DN = (((1,), (0,)), ((), ()))
+X = jnp.ones((2, 4))
+RULES = [qwix.QuantizationRule(weight_qtype="int8")]
+
+
+class Spy(qwix.PtqProvider):
+    """Records what reaches the quantized dot as its rhs."""
+
+    def __init__(self, rules):
+        super().__init__(rules)
+        self.seen = []
+
+    def quantized_dot_general(self, rule, op_id, module, lhs, rhs, dimension_numbers):
+        self.seen.append(type(rhs).__name__)
+        return super().quantized_dot_general(rule, op_id, module, lhs, rhs, dimension_numbers)
+
+
+class LinenAsarray(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (4, 3))
+        return jax.lax.dot_general(x, jnp.asarray(kernel, jnp.float32), DN)
+
+
+class NnxAsarray(nnx.Module):
+    def __init__(self):
+        self.kernel = nnx.Param(jax.random.normal(jax.random.key(0), (4, 3)))
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, jnp.asarray(self.kernel), DN)
+
+
+def test_asarray_of_a_quantized_weight_stays_quantized_linen():
+    spy = Spy(RULES)
+    model = qwix.quantize_model(LinenAsarray(), spy)
+    variables = model.init(jax.random.key(0), X)  # the float param: quantized on first use
+    kernel = variables["params"]["kernel"]
+    assert isinstance(kernel, qwix.WithAux)
+    out = model.apply(variables, X)  # now jnp.asarray meets the WithAux: it must stay one
+    assert spy.seen[-1] == "WithAux"
+    np.testing.assert_allclose(out, X @ qwix.dequantize(kernel.array), rtol=1e-6)
+
+
+def test_asarray_of_a_quantized_weight_stays_quantized_nnx():
+    spy = Spy(RULES)
+    model = qwix.quantize_model(NnxAsarray(), spy, X)
+    assert isinstance(model.kernel.array, qarray.QArray)
+    model(X)
+    assert spy.seen[-1] == "WithAux"
+    # The provider's own asarray, as the reference's: WithAux / QArray pass, a dtype casts scales.
+    with_aux = nnx.to_pure_dict(nnx.state(model))
+    assert set(with_aux["kernel"]["array"]) == {"qvalue", "scale"}
+    qa = qwix.quantize(jnp.ones((4, 3)), "int8")
+    assert spy.asarray(qa) is qa
+    assert spy.asarray(qa, jnp.bfloat16).scale.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(spy.asarray(jnp.ones(2)), jnp.ones(2))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
+def test_mx_formats_need_no_explicit_tile(fmt):
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, use_bias=False)(x)
+
+    x = jax.random.normal(jax.random.key(1), (2, 64))
+    qt = qwix.quantize_model(Dense(), qwix.QtProvider([qwix.QtRule(weight_qtype=fmt)]))
+    assert qt.apply(qt.init(jax.random.key(0), x), x).shape == (2, 8)
+    ptq = qwix.quantize_model(Dense(), qwix.PtqProvider([qwix.QuantizationRule(weight_qtype=fmt)]))
+    kernel = ptq.init(jax.random.key(0), x)["params"]["Dense_0"]["kernel"].array
+    # Blocks of the format's size along the contracted axis (64 / 32 or 64 / 16).
+    tile = 16 if fmt == "nvfp4" else 32
+    assert kernel.scale.shape == (64 // tile, 8)
+
+
+def test_mx_dot_on_the_reference_inputs():
+    # The reference's inputs: float32 ones on the mxfp8 grid, one block of 32 per row.
+    ones = qarray.QArray(qvalue=jnp.ones((2, 32)), scale=jnp.ones((2, 1)), qtype="mxfp8")
+    out = mxfp_dot.mxfp_dot_general(ones, ones, dimension_numbers=(((1,), (1,)), ((), ())))
+    np.testing.assert_array_equal(out, jnp.full((2, 2), 32.0))
+    one_side = mxfp_dot.mxfp_dot_general(ones, jnp.ones((2, 32)), (((1,), (1,)), ((), ())))
+    assert one_side is None

@@ -1,0 +1,175 @@
+"""Reference behaviours of quantized training (issue 30): gradient clipping to the calibrated
+range, N:M sparsity before quantizing weights, 2-D tiles given as a dict, the QT config's
+residual options and its pytree form, and stochastic-rounding noise as a pytree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import qmill.engine as qwix
+from qmill.engine import qconfig
+from qmill.engine.core import stochastic_rounding
+from qmill.engine.ops import dot_general_qt as dot_qt
+
+DN = (((1,), (0,)), ((), ()))
+# Values outside [-1, 1] at positions 0 and 2: a "fixed,-1,1" calibration clips them.
+X_OUT = jnp.array([[-3.0, 0.5, 3.0, 0.25]])
+
+
+def _dx(config, x, w):
+    return jax.grad(lambda a: jnp.sum(dot_qt.dot_general_qt(a, w, DN, config)))(x)
+
+
+def test_dot_general_qt_masks_gradients_outside_the_calibrated_range():
+    w = jnp.ones((4, 1))
+    clipped = dot_qt.DotGeneralQtConfig(lhs_qtype="int8", lhs_calibration_method="fixed,-1,1")
+    np.testing.assert_array_equal(_dx(clipped, X_OUT, w), [[0.0, 1.0, 0.0, 1.0]])
+    # absmax keeps the whole range: nothing is masked; disable_gradient_clipping turns it off.
+    absmax = dot_qt.DotGeneralQtConfig(lhs_qtype="int8")
+    np.testing.assert_array_equal(_dx(absmax, X_OUT, w), [[1.0, 1.0, 1.0, 1.0]])
+    off = dot_qt.DotGeneralQtConfig(
+        lhs_qtype="int8", lhs_calibration_method="fixed,-1,1", disable_gradient_clipping=True
+    )
+    np.testing.assert_array_equal(_dx(off, X_OUT, w), [[1.0, 1.0, 1.0, 1.0]])
+
+
+def test_use_original_residuals_and_sparsity_rule():
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 4))
+    c = jax.random.normal(jax.random.key(2), (8, 4))
+
+    def dw(config):
+        f = lambda b: jnp.sum(dot_qt.dot_general_qt(x, b, DN, config) * c)  # noqa: E731
+        return jax.grad(f)(w)
+
+    quantized = dot_qt.DotGeneralQtConfig(lhs_qtype="int8", rhs_qtype="int8")
+    original = dot_qt.DotGeneralQtConfig(
+        lhs_qtype="int8", rhs_qtype="int8", use_original_residuals=True
+    )
+    # The weight's gradient reads the lhs residual: the fake-quantized one or x itself.
+    np.testing.assert_allclose(dw(original), x.T @ c, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(dw(quantized), x.T @ c, rtol=0, atol=1e-5)
+    # 2:4 sparsity along the reduction axis ("C") keeps two of four ones: [[2]], not [[4]].
+    rule = qconfig.SparsityRule(weight_sparsity_n=2, weight_sparsity_m=4, weight_sparsity_order="C")
+    sparse = dot_qt.DotGeneralQtConfig(rhs_qtype="int8", sparsity_rule=rule)
+    out = dot_qt.dot_general_qt(jnp.ones((1, 4)), jnp.ones((4, 1)), DN, sparse)
+    np.testing.assert_allclose(out, [[2.0]], rtol=1e-2)  # int8 fake quant: 2 · 127 / 127.5
+
+
+def test_config_and_noise_fn_are_pytrees_through_jit():
+    noise = stochastic_rounding.get_noise_fn("uniform", jax.random.key(3), (0,))
+    # Drawn along the noise axes only (size 1 elsewhere): it broadcasts where it is added.
+    assert noise((2, 3)).shape == (2, 1)
+    assert jax.jit(lambda f: f((2, 3)))(noise).shape == (2, 1)
+    assert jax.tree.leaves(noise)[0] is noise.key
+    # The reference's positional spelling (key, shape) and ours (shape, key=) draw the same.
+    key = jax.random.key(4)
+    np.testing.assert_array_equal(
+        stochastic_rounding.uniform_noise(key, (2, 3)),
+        stochastic_rounding.uniform_noise((2, 3), key=key),
+    )
+    assert stochastic_rounding.low_bit_uniform_noise(key, (2, 3)).shape == (2, 1)
+    config = dot_qt.DotGeneralQtConfig(
+        lhs_qtype="int8", dlhs_grad_qtype="int8", dlhs_stochastic_rounding_noise_fn=noise
+    )
+    assert len(jax.tree.leaves(config)) == 1
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+    run = jax.jit(lambda cfg, a: dot_qt.dot_general_qt(a, w, DN, cfg))
+    np.testing.assert_allclose(run(config, x), x @ w, rtol=1e-2)  # int8: 127 / 127.5
+    with pytest.raises(ValueError, match="stochastic rounding"):
+        stochastic_rounding.get_noise_fn("gaussian", key)
+
+
+class LinenDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, use_bias=False)(x)
+
+
+def _linen_grads(rule, x=X_OUT):
+    model = qwix.quantize_model(LinenDense(), qwix.QtProvider([rule]))
+    variables = model.init(jax.random.key(0), x)
+    return jax.grad(lambda a: jnp.sum(model.apply(variables, a)))(x)
+
+
+def _nnx_grads(rule, x=X_OUT):
+    fp = nnx.Linear(4, 3, use_bias=False, rngs=nnx.Rngs(0))
+    model = qwix.quantize_model(fp, qwix.QtProvider([rule]), x)
+    return jax.grad(lambda a: jnp.sum(model(a)))(x)
+
+
+@pytest.mark.parametrize("grads", [_linen_grads, _nnx_grads], ids=["linen", "nnx"])
+def test_qt_provider_masks_activation_gradients_outside_the_calibrated_range(grads):
+    rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8", act_calibration_method="fixed,-1,1")
+    dx = np.asarray(grads(rule))
+    assert (dx[0, [0, 2]] == 0).all() and (dx[0, [1, 3]] != 0).all()
+    # The reference's override: additional_qt_config={"disable_gradient_clipping": True}.
+    off = qwix.QtRule(
+        weight_qtype="int8",
+        act_qtype="int8",
+        act_calibration_method="fixed,-1,1",
+        additional_qt_config={"disable_gradient_clipping": True},
+    )
+    assert (np.asarray(grads(off)) != 0).all()
+
+
+@pytest.mark.parametrize("tiles", [{0: 2, 1: 3}])
+def test_dict_tile_size_reaches_jitted_ops(tiles):
+    # A 2-D tile given as a dict: the rule and the HowToQuantize built from it stay hashable.
+    rule = qwix.QuantizationRule(weight_qtype="int8", tile_size=tiles)
+    assert hash(rule) and rule.tile_size == tiles
+    x = jnp.ones((2, 4))
+    ptq = qwix.quantize_model(LinenDense(), qwix.PtqProvider([rule]))
+    params = jax.jit(ptq.init)(jax.random.key(0), x)["params"]
+    kernel = params["Dense_0"]["kernel"].array
+    assert kernel.scale.shape == (2, 1)  # (4 / 2, 3 / 3)
+    assert jax.jit(ptq.apply)({"params": params}, x).shape == (2, 3)
+    qt_rule = qwix.QtRule(weight_qtype="int8", tile_size=tiles)
+    qt_model = qwix.quantize_model(LinenDense(), qwix.QtProvider([qt_rule]))
+    variables = qt_model.init(jax.random.key(0), x)
+    assert jax.jit(qt_model.apply)(variables, x).shape == (2, 3)
+    nnx_model = qwix.quantize_model(
+        nnx.Linear(4, 3, use_bias=False, rngs=nnx.Rngs(0)), qwix.PtqProvider([rule]), x
+    )
+    assert nnx_model.kernel.array.scale.shape == (2, 1)
+    with pytest.raises(ValueError, match="positive"):
+        qwix.QuantizationRule(weight_qtype="int8", tile_size={0: 0})
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_qt_sparsity_rule_prunes_weights_before_quantizing(framework):
+    rule = qwix.QtRule(
+        weight_qtype="int8",
+        sparsity_rule=qconfig.SparsityRule(
+            weight_sparsity_n=2, weight_sparsity_m=4, weight_sparsity_order="C"
+        ),
+    )
+    x = jnp.ones((1, 4))
+
+    class One(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1, use_bias=False, kernel_init=nn.initializers.ones)(x)
+
+    if framework == "linen":
+        model = qwix.quantize_model(One(), qwix.QtProvider([rule]))
+        out = model.apply(model.init(jax.random.key(0), x), x)
+    else:
+        fp = nnx.Linear(4, 1, use_bias=False, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
+        out = qwix.quantize_model(fp, qwix.QtProvider([rule]), x)(x)
+    np.testing.assert_allclose(out, [[2.0]], rtol=1e-2)  # int8 fake quant: 2 · 127 / 127.5
+
+
+def test_qt_forward_traces_a_float_dot_by_design():
+    # Deliberate difference (docs/api-differences.md, dot_general_qt): QT fake-quantizes and
+    # runs the float op, the same numbers on every device; the reference traces an int8 dot.
+    rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8")
+    model = qwix.quantize_model(LinenDense(), qwix.QtProvider([rule]))
+    x = jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(model.apply)(variables, x)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.float32 for e in dots for v in e.invars)
