@@ -17,9 +17,9 @@ import flax.struct
 import jax
 from flax import nnx
 
+from qmill.engine.contrib import awq_core, calibration
 from qmill.engine.core import qarray
 from qmill.engine.modeling import rules as rules_lib
-from qmill.engine.contrib import awq_core, calibration
 from qmill.engine.providers import ptq
 
 _STATS_SUFFIX = "_awq"

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.contrib import calibration, gptq_core
+from qmill.engine.modeling import rules as rules_lib
 
 _STATS_SUFFIX = "_gptq"
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qmill.engine.core import qarray, qtypes
 from qmill.engine.contrib import calibration
+from qmill.engine.core import qarray, qtypes
 
 normalize_weight = calibration.normalize_weight
 

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qmill.engine.contrib import calibration
 from qmill.engine.core import qarray
 from qmill.engine.modeling import rules as rules_lib
-from qmill.engine.contrib import calibration
 from qmill.engine.ops import dot_general as dot_general_lib
 from qmill.engine.ops import einsum as einsum_lib
 from qmill.engine.providers import ptq

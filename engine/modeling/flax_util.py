@@ -334,4 +334,3 @@ def replace_param(module: Any, name: str, value: Any) -> None:
         module.put_variable("params", name, boxed)
     else:
         setattr(module, name, nnx.data(box_tree(getattr(module, name), value)))
-
