@@ -19,6 +19,8 @@ Formulas and the one deliberate difference are in docs/calibrated-methods.md.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -120,7 +122,10 @@ def quantize_weight(
 ) -> tuple[qarray.QArray, jax.Array]:
     """GPTQ-quantizes W (rows, columns) for inputs whose Hessian is H (columns, columns).
 
-    Jittable (how, blocksize and percdamp static).
+    Always compiled as one function (how, blocksize and percdamp static), called eagerly or under
+    an outer jit alike: XLA fuses the column updates of a compiled run differently from op-by-op
+    dispatch (an ulp in later group scales), and one compiled form gives one answer everywhere,
+    the reference's own under jax.jit.
 
     Returns:
       (the QArray: codes (rows, columns), scale (rows | 1, columns / groupsize); the per-element
@@ -132,6 +137,13 @@ def quantize_weight(
     columns = W.shape[1]
     if H.shape != (columns, columns):
         raise ValueError(f"Hessian shape {H.shape} must be ({columns}, {columns}) for W {W.shape}")
+    _groupsize(how, columns)  # refused here, outside the trace
+    return _quantize_weight(W, H, how=how, blocksize=blocksize, percdamp=percdamp)
+
+
+@functools.partial(jax.jit, static_argnames=("how", "blocksize", "percdamp"))
+def _quantize_weight(W, H, *, how, blocksize, percdamp):
+    columns = W.shape[1]
     groupsize = _groupsize(how, columns)
     dtype = W.dtype
     # f32 throughout (the reference keeps W's dtype: identical for f32 weights, see the notes).
