@@ -137,9 +137,9 @@ ENGINE_ROOMS = {
     "modeling": {"core"},
     "ops": {"core", "modeling"},
     "providers": {"core", "modeling", "ops"},
-    "contrib": {"core", "modeling", "ops", "providers"},
+    "contrib": {"core", "modeling", "ops", "providers", "modelfree"},
     "modelfree": {"core", "modeling"},
-    "programs": {"core", "modeling", "ops", "providers"},
+    "programs": {"core", "modeling", "ops", "providers", "contrib"},
 }
 PART_PACKAGES = {"engine": "qmill.engine", "client": "qmill.client"}
 

@@ -1,6 +1,12 @@
-"""Algorithms beyond plain round-to-nearest PTQ (the reference's qwix.contrib)."""
+"""Algorithms beyond plain round-to-nearest PTQ (the reference's qwix.contrib): GPTQ, AWQ and
+SmoothQuant, each a rule, a calibration provider, quantize_params (and, where the params carry
+extra scales, an inference provider)."""
 
+from qmill.engine.contrib import awq as awq
+from qmill.engine.contrib import awq_core as awq_core
 from qmill.engine.contrib import calibration as calibration
 from qmill.engine.contrib import gptq as gptq
+from qmill.engine.contrib import gptq_core as gptq_core
+from qmill.engine.contrib import smooth_quant as smooth_quant
 
-__all__ = ["calibration", "gptq"]
+__all__ = ["awq", "awq_core", "calibration", "gptq", "gptq_core", "smooth_quant"]

@@ -37,6 +37,11 @@ def _can_update(module: Any) -> bool:
     return not model.is_initializing_nnx()
 
 
+def _value(x: Any) -> Any:
+    """An operand as an array: NNX models may hand a raw nnx.Param to jnp.einsum / dot_general."""
+    return x.get_value() if isinstance(x, nnx.Variable) else x
+
+
 class CalibrationProvider(base.QuantizationProvider, metaclass=abc.ABCMeta):
     """Runs the float ops; reports the inputs of weight ops matched by `get_rule_type()`."""
 
@@ -49,42 +54,72 @@ class CalibrationProvider(base.QuantizationProvider, metaclass=abc.ABCMeta):
         """Suffix of the statistic's name after the weight's (e.g. "_gptq")."""
 
     @abc.abstractmethod
-    def _collect_stats(self, lhs: jax.Array, weight_name: str, module: Any) -> None:
-        """Records statistics of one op's input, reshaped to (contracting, samples)."""
+    def _collect_stats(
+        self,
+        lhs: jax.Array,
+        weight_name: str,
+        *,
+        module_path: tuple[str, ...],
+        op_name: str,
+        op_id: str | None,
+        lhs_id: int,
+        module: Any = None,
+        weight: jax.Array | None = None,
+        rule: rules_lib.QuantizationRule | None = None,
+    ) -> None:
+        """Records statistics of one op's input, reshaped to (contracting, samples).
 
-    def _observe(self, rule: Any, module: Any, lhs: Any, rhs: Any, dims: Any) -> None:
+        `module` is the module owning the weight, `weight` the op's weight operand reshaped to
+        (contracting, rest), `rule` the matched rule: qmill's additions to the reference's
+        signature (SmoothQuant needs the weight and the rule; both are known here).
+        """
+
+    def _observe(self, rule, op_name, op_id, module, lhs, rhs, dims) -> None:
         if not isinstance(rule, self.get_rule_type()):
             return
         (lc, rc), (lb, rb) = dims
         if lb or rb or len(lc) != 1 or len(rc) != 1:
-            return  # one contracting axis, no batch axes: the GPTQ setting
+            return  # one contracting axis, no batch axes: the setting of these methods
         name = flax_util.find_param(rhs, module)
         if name is None:
             return  # the right operand is not a weight
         x = jnp.moveaxis(jnp.asarray(lhs), lc[0], 0)
-        self._collect_stats(x.reshape(x.shape[0], -1), str(name), module)
+        w = jnp.moveaxis(jnp.asarray(rhs), rc[0], 0)
+        self._collect_stats(
+            x.reshape(x.shape[0], -1),
+            str(name),
+            module_path=flax_util.module_path(module),
+            op_name=op_name,
+            op_id=op_id,
+            lhs_id=id(lhs),
+            module=module,
+            weight=w.reshape(w.shape[0], -1),
+            rule=rule,
+        )
 
     def dot_general(
         self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
     ) -> jax.Array:
+        lhs, rhs = _value(lhs), _value(rhs)
         out = jax.lax.dot_general(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs
         )
-        rule, _, module = self.current_rule_and_op_id("dot_general")
-        self._observe(rule, module, lhs, rhs, dimension_numbers)
+        rule, op_id, module = self.current_rule_and_op_id("dot_general")
+        self._observe(rule, "dot_general", op_id, module, lhs, rhs, dimension_numbers)
         return out
 
     def einsum(self, einsum_str, *operands, **kwargs) -> jax.Array:
+        operands = tuple(_value(x) for x in operands)
         out = jnp.einsum(einsum_str, *operands, **kwargs)
-        rule, _, module = self.current_rule_and_op_id("einsum")
+        rule, op_id, module = self.current_rule_and_op_id("einsum")
         if isinstance(einsum_str, str) and len(operands) == 2:
             lhs, rhs = operands
             try:
                 plan = einsum_lib._plan(einsum_str, tuple(lhs.shape), tuple(rhs.shape))
             except ValueError:
                 return out  # an einsum quantized ops don't take: nothing to calibrate
-            if not any(plan.squeeze):
-                self._observe(rule, module, lhs, rhs, plan.dimension_numbers)
+            if not any(plan.squeeze) and plan.expand == (None, None):
+                self._observe(rule, "einsum", op_id, module, lhs, rhs, plan.dimension_numbers)
         return out
 
     def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
@@ -101,8 +136,12 @@ class SinglePassCalibrationProvider(CalibrationProvider, metaclass=abc.ABCMeta):
     def compute_stats(self, lhs: jax.Array) -> dict[str, jax.Array]:
         """Statistics of one batch's input (contracting, samples)."""
 
-    def _collect_stats(self, lhs: jax.Array, weight_name: str, module: Any) -> None:
-        stats = {k: v.astype(jnp.float32) for k, v in self.compute_stats(lhs).items()}
+    def _collect_stats(self, lhs, weight_name, *, module=None, **_) -> None:
+        self._accumulate(self.compute_stats(lhs), weight_name, module)
+
+    def _accumulate(self, stats: dict[str, jax.Array], weight_name: str, module: Any) -> None:
+        """Adds one batch's statistics to quant_stats `<weight_name><suffix>` of `module`."""
+        stats = {k: v.astype(jnp.float32) for k, v in stats.items()}
         name = weight_name + self.get_stats_suffix()
         variable = flax_util.get_or_create_variable(
             "quant_stats", name, lambda: averaging.init(stats), module=module
@@ -149,7 +188,12 @@ class CalibratedQuantContext:
     path: tuple[Any, ...]
 
 
-def _context(path, w, abstract, stats) -> CalibratedQuantContext | None:
+def extract_calibrated_quant_context(
+    path: tuple[Any, ...], weight: jax.Array, abs_w: ptq.WithAux, stats: Any
+) -> CalibratedQuantContext | None:
+    """The context for one weight, or None where it has not exactly one contracted axis (the
+    contracted axis is the one axis the PTQ model does not quantize channelwise)."""
+    w, abstract = weight, abs_w
     contracting = set(range(w.ndim)) - set(abstract.how.channelwise_axes)
     if len(contracting) != 1:
         return None  # not one contracted axis: PTQ it
@@ -171,9 +215,14 @@ def quantize_params_with_calibration(
     quantize_fn: Callable[[CalibratedQuantContext], Any],
     *,
     allow_extra_params: bool = False,
+    pure_nnx: bool = True,
 ) -> Any:
     """Quantizes weights with statistics `<name><stats_suffix>` by `quantize_fn` (which returns
-    the param's WithAux), and every other param as ptq.quantize_params does."""
+    the param's WithAux), and every other param as ptq.quantize_params does.
+
+    For an NNX model the results are pure dicts (for nnx.update) unless `pure_nnx` is False
+    (SmoothQuant keeps its WithSqScale objects there, as the reference does).
+    """
     done: dict[tuple[Any, ...], Any] = {}
     rest: dict[tuple[Any, ...], Any] = {}
     stats_tree = flax_util.unbox(quant_stats)
@@ -182,13 +231,13 @@ def quantize_params_with_calibration(
         stats = ptq.get_value_from_path(stats_tree, (*path[:-1], f"{path[-1]}{stats_suffix}"))
         ctx = None
         if isinstance(abstract, ptq.WithAux) and isinstance(stats, dict | flax.core.FrozenDict):
-            ctx = _context(path, w, abstract, stats)
+            ctx = extract_calibrated_quant_context(path, w, abstract, stats)
         if ctx is None:
             rest[path] = w
             continue
         result = quantize_fn(ctx)
-        if isinstance(abstract_quantized_params, nnx.Module):
-            result = ptq._pure(result)  # the layout ptq.quantize_params gives NNX
+        if pure_nnx and isinstance(abstract_quantized_params, nnx.Module):
+            result = pure(result)  # the layout ptq.quantize_params gives NNX
         done[path] = result
     others = ptq.quantize_params(
         flax.traverse_util.unflatten_dict(rest) if rest else {},
@@ -197,6 +246,18 @@ def quantize_params_with_calibration(
     )
     done.update(flax.traverse_util.flatten_dict(others, is_leaf=_is_quantized_leaf))
     return flax.traverse_util.unflatten_dict(done)
+
+
+def pure(x: Any) -> Any:
+    """A quantized param as the nested dict nnx.to_pure_dict gives for it: every array field of
+    a WithAux (subclasses add theirs, e.g. awq_scale) and of its QArray."""
+    if isinstance(x, ptq.WithAux):
+        out = {"array": pure(x.array)}
+        for field in dataclasses.fields(x):
+            if field.name not in ("array", "how") and field.metadata.get("pytree_node", True):
+                out[field.name] = getattr(x, field.name)
+        return out
+    return ptq._pure(x)
 
 
 def _is_quantized_leaf(_: Any, value: Any) -> bool:

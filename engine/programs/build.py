@@ -7,6 +7,7 @@ only the client (where that code already is) calls it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from qmill.engine.contrib import awq, gptq, smooth_quant
 from qmill.engine.modeling import flax_util
 from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.programs.program import (
@@ -36,7 +38,28 @@ def _abstract(inputs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype) for x in inputs]
 
 
-def _calibration_provider(rules: Sequence[rules_lib.QuantizationRule]) -> qt.QtProvider:
+METHODS = ("static", "gptq", "awq", "smoothquant")
+
+
+def _method_provider(rules: Sequence[rules_lib.QuantizationRule], method: str) -> Any:
+    """The calibration provider of a calibrated method, its rules made of the given ones (every
+    QuantizationRule field kept)."""
+    rule_type, provider = {
+        "gptq": (gptq.GptqRule, gptq.GptqCalibrationProvider),
+        "awq": (awq.AwqRule, awq.AwqCalibrationProvider),
+        "smoothquant": (smooth_quant.SqRule, smooth_quant.SqCalibrationProvider),
+    }[method]
+    fields = [f.name for f in dataclasses.fields(rules_lib.QuantizationRule)]
+    return provider([rule_type(**{f: getattr(r, f) for f in fields}) for r in rules])
+
+
+def _calibration_provider(
+    rules: Sequence[rules_lib.QuantizationRule], method: str = "static"
+) -> Any:
+    if method not in METHODS:
+        raise ValueError(f"unknown calibration method {method!r}; one of {', '.join(METHODS)}")
+    if method != "static":
+        return _method_provider(rules, method)
     litert = all(
         r.tile_size is None
         and r.weight_qtype in (None, "int8")
@@ -53,6 +76,7 @@ def calibration_program(
     *example_inputs: Any,
     params: Any = None,
     platforms: Sequence[str] = CALIBRATE_PLATFORMS,
+    method: str = "static",
 ) -> tuple[bytes, dict[str, np.ndarray]]:
     """A calibrate artifact for ``model`` under ``rules``, and the model's float params.
 
@@ -63,13 +87,16 @@ def calibration_program(
         these shapes (the server refuses others, saying which).
       params: Linen only: the float params (pure dict); None initialises them with key 0.
       platforms: jax platforms the artifact is lowered for; the server runs its own.
+      method: "static" (static activation ranges), or a calibrated weight method ("gptq",
+        "awq", "smoothquant") whose statistics the program collects for every weight the rules
+        match (`<weight>_gptq`...); QuantizeParams applies it by calibration id.
 
     Returns:
       (artifact bytes, {path: float param} to upload for Calibrate).
     """
     if not example_inputs:
         raise ValueError("give one example batch per model input")
-    provider = _calibration_provider(rules)
+    provider = _calibration_provider(rules, method)
     specs = _abstract(example_inputs)
     if isinstance(model, nnx.Module):
         fn, params_tree, stats_tree = _nnx_calibrate(model, provider, example_inputs)
@@ -77,6 +104,8 @@ def calibration_program(
         fn, params_tree, stats_tree = _linen_calibrate(model, provider, example_inputs, params)
     params_tree = jax.tree.map(np.asarray, params_tree)
     if not flat_paths(stats_tree):
+        if method != "static":
+            raise ValueError(f"the rules match no weight op of the model: nothing for {method}")
         raise ValueError("the rules collect no statistics: add act_qtype with act_static_scale")
     exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
         _avals(params_tree), _avals(stats_tree), *specs

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.core import averaging, qarray
 from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.providers import odml, odml_boundary
@@ -187,7 +188,9 @@ def _check_calibrate_signature(program: Program) -> None:
     if jax.tree.structure(out) != jax.tree.structure(args[1]):
         raise ProgramError("a calibrate program returns quant_stats shaped as it takes them")
     stats = {p.rsplit("/", 1)[0] for p in flat_paths(args[1])}
-    if not program.stat_qtypes or set(program.stat_qtypes) != stats:
+    # The header names the act qtype of every static-range statistic (a method's have none).
+    static = {s for s in stats if contrib_leaf.method_of(s) is None}
+    if not stats or set(program.stat_qtypes) != static:
         raise ProgramError("the program's header does not name its statistics; rebuild it")
 
 
@@ -303,9 +306,14 @@ def _subtree(tree: Mapping[str, Any], path: str) -> Mapping[str, Any]:
 
 
 def stat_qtypes(stats: Any, rules: Sequence[rules_lib.QuantizationRule]) -> dict[str, str]:
-    """statistic path -> the act qtype of the rule that made it (first matching rule wins)."""
+    """statistic path -> the act qtype of the rule that made it (first matching rule wins).
+
+    A calibrated method's statistics (GPTQ Hessians and kin, contrib/leaf.py) make no static
+    scale and are left out."""
     out = {}
     for path in {p.rsplit("/", 1)[0] for p in flat_paths(stats)}:
+        if contrib_leaf.method_of(path) is not None:
+            continue
         module, _, name = path.rpartition("/")
         if name.startswith(odml.MODEL_OUTPUT):
             rule = odml_boundary.static_rule(rules)

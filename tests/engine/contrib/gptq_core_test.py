@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qmill.engine import qarray
-from qmill.engine.contrib import gptq
+from qmill.engine.contrib import gptq_core
 
 ROWS, COLS, SAMPLES = 16, 64, 256
 KEYS = jax.random.split(jax.random.key(0), 3)
@@ -27,7 +27,7 @@ def _how(qtype="int4", tile=None, method="absmax"):
 
 def test_identity_hessian_is_round_to_nearest() -> None:
     how = _how("int8")
-    q, losses = gptq.quantize_weight(W, jnp.eye(COLS), how)
+    q, losses = gptq_core.quantize_weight(W, jnp.eye(COLS), how)
     rtn = qarray.quantize(W, how)
     np.testing.assert_array_equal(q.scale, rtn.scale)
     # Each column is divided by its scale elementwise (the same division as a full-shape scale).
@@ -41,7 +41,7 @@ def test_identity_hessian_is_round_to_nearest() -> None:
 @pytest.mark.parametrize("tile", [None, 16])
 def test_correlated_inputs_lower_the_output_error(tile) -> None:
     how = _how("int4", tile)
-    q, losses = gptq.quantize_weight(W, gptq.compute_hessian(X), how, blocksize=32)
+    q, losses = gptq_core.quantize_weight(W, gptq_core.compute_hessian(X), how, blocksize=32)
     assert q.qvalue.dtype == jnp.int4 and q.scale.shape == (ROWS, COLS // (tile or COLS))
     error = lambda wq: float(jnp.linalg.norm((W - wq) @ X))  # noqa: E731
     gptq_error, rtn_error = (
@@ -54,29 +54,29 @@ def test_correlated_inputs_lower_the_output_error(tile) -> None:
 
 
 def test_asymmetric_groups_have_zero_points() -> None:
-    q, _ = gptq.quantize_weight(W, gptq.compute_hessian(X), _how("int8", 32, "minmax"))
+    q, _ = gptq_core.quantize_weight(W, gptq_core.compute_hessian(X), _how("int8", 32, "minmax"))
     assert q.zero_point is not None and q.zero_point.shape == (ROWS, 2)
     np.testing.assert_allclose(qarray.dequantize(q), W, atol=0.1)
 
 
 def test_dead_inputs_zero_their_columns() -> None:
-    h = gptq.compute_hessian(X).at[5, :].set(0.0).at[:, 5].set(0.0)  # input 5 never seen
-    q, _ = gptq.quantize_weight(W, h, _how("int8"))
+    h = gptq_core.compute_hessian(X).at[5, :].set(0.0).at[:, 5].set(0.0)  # input 5 never seen
+    q, _ = gptq_core.quantize_weight(W, h, _how("int8"))
     np.testing.assert_array_equal(q.qvalue[:, 5], 0)
 
 
 def test_normalize_weight_round_trip() -> None:
     w = jax.random.normal(KEYS[0], (4, 8, 6), jnp.float32)  # contracted axis 1
-    flat, restore = gptq.normalize_weight(w, 1)
+    flat, restore = gptq_core.normalize_weight(w, 1)
     assert flat.shape == (24, 8)
     np.testing.assert_array_equal(restore(flat), w)
-    q, _ = gptq.quantize_weight(flat, jnp.eye(8), _how("int8"))
+    q, _ = gptq_core.quantize_weight(flat, jnp.eye(8), _how("int8"))
     restored = restore(q)
     assert restored.shape == (4, 8, 6) and restored.scale.shape == (4, 1, 6)
 
 
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="Hessian shape"):
-        gptq.quantize_weight(W, jnp.eye(COLS + 1), _how())
+        gptq_core.quantize_weight(W, jnp.eye(COLS + 1), _how())
     with pytest.raises(ValueError, match="must divide"):
-        gptq.quantize_weight(W, jnp.eye(COLS), _how(tile=0.3))
+        gptq_core.quantize_weight(W, jnp.eye(COLS), _how(tile=0.3))
