@@ -102,6 +102,7 @@ def test_orbax_directory_to_url_and_url_to_local_directory(url_server, bucket, t
     local = tmp_path / "tiny-mlp-int8"
     object_store.download(f"{base}/tiny-mlp-int8", local, check=lambda: None)
     out = tmp_path / "cli" / "tiny-mlp-int8"
+    out.parent.mkdir()  # the CLI refuses an output folder that does not exist
     assert cli.main(["quantize", str(EXAMPLE), "-o", str(out), "-q"]) == 0
     # Orbax's own files carry timestamps; the tensors must be the CLI's.
     assert _tensors(local) == _tensors(out)

@@ -53,6 +53,7 @@ def _finished(client: Client, job_id: str) -> pb.Job:
 
 def _cli_output(tmp_path: pathlib.Path, name: str, *extra: str) -> pathlib.Path:
     out = tmp_path / "cli" / name
+    out.parent.mkdir(exist_ok=True)  # the CLI refuses an output folder that does not exist
     assert cli.main(["quantize", EXAMPLE, "-o", str(out), "-q", *extra]) == 0
     return out
 
