@@ -92,13 +92,8 @@ def quantize_checkpoint(
     with formats.open_source(source_path) as source:
         entries = source.entries()
         _check_sizes(entries, max_tensor_bytes)
-        recipe = with_default_convention(recipe, source.format)
-        fmt = output_format or formats.format_for_destination(dest, source.format)
-        fingerprint = {
-            "recipe": recipe,
-            "format": fmt,
-            "source": _source_fingerprint(source_path, source.format, entries),
-        }
+        fingerprint = _fingerprint(source_path, source, entries, dest, recipe, output_format)
+        recipe, fmt = fingerprint["recipe"], fingerprint["format"]
         # A full disk or read-only output says what failed and what is kept for resuming.
         opened: list[staging.PartialOutput] = []
         kept = dest.absolute().with_name(dest.name + staging.PARTIAL_SUFFIX)
@@ -263,6 +258,35 @@ def with_default_convention(recipe: dict[str, Any], source_format: str) -> dict[
     if "convention" in recipe:
         return recipe
     return {**recipe, "convention": "torch" if source_format == "safetensors" else "flax"}
+
+
+def partial_fingerprint(
+    source_path: str | os.PathLike,
+    destination: str | os.PathLike,
+    recipe: dict[str, Any],
+    output_format: str | None = None,
+) -> dict[str, Any]:
+    """The fingerprint quantize_checkpoint gives (and checks) the partial output of these
+    arguments (staging.PartialOutput)."""
+    with formats.open_source(source_path) as source:
+        return _fingerprint(
+            source_path, source, source.entries(), pathlib.Path(destination), recipe, output_format
+        )
+
+
+def _fingerprint(
+    source_path: str | os.PathLike,
+    source: protocols.TensorSource,
+    entries: list[protocols.TensorEntry],
+    dest: pathlib.Path,
+    recipe: dict[str, Any],
+    output_format: str | None,
+) -> dict[str, Any]:
+    return {
+        "recipe": with_default_convention(recipe, source.format),
+        "format": output_format or formats.format_for_destination(dest, source.format),
+        "source": _source_fingerprint(source_path, source.format, entries),
+    }
 
 
 def _source_fingerprint(

@@ -71,8 +71,20 @@ def remove(path: pathlib.Path) -> None:
 
 # The resumable side of an output: what a run has finished, kept until the output is committed.
 PARTIAL_SUFFIX = ".qmill-partial"
-_MANIFEST = "manifest.json"  # fingerprints, written once (atomically) when the area is created
-_LOG = "tensors.jsonl"  # one JSON line per finished tensor, appended after its parts are written
+MANIFEST = "manifest.json"  # fingerprints, written once (atomically) when the area is created
+LOG = "tensors.jsonl"  # one JSON line per finished tensor, appended after its parts are written
+PARTS = "parts"  # the finished tensors' parts, one file each, named in the log
+
+
+def write_manifest(directory: pathlib.Path, fingerprint: dict[str, Any]) -> None:
+    """Writes (atomically) the manifest that makes `directory` a partial output of `fingerprint`.
+
+    Also for a partial output copied from another machine (a job resumed on another replica of a
+    server, whose copy of the source has another path and file times): the caller vouches that
+    it was made from the same source, recipe and format, and gives the fingerprint of its own."""
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint}, sort_keys=True))
+    os.replace(tmp, directory / MANIFEST)
 
 
 class FingerprintMismatch(ValueError):
@@ -102,7 +114,7 @@ class PartialOutput:
             self.discard()
         self.completed: dict[str, dict[str, Any]] = {}
         self._log: Any = None
-        if (self.directory / _MANIFEST).exists():
+        if (self.directory / MANIFEST).exists():
             self._check_fingerprint()
             self.completed = self._read_log()
             self._open_log()
@@ -112,18 +124,16 @@ class PartialOutput:
         # before one (a server never reached, a bad recipe) leaves nothing behind to clean up.
 
     def _open_log(self) -> None:
-        self._log = open(self.directory / _LOG, "a", encoding="utf-8")  # noqa: SIM115 - close()
+        self._log = open(self.directory / LOG, "a", encoding="utf-8")  # noqa: SIM115 - close()
 
     def _create(self) -> None:
-        (self.directory / "parts").mkdir(parents=True)
-        tmp = self.directory / (_MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"fingerprint": self.fingerprint}, sort_keys=True))
-        os.replace(tmp, self.directory / _MANIFEST)
+        (self.directory / PARTS).mkdir(parents=True)
+        write_manifest(self.directory, self.fingerprint)
         self._open_log()
 
     def _check_fingerprint(self) -> None:
         try:
-            found = json.loads((self.directory / _MANIFEST).read_text())["fingerprint"]
+            found = json.loads((self.directory / MANIFEST).read_text())["fingerprint"]
         except (OSError, ValueError, KeyError):
             found = None
         if found == self.fingerprint:
@@ -139,7 +149,7 @@ class PartialOutput:
 
     def _read_log(self) -> dict[str, dict[str, Any]]:
         completed: dict[str, dict[str, Any]] = {}
-        path = self.directory / _LOG
+        path = self.directory / LOG
         if not path.exists():
             return completed
         good = 0
@@ -168,7 +178,7 @@ class PartialOutput:
         written = {}
         for name, array in parts.items():
             array = np.ascontiguousarray(array)
-            file = self.directory / "parts" / f"{index:06d}-{name}.bin"
+            file = self.directory / PARTS / f"{index:06d}-{name}.bin"
             data = array.reshape(-1).view(np.uint8)
             with open(file, "wb") as f:
                 f.write(memoryview(data))
@@ -189,7 +199,7 @@ class PartialOutput:
         """The parts recorded for `path`, checked against their crc32c."""
         parts = {}
         for name, meta in self.completed[path]["parts"].items():
-            data = (self.directory / "parts" / meta["file"]).read_bytes()
+            data = (self.directory / PARTS / meta["file"]).read_bytes()
             if (google_crc32c.value(data) if data else 0) != meta["crc32c"]:
                 raise ValueError(
                     f"{self.directory}: the saved {name} of {path} is corrupted (crc32c "

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import auth, limits, registry, tls
+from qmill.server import auth, errors, limits, registry, tls
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
 from qmill.server.admin import servicer as admin_servicer
@@ -30,6 +30,12 @@ from qmill.server.uploads import store as upload_store
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Quantizer"].full_name
+# The health name of liveness alone: SERVING while the process runs, even while the job database
+# is unreachable (when "" reports NOT_SERVING, taking the replica out of the Service): a restart
+# would not bring the database back.
+LIVENESS_NAME = "liveness"
+# How often a server whose jobs are in a shared database checks that it can reach it.
+READINESS_SECONDS = 2.0
 
 
 class Server:
@@ -115,8 +121,11 @@ class Server:
     async def start(self) -> None:
         await self._grpc.start()
         self.jobs.start()  # resumes the jobs a previous server left QUEUED or RUNNING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, LIVENESS_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._readiness: asyncio.Task | None = None
+        if self.jobs.store.shared:
+            self._readiness = asyncio.create_task(self._watch_database())
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
@@ -132,6 +141,8 @@ class Server:
 
     async def stop(self, grace: float | None = None) -> None:
         """Reports NOT_SERVING, lets in-flight calls finish within the grace period, then stops."""
+        if self._readiness is not None:
+            self._readiness.cancel()
         await self.health.enter_graceful_shutdown()
         await self._grpc.stop(self.config.grace_seconds if grace is None else grace)
         # After the calls: the running job stops at its next tensor, left RUNNING for resuming.
@@ -140,8 +151,32 @@ class Server:
         self.metrics.stop_http()
         log.info("qmill stopped")
 
+    async def _watch_database(self) -> None:
+        """Readiness follows the job database: NOT_SERVING while it cannot be reached (every
+        Jobs call would fail), SERVING again once it can."""
+        reachable = True
+        while True:
+            await asyncio.sleep(READINESS_SECONDS)
+            try:
+                await asyncio.to_thread(self.jobs.store.check)
+                now = True
+            except errors.Unavailable as e:
+                now = False
+                if reachable:
+                    log.warning("not ready: %s", e)
+            if now != reachable:
+                if now:
+                    log.info("ready: the job database answers again")
+                status = health_pb2.HealthCheckResponse.SERVING if now else _NOT_SERVING
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, status)
+                reachable = now
+
     async def wait(self) -> None:
         await self._grpc.wait_for_termination()
+
+
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _limiter(config: config_lib.ServerConfig, metrics: metrics_lib.Metrics) -> limits.ByteLimiter:

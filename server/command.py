@@ -28,6 +28,9 @@ _OPTIONAL_FIELDS = (
     "jobs_root",
     "job_peers",
     "job_peer_tls_ca",
+    "jobs_db",
+    "job_lease_seconds",
+    "max_tenant_jobs",
 )
 
 
@@ -95,7 +98,23 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
 
 def _add_jobs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--jobs-db", help="SQLite file of batch jobs (default: jobs.sqlite3 in the data dir)"
+        "--jobs-db",
+        metavar="FILE|URL",
+        help="where batch jobs are kept: a SQLite file (default: jobs.sqlite3 in the data dir), "
+        "or postgresql://... shared by every replica given it ($QMILL_JOBS_DB; needs "
+        "qmill[postgres])",
+    )
+    parser.add_argument(
+        "--job-lease-seconds",
+        type=float,
+        help="how long a replica's claim on a running job lasts unrenewed: the wait before "
+        "another replica resumes the job of a dead one (default 30)",
+    )
+    parser.add_argument(
+        "--max-tenant-jobs",
+        type=int,
+        help="jobs of one tenant running at once across the replicas sharing --jobs-db "
+        "(default 0: no limit)",
     )
     parser.add_argument(
         "--job-peers",
@@ -141,7 +160,6 @@ def config_from_args(args: argparse.Namespace) -> config_lib.ServerConfig:
         "tokens": auth.TokenFile(args.tokens) if args.tokens else auth.TokenTable.from_env(),
         "tenant_from_client_cert": args.tenant_from_client_cert,
         "metrics_port": args.metrics_port,
-        "jobs_db": args.jobs_db,
         "allow_open_jobs": args.allow_open_jobs,
     }
     fields.update({name: getattr(args, name) for name in _OPTIONAL_FIELDS if getattr(args, name)})

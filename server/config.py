@@ -14,6 +14,7 @@ DATA_DIR_ENV = "QMILL_DATA_DIR"
 JOBS_ROOT_ENV = "QMILL_JOBS_ROOT"
 JOBS_URL_ROOT_ENV = "QMILL_JOBS_URL_ROOT"
 JOB_PEER_TOKEN_ENV = "QMILL_JOB_PEER_TOKEN"
+JOBS_DB_ENV = "QMILL_JOBS_DB"
 
 
 def default_data_dir() -> str:
@@ -77,8 +78,18 @@ class ServerConfig:
 
     # Storage. Directory of uploads and calibrations; $QMILL_DATA_DIR or ~/.cache/qmill.
     data_dir: str = dataclasses.field(default_factory=lambda: default_data_dir())
-    # SQLite file of batch jobs (kept across restarts); None: jobs.sqlite3 in data_dir.
-    jobs_db: str | None = None
+    # Where batch jobs are kept (server/jobs/store.py): a SQLite file (kept across restarts), or
+    # a PostgreSQL URL (postgresql://...) whose one queue every replica given it shares. None
+    # ($QMILL_JOBS_DB unset, the way to pass a URL with a password): jobs.sqlite3 in data_dir.
+    jobs_db: str | None = dataclasses.field(
+        default_factory=lambda: os.environ.get(JOBS_DB_ENV) or None, repr=False
+    )
+    # Seconds a runner's claim on a job lasts without renewal (renewed every 2 s, or a third of
+    # it): after a replica dies, its job waits this long before another one resumes it.
+    job_lease_seconds: float = 30.0
+    # Jobs of one tenant running at once, all replicas sharing the database together (0: no
+    # limit; one server runs one job at a time anyway).
+    max_tenant_jobs: int = 0
     # Directory of one directory per tenant; a job's paths must stay inside its tenant's
     # (server/jobs/paths.py). None ($QMILL_JOBS_ROOT unset): jobs are refused when tokens are
     # set, and may use any path in the single-user (no tokens) mode.

@@ -32,6 +32,7 @@ THIRD_PARTY = {
     "litert_converter",
     "ai_edge_litert",
     "re2",
+    "psycopg",
 }
 ALLOWED = {
     # re2: recipe regexes arrive over the network and must match in linear time.
@@ -75,7 +76,7 @@ LAZY = {
     "cli": {"qmill.server"},
     # The LiteRT converter and schema for ExportOdml: large, from the optional qmill[odml] extra,
     # so imported on use and a server without them still serves everything else.
-    "server": {"litert_converter", "ai_edge_litert"},
+    "server": {"litert_converter", "ai_edge_litert", "psycopg"},
 }
 
 

@@ -7,6 +7,15 @@ job's output byte for byte the CLI's, and makes jobs resumable the same way: fin
 are kept in `<destination>.qmill-partial/`, so a job that was RUNNING when the server died is
 queued again on start and continues where it stopped.
 
+The runner claims its next job from the store and holds a lease on it, renewed every
+RENEW_SECONDS or so while the job runs (store.py). With a shared store (PostgreSQL) several
+replicas' runners take jobs from one queue: a runner that stops renewing (its pod killed) loses
+the job to another replica once the lease lapses, which resumes it from the partial output (for
+an object-store destination, the copy mirror.py keeps beside it); a runner whose renewal finds
+its lease gone stops the job and writes nothing more about it. A cancel asked on any replica
+reaches the runner with its next renewal. A stopping (draining) server stops claiming and hands
+its running job back, queued, for another runner to resume.
+
 Just before a job starts its paths are checked again against the tenant's directory
 (paths.py): a symlink made after the submit must not take the job elsewhere. A job with an
 object-store URL runs the same pipeline on local copies in its scratch directory (scratch.py),
@@ -29,15 +38,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import pathlib
-import queue
+import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable
 
 from qmill.checkpoints import embedded, errors, formats, pipeline, staging
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors as server_errors
 from qmill.server import limits
+from qmill.server.jobs import mirror as mirror_lib
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
 from qmill.server.jobs import room as room_lib
@@ -48,21 +61,32 @@ log = logging.getLogger(__name__)
 
 # How long a cancelled job gets to stop at its own next check before it is left behind.
 CANCEL_GRACE_SECONDS = 2.0
+# Longest time between two lease renewals (shorter for short leases: a third of the lease). A
+# cancel asked on another replica reaches the runner with a renewal.
+RENEW_SECONDS = 2.0
+# How often an idle runner looks for a job it may claim (a submit on this server wakes it at
+# once; jobs submitted to other replicas, and lapsed leases, are found by looking).
+POLL_SECONDS = 1.0
 
 
 class _Stop(Exception):
-    """Raised inside a running job to stop it; `cancelled` tells a cancel from a shutdown."""
+    """Raised inside a running job to stop it: cancelled, the server stopping, or the lease lost
+    (another runner has the job now)."""
 
-    def __init__(self, cancelled: bool) -> None:
-        super().__init__("cancelled" if cancelled else "server stopping")
+    def __init__(self, cancelled: bool, lost: bool = False) -> None:
+        super().__init__("cancelled" if cancelled else "lease lost" if lost else "stopping")
         self.cancelled = cancelled
+        self.lost = lost
 
 
 class _Progress:
-    """pipeline.Progress that writes the counters to the store (and so to watchers)."""
+    """pipeline.Progress that writes the counters to the store (and so to watchers), and keeps
+    the job's partial output where another replica finds it (mirror.py)."""
 
-    def __init__(self, runner: JobRunner, job_id: str) -> None:
-        self._runner, self._job_id = runner, job_id
+    def __init__(
+        self, runner: JobRunner, job_id: str, mirror: mirror_lib.PartialMirror | None
+    ) -> None:
+        self._runner, self._job_id, self._mirror = runner, job_id, mirror
         self._tensors = self._bytes = 0
         self._total = 0
 
@@ -79,6 +103,8 @@ class _Progress:
     def advance(self, nbytes: int) -> None:
         self._tensors += 1
         self._bytes += nbytes
+        if self._mirror is not None:
+            self._mirror.sync()
         self._runner._update(
             self._job_id,
             tensors_done=self._tensors,
@@ -88,7 +114,7 @@ class _Progress:
 
 
 class JobRunner:
-    """The background thread that runs queued jobs in order."""
+    """The background thread that claims jobs from the store and runs them, one at a time."""
 
     def __init__(
         self,
@@ -100,6 +126,8 @@ class JobRunner:
         scratch: scratch_lib.Scratch | None = None,
         max_tensor_bytes: int | None = None,
         limiter: limits.ByteLimiter | None = None,
+        lease_seconds: float = 30.0,
+        tenant_limit: int = 0,
     ) -> None:
         self.store = store
         # The server's in-flight limiter; bridged to the job thread once the loop is known.
@@ -117,7 +145,14 @@ class JobRunner:
         self.scratch = scratch or scratch_lib.Scratch.in_data_dir(None)
         # Called after every change of a job (the server updates the qmill_jobs gauge).
         self._on_change = on_change
-        self._queue: queue.Queue[str | None] = queue.Queue()
+        # This runner's name in the leases it holds: the pod's (host's) name, the process, and
+        # a random part, so a restarted process never mistakes an old lease for its own.
+        self.owner = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self._lease_seconds = lease_seconds
+        self._renew_seconds = min(RENEW_SECONDS, lease_seconds / 3)
+        # Running jobs per tenant, all replicas together (0: no limit).
+        self._tenant_limit = tenant_limit
+        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._current: str | None = None
         # The running job's own cancel flag: a job left behind keeps its set flag.
@@ -128,7 +163,7 @@ class JobRunner:
         self._thread = threading.Thread(target=self._loop, name="qmill-jobs", daemon=True)
 
     def start(self) -> None:
-        """Queues the jobs a previous server left QUEUED or RUNNING, then starts the thread.
+        """Recovers the jobs a previous server left (store.recover), then starts the thread.
 
         Called on the server's event loop, whose limiter the jobs then reserve under."""
         if self._limiter is not None:
@@ -136,49 +171,60 @@ class JobRunner:
                 self._room = room_lib.Room(self._limiter, asyncio.get_running_loop())
             except RuntimeError:  # started outside an event loop (unit tests): no limiter
                 self._room = None
-        for record in self.store.list(tenant=None, states=list(store_lib.ACTIVE)):
-            if record.state == pb.JOB_STATE_RUNNING:
-                self._update(
-                    record.job_id, state=pb.JOB_STATE_QUEUED, message="resumed after restart"
-                )
-            self._queue.put(record.job_id)
+        self.store.recover()
         self._notify()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stops after the current tensor; the running job stays RUNNING, resumed next start."""
+        """Stops claiming; the running job stops after its current tensor and is handed back
+        (queued again) for this server's next start, or another replica, to resume."""
         self._stopping.set()
-        self._queue.put(None)
+        self._wake.set()
         self._thread.join(timeout)
 
     def submit(self, job_id: str) -> None:
-        self._queue.put(job_id)
+        self._wake.set()
 
     def cancel(self, job_id: str) -> store_lib.JobRecord:
-        """Cancels a queued job now; a running one stops at its next check, or is left behind
-        after CANCEL_GRACE_SECONDS wherever it is stuck."""
+        """Cancels a queued job now; a running one stops at its next check (its runner, on any
+        replica, learns of it when it renews its lease), or is left behind after
+        CANCEL_GRACE_SECONDS wherever it is stuck."""
+        record, cancelled_now = self.store.request_cancel(job_id)
+        if cancelled_now:
+            log.info("job %s cancelled while queued", job_id)
+            self.scratch.discard(job_id)
+            if self.store.shared:  # a job handed back may have left its partial output there
+                mirror_lib.remove(record.destination, job_id)
+            self._notify()
         with self._lock:
-            record = self.store.get(job_id)
-            assert record is not None
-            if record.state in store_lib.FINAL:
-                return record
             if self._current == job_id:
                 self._cancel.set()
-                return self._update(job_id, message="cancelling")
-            return self._finish(job_id, pb.JOB_STATE_CANCELLED, "cancelled")
+        return record
 
     def _loop(self) -> None:
+        unreachable = False
         while not self._stopping.is_set():
-            job_id = self._queue.get()
-            if job_id is None:
-                return
+            self._wake.clear()
+            try:
+                record = self.store.claim(
+                    self.owner, lease_seconds=self._lease_seconds, tenant_limit=self._tenant_limit
+                )
+            except server_errors.Unavailable as e:
+                if not unreachable:
+                    log.warning("jobs: cannot claim jobs: %s", e)
+                unreachable, record = True, None
+            else:
+                if unreachable:
+                    log.info("jobs: the job database answers again")
+                unreachable = False
+            if record is None:
+                self._wake.wait(POLL_SECONDS)
+                continue
+            log.info("job %s claimed by %s (%s)", record.job_id, self.owner, record.message)
             with self._lock:
-                record = self.store.get(job_id)
-                if record is None or record.state != pb.JOB_STATE_QUEUED:
-                    continue  # cancelled while queued
-                self._current = job_id
+                self._current = record.job_id
                 self._cancel = threading.Event()
-                self._update(job_id, state=pb.JOB_STATE_RUNNING, message="running")
+            self._notify()
             try:
                 self._supervise(record, self._cancel)
             finally:
@@ -186,21 +232,26 @@ class JobRunner:
                     self._current = None
 
     def _supervise(self, record: store_lib.JobRecord, cancel: threading.Event) -> None:
-        """Runs the job in a thread of its own; leaves it behind when a cancel cannot reach it
-        within CANCEL_GRACE_SECONDS. (A stopping server waits for it as before: stop() joins
-        this thread with a timeout, and a job still RUNNING is resumed by the next server.)"""
-        done = threading.Event()
+        """Runs the job in a thread of its own, renewing its lease; leaves it behind when a
+        cancel cannot reach it within CANCEL_GRACE_SECONDS. (A stopping server waits for it as
+        before: stop() joins this thread with a timeout, and a job still RUNNING is resumed by
+        the next server, or another replica once its lease lapses.)"""
+        done, lost = threading.Event(), threading.Event()
         where: dict[str, str] = {}  # the job's resolved destination, once known
 
         def run() -> None:
             try:
-                self._run(record, functools.partial(self._check, cancel), where)
+                self._run(record, functools.partial(self._check, cancel, lost), where)
             finally:
                 done.set()
 
         name = f"qmill-job-{record.job_id[:8]}"
         threading.Thread(target=run, name=name, daemon=True).start()
+        renew_at = 0.0  # at once: a cancel asked before the claim stops the job before it starts
         while not done.wait(0.1):
+            if time.monotonic() >= renew_at:
+                self._renew(record.job_id, cancel, lost)
+                renew_at = time.monotonic() + self._renew_seconds
             if cancel.is_set() and not done.wait(CANCEL_GRACE_SECONDS):
                 break
         else:
@@ -212,9 +263,25 @@ class JobRunner:
             log.warning("job %s cancelled while stuck (e.g. a blocked read); left behind", name)
             if "destination" in where:
                 self._remove_partial(where["destination"])
-            self._finish(record.job_id, pb.JOB_STATE_CANCELLED, "cancelled", force=True)
+            self._finish(record, pb.JOB_STATE_CANCELLED, "cancelled", force=True)
 
-    def _check(self, cancel: threading.Event) -> None:
+    def _renew(self, job_id: str, cancel: threading.Event, lost: threading.Event) -> None:
+        try:
+            lease = self.store.renew(job_id, self.owner, lease_seconds=self._lease_seconds)
+        except server_errors.Unavailable as e:
+            # The job goes on: if the database is back before the lease lapses, nothing was
+            # lost; if not, the next renewal finds the job taken and stops it.
+            log.warning("job %s: could not renew its lease: %s", job_id, e)
+            return
+        if lease is store_lib.Lease.CANCEL:
+            cancel.set()
+        elif lease is store_lib.Lease.LOST and not lost.is_set():
+            log.warning("job %s: lease lost (another runner has it); stopping here", job_id)
+            lost.set()
+
+    def _check(self, cancel: threading.Event, lost: threading.Event) -> None:
+        if lost.is_set():
+            raise _Stop(cancelled=False, lost=True)
         if cancel.is_set():
             raise _Stop(cancelled=True)
         if self._stopping.is_set():
@@ -236,6 +303,7 @@ class JobRunner:
         self, record: store_lib.JobRecord, check: Callable[[], None], where: dict[str, str]
     ) -> None:
         destination = record.destination
+        mirror = None
         try:
             source, destination = self.paths.check_job(
                 record.tenant, record.source, record.destination
@@ -247,6 +315,7 @@ class JobRunner:
             )
             source, destination = staged.source, staged.destination
             where["destination"] = destination
+            mirror = self._mirror(record, staged)
             with self._new_backend() as backend:
                 pipeline.quantize_checkpoint(
                     source,
@@ -255,7 +324,7 @@ class JobRunner:
                     backend=self._reserving(backend, record, source, check),
                     output_format=record.output_format or None,
                     overwrite=staged.overwrite,
-                    progress=_Progress(self, record.job_id),
+                    progress=_Progress(self, record.job_id, mirror),
                     check=check,
                     max_tensor_bytes=self._max_tensor_bytes,
                 )
@@ -264,23 +333,49 @@ class JobRunner:
         except _Stop as stop:
             if stop.cancelled:
                 self._remove_partial(destination)
-                self._finish(record.job_id, pb.JOB_STATE_CANCELLED, "cancelled")
-            return  # stopping: left RUNNING, resumed by the next server
+                self._finish(record, pb.JOB_STATE_CANCELLED, "cancelled")
+            elif not stop.lost:  # lost: the job is another runner's now; nothing is written
+                self._hand_back(record.job_id, mirror)
         except errors.OutputError as e:
             # A full or read-only disk: the message says so, the error what is kept to resume.
             message = f"failed: could not write the output ({e.code})"
-            self._finish(record.job_id, pb.JOB_STATE_FAILED, message, error=e.details)
+            self._finish(record, pb.JOB_STATE_FAILED, message, error=e.details)
         except errors.QmillError as e:
-            self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error=e.details)
+            self._finish(record, pb.JOB_STATE_FAILED, "failed", error=e.details)
         except (server_errors.ServerError, ValueError, TypeError, OSError, RuntimeError) as e:
-            self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error=str(e))
+            self._finish(record, pb.JOB_STATE_FAILED, "failed", error=str(e))
         except Exception:
             log.exception("job %s failed", record.job_id)
-            self._finish(record.job_id, pb.JOB_STATE_FAILED, "failed", error="internal error")
+            self._finish(record, pb.JOB_STATE_FAILED, "failed", error="internal error")
         else:
-            self._finish(
-                record.job_id, pb.JOB_STATE_SUCCEEDED, f"wrote {record.destination}{spread}"
-            )
+            self._finish(record, pb.JOB_STATE_SUCCEEDED, f"wrote {record.destination}{spread}")
+
+    def _mirror(
+        self, record: store_lib.JobRecord, staged: scratch_lib.StagedJob
+    ) -> mirror_lib.PartialMirror | None:
+        """With a shared store, the object-store copy of a URL job's partial output (restored
+        first when another runner left one): any replica may have to resume the job."""
+        if not self.store.shared or staged.upload_to is None:
+            return None
+        mirror = mirror_lib.PartialMirror(staged.destination, staged.upload_to, record.job_id)
+        fingerprint = pipeline.partial_fingerprint(
+            staged.source, staged.destination, record.recipe, record.output_format or None
+        )
+        restored = mirror.restore(staged.source, fingerprint)
+        if restored:
+            log.info("job %s resumes: %d tensors already done", record.job_id, restored)
+            self._update(record.job_id, message=f"resumed: {restored} tensors already done")
+        return mirror
+
+    def _hand_back(self, job_id: str, mirror: mirror_lib.PartialMirror | None) -> None:
+        """Queues a job this stopping server was running, for a runner anywhere to resume."""
+        try:
+            if mirror is not None:
+                mirror.sync(force=True)
+            self.store.release(job_id, self.owner, "handed back by a stopping server; queued")
+            log.info("job %s handed back (server stopping)", job_id)
+        except Exception as e:  # any failure: the lease then lapses, the job resumes later
+            log.warning("job %s: could not hand it back (%s); its lease will lapse", job_id, e)
 
     @staticmethod
     def _remove_partial(destination: str) -> None:
@@ -288,19 +383,45 @@ class JobRunner:
         staging.remove(path.with_name(path.name + staging.PARTIAL_SUFFIX))
 
     def _finish(
-        self, job_id: str, state: int, message: str, *, error: str = "", force: bool = False
-    ) -> store_lib.JobRecord:
+        self,
+        record: store_lib.JobRecord,
+        state: int,
+        message: str,
+        *,
+        error: str = "",
+        force: bool = False,
+    ) -> store_lib.JobRecord | None:
+        job_id = record.job_id
         if job_id in self._abandoned and not force:
-            return self.store.get(job_id)  # a job left behind: its state is already final
+            return None  # a job left behind: its state is already final
         log.info("job %s %s%s", job_id, store_lib.state_name(state), f": {error}" if error else "")
         # Before the state changes: whoever sees the job ended sees its scratch gone.
         self.scratch.discard(job_id)
-        return self._update(job_id, state=state, message=message, error=error, force=force)
+        if self.store.shared:
+            mirror_lib.remove(record.destination, job_id)
+        while True:  # the outcome is not lost to a database restart
+            try:
+                return self._update(job_id, state=state, message=message, error=error, force=force)
+            except server_errors.Unavailable as e:
+                if self._stopping.is_set():
+                    log.warning("job %s: its end could not be recorded: %s", job_id, e)
+                    return None
+                time.sleep(1.0)
 
-    def _update(self, job_id: str, *, force: bool = False, **fields: object) -> store_lib.JobRecord:
+    def _update(
+        self, job_id: str, *, force: bool = False, **fields: object
+    ) -> store_lib.JobRecord | None:
+        """Writes `fields` while this runner holds the job (None: it does not any more, or the
+        database is unreachable for a progress update, which the next one repeats)."""
         if job_id in self._abandoned and not force:
-            return self.store.get(job_id)  # progress of a job left behind is not reported
-        record = self.store.update(job_id, **fields)
+            return None  # progress of a job left behind is not reported
+        try:
+            record = self.store.update(job_id, owner=self.owner, **fields)
+        except server_errors.Unavailable as e:
+            if "state" in fields:
+                raise
+            log.warning("job %s: progress not recorded: %s", job_id, e)
+            return None
         if "state" in fields:
             self._notify()
         return record

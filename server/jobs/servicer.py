@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import urllib.parse
 
 import grpc
 
@@ -20,7 +21,7 @@ from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, codec, errors, limits
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
-from qmill.server.jobs import object_store, urls
+from qmill.server.jobs import object_store, postgres_store, sqlite_store, urls
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
 from qmill.server.jobs import runner as runner_lib
@@ -35,8 +36,8 @@ FORMATS = ("", "orbax", "safetensors", "npz")
 
 
 class JobsServicer(pb_grpc.JobsServicer):
-    # The store's calls are single-row SQLite statements (well under a millisecond), so they run
-    # on the event loop rather than paying a thread hop each.
+    # The store's calls run in a thread: each is short, but a PostgreSQL store waits on the
+    # network, and on a database that is down, which must not stop the event loop.
 
     def __init__(self, runner: runner_lib.JobRunner) -> None:
         self._runner = runner
@@ -51,7 +52,7 @@ class JobsServicer(pb_grpc.JobsServicer):
         destination = self._paths.resolve(tenant, request.destination, "destination")
         # A repeated request_id answers with its job before any check: the job may have written
         # the destination since the first submit.
-        existing = self._store.find(tenant, request.request_id)
+        existing = await asyncio.to_thread(self._store.find, tenant, request.request_id)
         if existing is not None:
             return _same_job(existing, request.request_id, source, destination).to_proto()
         for path in (source, destination):
@@ -79,7 +80,8 @@ class JobsServicer(pb_grpc.JobsServicer):
             raise errors.AlreadyExists(
                 f"destination {destination} already exists; set overwrite to replace it"
             )
-        record, created = self._store.create(
+        record, created = await asyncio.to_thread(
+            self._store.create,
             tenant=tenant,
             request_id=request.request_id,
             source=source,
@@ -94,13 +96,13 @@ class JobsServicer(pb_grpc.JobsServicer):
 
     @errors.unary
     async def GetJob(self, request: pb.GetJobRequest, context) -> pb.Job:
-        return self._owned(request.job_id).to_proto()
+        return (await self._owned(request.job_id)).to_proto()
 
     @errors.streaming
     async def WatchJob(self, request: pb.GetJobRequest, context):
         last = None
         while True:
-            record = self._owned(request.job_id)
+            record = await self._owned(request.job_id)
             seen = (record.state, record.tensors_done, record.tensors_total, record.message)
             if seen != last:
                 last = seen
@@ -115,18 +117,20 @@ class JobsServicer(pb_grpc.JobsServicer):
         if request.all_tenants:
             auth.require_admin("listing every tenant's jobs (all_tenants)")
             tenant = None
-        records = self._store.list(tenant=tenant, states=list(request.states))
+        records = await asyncio.to_thread(
+            self._store.list, tenant=tenant, states=list(request.states)
+        )
         return pb.ListJobsResponse(jobs=[r.to_proto() for r in records])
 
     @errors.unary
     async def CancelJob(self, request: pb.GetJobRequest, context) -> pb.Job:
-        self._owned(request.job_id)
-        return self._runner.cancel(request.job_id).to_proto()
+        await self._owned(request.job_id)
+        return (await asyncio.to_thread(self._runner.cancel, request.job_id)).to_proto()
 
-    def _owned(self, job_id: str) -> store_lib.JobRecord:
+    async def _owned(self, job_id: str) -> store_lib.JobRecord:
         if not job_id:
             raise ValueError("job_id is empty; pass the id SubmitJob returned")
-        record = self._store.get(job_id)
+        record = await asyncio.to_thread(self._store.get, job_id)
         if record is None:
             raise errors.NotFound(f"job {job_id} not found")
         auth.require_owner(record.tenant, f"job {job_id}")
@@ -154,7 +158,20 @@ def _same_job(
 
 
 def jobs_db_path(config: config_lib.ServerConfig) -> str:
+    """Where jobs are kept, in words for the log: the SQLite file, or the PostgreSQL database's
+    host and name (never its URL: that holds the password)."""
+    if store_lib.is_database_url(config.jobs_db):
+        url = urllib.parse.urlsplit(config.jobs_db)
+        return f"the PostgreSQL database {url.hostname}:{url.port or 5432}{url.path}"
     return config.jobs_db or os.path.join(config.data_dir, "jobs.sqlite3")
+
+
+def open_store(config: config_lib.ServerConfig) -> store_lib.JobStore:
+    """The store --jobs-db names: a PostgreSQL database (postgresql://...), shared by every
+    replica given the same URL, or a SQLite file (default: jobs.sqlite3 in the data dir)."""
+    if store_lib.is_database_url(config.jobs_db):
+        return postgres_store.PostgresJobStore(config.jobs_db)
+    return sqlite_store.SqliteJobStore(jobs_db_path(config))
 
 
 def add_to_server(
@@ -169,7 +186,8 @@ def add_to_server(
     `limiter`, jobs count their tensors under the server's in-flight limit as streams do."""
     policy = paths_lib.PathPolicy.from_config(config)
     log.info("jobs: %s", policy.describe())
-    store = store_lib.JobStore(jobs_db_path(config))
+    store = open_store(config)
+    log.info("jobs kept in %s", "PostgreSQL, shared" if store.shared else "SQLite, this server's")
     new_backend = peers_lib.backend_factory(config, job_peer_backends)
     if config.job_peers:
         log.info("jobs: tensors spread over --job-peers %s", config.job_peers)
@@ -184,6 +202,8 @@ def add_to_server(
         scratch=scratch,
         max_tensor_bytes=config.max_tensor_bytes,
         limiter=limiter,
+        lease_seconds=config.job_lease_seconds,
+        tenant_limit=config.max_tenant_jobs,
     )
     pb_grpc.add_JobsServicer_to_server(JobsServicer(runner), server)
     return runner

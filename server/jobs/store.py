@@ -1,54 +1,28 @@
-"""Batch jobs kept in SQLite, so they survive a server restart.
+"""What a job store keeps, and the interface the runner and the Jobs service use.
 
-One table: a job's request (source, destination, recipe, format, overwrite), its owner tenant
-and idempotency key, its state and its progress counters. Per-tensor progress lives beside the
-destination, in the partial output the job's run keeps (client/checkpoints/staging.py), which is
-what lets a restarted server resume a job without redoing finished tensors.
+Two stores implement it: SQLite (sqlite_store.py), the default, for one server whose jobs live
+in one file of its data dir; PostgreSQL (postgres_store.py, `--jobs-db postgresql://...`), for a
+fleet of replicas sharing one queue. Every replica answers Submit / Get / Watch / List / Cancel
+for every job; runners claim queued jobs and hold a lease on the job they run, renewing it while
+it runs; a job whose lease lapsed (its runner's pod was killed) is claimed again by another
+replica, which resumes it from its partial output.
 
-SQLite is used from the event loop (RPCs) and the runner thread; every call takes one lock and
-is short (one row), so neither waits long.
+Per-tensor progress is not in the store: it lives beside the destination, in the partial output
+the job's run keeps (checkpoints/staging.py), which is what lets a job resume without redoing
+finished tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
-import sqlite3
-import threading
-import time
-import uuid
-from typing import Any
+import enum
+from typing import Any, Protocol
 
 from qmill.proto.v1 import qmill_pb2 as pb
 
 # States a job can still leave; QUEUED and RUNNING jobs are resumed when the server starts.
 ACTIVE = (pb.JOB_STATE_QUEUED, pb.JOB_STATE_RUNNING)
 FINAL = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    request_id TEXT NOT NULL,
-    source TEXT NOT NULL,
-    destination TEXT NOT NULL,
-    recipe_json TEXT NOT NULL,
-    output_format TEXT NOT NULL,
-    overwrite INTEGER NOT NULL,
-    state INTEGER NOT NULL,
-    tensors_done INTEGER NOT NULL DEFAULT 0,
-    tensors_total INTEGER NOT NULL DEFAULT 0,
-    bytes_done INTEGER NOT NULL DEFAULT 0,
-    bytes_total INTEGER NOT NULL DEFAULT 0,
-    error TEXT NOT NULL DEFAULT '',
-    message TEXT NOT NULL DEFAULT '',
-    created REAL NOT NULL,
-    updated REAL NOT NULL
-);
--- A repeated request_id of one tenant names the same job (empty ids are not keys).
-CREATE UNIQUE INDEX IF NOT EXISTS jobs_request ON jobs (tenant, request_id) WHERE request_id != '';
-"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,132 +66,77 @@ class JobRecord:
         )
 
 
-_COLUMNS = [f.name for f in dataclasses.fields(JobRecord)]
+COLUMNS = [f.name for f in dataclasses.fields(JobRecord)]
 
 
-class JobStore:
-    """The jobs table of one SQLite file."""
+class Lease(enum.Enum):
+    """What renewing a running job's lease found."""
 
-    def __init__(self, path: str | pathlib.Path) -> None:
-        self.path = pathlib.Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        # isolation_level=None: autocommit, each statement is its own transaction.
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+    KEPT = "kept"
+    # Someone asked to cancel the job (CancelJob on any replica): the runner stops it.
+    CANCEL = "cancel"
+    # The job is no longer this runner's (its lease lapsed and another replica claimed it, or
+    # it ended): the runner stops it and writes nothing more about it.
+    LOST = "lost"
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
 
-    def create(
-        self,
-        *,
-        tenant: str,
-        request_id: str,
-        source: str,
-        destination: str,
-        recipe: dict[str, Any],
-        output_format: str,
-        overwrite: bool,
-    ) -> tuple[JobRecord, bool]:
-        """A new QUEUED job, or the existing one with this tenant's request_id (created=False)."""
-        now = time.time()
-        record = JobRecord(
-            job_id=uuid.uuid4().hex,
-            tenant=tenant,
-            request_id=request_id,
-            source=source,
-            destination=destination,
-            recipe=recipe,
-            output_format=output_format,
-            overwrite=overwrite,
-            state=pb.JOB_STATE_QUEUED,
-            message="queued",
-            created=now,
-            updated=now,
-        )
-        with self._lock:
-            existing = self._by_request(tenant, request_id)
-            if existing is not None:
-                return existing, False
-            values = dataclasses.asdict(record)
-            values["recipe"] = json.dumps(recipe, sort_keys=True)
-            self._db.execute(
-                f"INSERT INTO jobs ({', '.join(_sql_columns())}) "
-                f"VALUES ({', '.join('?' * len(_COLUMNS))})",
-                [values[c] for c in _COLUMNS],
-            )
-        return record, True
+class JobStore(Protocol):
+    """The operations on jobs. Each is one short transaction; a store that cannot reach its
+    database raises errors.Unavailable (the client is told to retry)."""
 
-    def find(self, tenant: str, request_id: str) -> JobRecord | None:
-        """The job of `tenant` submitted with `request_id`, if any (never for an empty id)."""
-        with self._lock:
-            return self._by_request(tenant, request_id)
+    # Whether other servers share these jobs (a job's partial output must then be where any
+    # replica finds it: scratch.py mirrors it to the object store).
+    shared: bool
 
-    def _by_request(self, tenant: str, request_id: str) -> JobRecord | None:
-        if not request_id:
-            return None
-        row = self._db.execute(
-            f"SELECT {', '.join(_sql_columns())} FROM jobs WHERE tenant = ? AND request_id = ?",
-            (tenant, request_id),
-        ).fetchone()
-        return _record(row) if row is not None else None
+    def create(self, **fields: Any) -> tuple[JobRecord, bool]:
+        """A new QUEUED job (fields: tenant, request_id, source, destination, recipe,
+        output_format, overwrite), or the tenant's job of that request_id (created=False)."""
+        ...
 
-    def get(self, job_id: str) -> JobRecord | None:
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT {', '.join(_sql_columns())} FROM jobs WHERE job_id = ?", (job_id,)
-            ).fetchone()
-        return _record(row) if row is not None else None
+    def find(self, tenant: str, request_id: str) -> JobRecord | None: ...
+    def get(self, job_id: str) -> JobRecord | None: ...
+    def list(self, *, tenant: str | None, states: list[int] | None = None) -> list[JobRecord]: ...
 
-    def list(self, *, tenant: str | None, states: list[int] | None = None) -> list[JobRecord]:
-        """Jobs oldest first; of one tenant unless `tenant` is None; in `states` if given."""
-        query = f"SELECT {', '.join(_sql_columns())} FROM jobs WHERE 1 = 1"
-        args: list[Any] = []
-        if tenant is not None:
-            query += " AND tenant = ?"
-            args.append(tenant)
-        if states:
-            query += f" AND state IN ({', '.join('?' * len(states))})"
-            args.extend(states)
-        with self._lock:
-            rows = self._db.execute(query + " ORDER BY created, job_id", args).fetchall()
-        return [_record(r) for r in rows]
+    def update(self, job_id: str, *, owner: str | None = None, **fields: Any) -> JobRecord | None:
+        """Sets `fields` and the update time; with `owner`, only while that runner holds the
+        job's lease (None: it does not, nothing was written)."""
+        ...
 
-    def update(self, job_id: str, **fields: Any) -> JobRecord:
-        """Sets `fields` (state, progress counters, error, message) and the update time."""
-        unknown = set(fields) - set(_COLUMNS)
-        if unknown:
-            raise KeyError(f"unknown job fields {sorted(unknown)}")
-        fields["updated"] = time.time()
-        assignments = ", ".join(f"{k} = ?" for k in fields)
-        with self._lock:
-            self._db.execute(
-                f"UPDATE jobs SET {assignments} WHERE job_id = ?", [*fields.values(), job_id]
-            )
-        record = self.get(job_id)
-        assert record is not None
-        return record
+    def counts(self) -> dict[str, int]: ...
 
-    def counts(self) -> dict[str, int]:
-        """Jobs per state name ("queued", "running", ...), for the qmill_jobs gauge."""
-        with self._lock:
-            rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
-        return {state_name(s): n for s, n in rows}
+    def claim(self, owner: str, *, lease_seconds: float, tenant_limit: int) -> JobRecord | None:
+        """The oldest job this runner may start, now RUNNING under its lease: a QUEUED job, or a
+        RUNNING one whose lease lapsed; never one whose tenant already runs `tenant_limit`
+        jobs (0: no limit). None when there is none."""
+        ...
+
+    def renew(self, job_id: str, owner: str, *, lease_seconds: float) -> Lease: ...
+
+    def release(self, job_id: str, owner: str, message: str) -> None:
+        """Hands a running job back (QUEUED, no lease) for any runner to claim and resume."""
+        ...
+
+    def request_cancel(self, job_id: str) -> tuple[JobRecord, bool]:
+        """A QUEUED job is CANCELLED now (True: this call cancelled it); a RUNNING one is marked
+        for its runner, which stops it at its next lease renewal. Final jobs are left as they
+        are."""
+        ...
+
+    def recover(self) -> None:
+        """Called once when the server starts, before its runner claims anything."""
+        ...
+
+    def check(self) -> None:
+        """Raises errors.Unavailable when the database cannot be reached (readiness)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 def state_name(state: int) -> str:
     return pb.JobState.Name(state).removeprefix("JOB_STATE_").lower()
 
 
-def _sql_columns() -> list[str]:
-    return ["recipe_json" if c == "recipe" else c for c in _COLUMNS]
-
-
-def _record(row: tuple[Any, ...]) -> JobRecord:
-    values = dict(zip(_COLUMNS, row, strict=True))
-    values["recipe"] = json.loads(values["recipe"])
-    values["overwrite"] = bool(values["overwrite"])
-    return JobRecord(**values)
+def is_database_url(value: str | None) -> bool:
+    """Whether --jobs-db names a PostgreSQL database rather than a SQLite file."""
+    return bool(value) and value.startswith(("postgresql://", "postgres://"))

@@ -15,6 +15,7 @@ from qmill.server import auth, errors
 from qmill.server import config as config_lib
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import runner as runner_lib
+from qmill.server.jobs import sqlite_store
 from qmill.server.jobs import store as store_lib
 
 
@@ -31,7 +32,7 @@ def _create(store, tenant="a", request_id="", source="/s", destination="/d"):
 
 
 def test_request_id_is_per_tenant_and_empty_ids_are_not_keys(tmp_path):
-    store = store_lib.JobStore(tmp_path / "jobs.sqlite3")
+    store = sqlite_store.SqliteJobStore(tmp_path / "jobs.sqlite3")
     first, created = _create(store, request_id="r")
     assert created and first.state == pb.JOB_STATE_QUEUED
     again, created = _create(store, request_id="r")
@@ -46,7 +47,7 @@ def test_request_id_is_per_tenant_and_empty_ids_are_not_keys(tmp_path):
 
 def test_list_update_counts_and_reopen(tmp_path):
     path = tmp_path / "jobs.sqlite3"
-    store = store_lib.JobStore(path)
+    store = sqlite_store.SqliteJobStore(path)
     a, _ = _create(store, tenant="a")
     b, _ = _create(store, tenant="b")
     updated = store.update(a.job_id, state=pb.JOB_STATE_RUNNING, tensors_done=3, tensors_total=9)
@@ -57,7 +58,7 @@ def test_list_update_counts_and_reopen(tmp_path):
     assert [j.job_id for j in store.list(tenant=None, states=[pb.JOB_STATE_QUEUED])] == [b.job_id]
     assert store.counts() == {"running": 1, "queued": 1}
     store.close()
-    reopened = store_lib.JobStore(path)
+    reopened = sqlite_store.SqliteJobStore(path)
     job = reopened.get(a.job_id)
     assert job is not None and job.recipe == {"rules": [{"qtype": "int8"}]}
     assert job.to_proto().tensors_done == 3
@@ -180,7 +181,7 @@ def test_the_runner_checks_again_a_symlink_made_after_the_submit(root, tmp_path,
     link to team-b's files. The runner refuses it before reading or writing anything."""
     (root / "team-a" / "outdir").mkdir()
     (root / "team-b" / "ckpt").mkdir()
-    store = store_lib.JobStore(tmp_path / "jobs.sqlite3")
+    store = sqlite_store.SqliteJobStore(tmp_path / "jobs.sqlite3")
     record, _ = _create(
         store,
         tenant="team-a",

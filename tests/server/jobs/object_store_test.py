@@ -15,7 +15,7 @@ from qmill.cli import main as cli
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import app, errors
 from qmill.server import config as config_lib
-from qmill.server.jobs import object_store, scratch, urls
+from qmill.server.jobs import object_store, scratch, sqlite_store, urls
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import store as store_lib
@@ -238,7 +238,7 @@ def test_a_url_job_resumes_after_a_shutdown_with_the_same_bytes(s3, tmp_path, mo
     _put_tree(EXAMPLE, f"{base}/tiny-mlp")
     reference = tmp_path / "ref.npz"
     assert cli.main(["quantize", str(EXAMPLE), "-o", str(reference), "-q", "--format", "npz"]) == 0
-    store = store_lib.JobStore(tmp_path / "jobs.sqlite3")
+    store = sqlite_store.SqliteJobStore(tmp_path / "jobs.sqlite3")
     record, _ = store.create(
         tenant="default",
         request_id="",
