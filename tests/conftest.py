@@ -103,3 +103,14 @@ def s3():
 
     yield bucket
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server on 127.0.0.1 for the whole session (tests/postgres.py);
+    `postgres.new_database()` gives each test module a database of its own."""
+    from tests.postgres import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.close()
