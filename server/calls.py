@@ -10,6 +10,7 @@ variable: grpc.aio runs each RPC in its own task, and tasks started by the handl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import inspect
@@ -137,6 +138,9 @@ def wrap_handler(
     checks = not getattr(handler.request_deserializer, "qmill_guarded", False)
 
     if inspect.isasyncgenfunction(fn):
+        # The first wrapper writes the responses itself (context.write) instead of yielding them
+        # to grpc, so that a write to a peer that is gone ends here (_write); the wrappers
+        # around it then see a coroutine handler.
 
         async def behavior(request, context):
             async with around(method, context) as replaced:
@@ -145,7 +149,7 @@ def wrap_handler(
                 responses = fn(request, replaced or context)
                 try:
                     async for response in responses:
-                        yield response
+                        await _write(context, response)
                 finally:
                     await responses.aclose()
 
@@ -168,6 +172,17 @@ def wrap_handler(
         ),
         response_serializer=_counting(handler.response_serializer, on_response_bytes, into=False),
     )
+
+
+async def _write(context: Any, response: Any) -> None:
+    """Sends one response. A client killed (or cancelled) while the server writes makes grpc's
+    write fail in its core (ExecuteBatchError, a grpc.aio.InternalError); yielded to grpc, that
+    failure is logged as an ERROR with a traceback. It is an ordinary event: the call ends as
+    cancelled (the call's one log line says CANCELLED) and its memory goes with it."""
+    try:
+        await context.write(response)
+    except grpc.aio.InternalError as e:
+        raise asyncio.CancelledError(f"the client went away mid-response ({e})") from e
 
 
 class Undecodable:

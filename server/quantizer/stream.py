@@ -127,6 +127,16 @@ async def _upload_tensors(
         yield header, array
 
 
+# When a stream's end is followed by a second malloc_trim (see quantize_stream).
+_LATE_TRIM_SECONDS = 1.0
+
+
+def _empty(*queues: asyncio.Queue) -> None:
+    for waiting in queues:
+        while not waiting.empty():
+            waiting.get_nowait()
+
+
 async def quantize_stream(
     requests: AsyncIterator[pb.QuantizeParamsRequest],
     executor: futures.Executor,
@@ -177,14 +187,24 @@ async def quantize_stream(
             _answered(account, metrics, header, "quantized")
         yield pb.QuantizeParamsResponse(summary=stats.summary())
     finally:
+        item = None  # an error raised from it: its traceback holds this frame
         reader.cancel()
         quantizer.cancel()
+        # A call cut short (its client killed) leaves the reader's error in the queue, holding
+        # its traceback, whose frames hold the queue and the tensor being received: a cycle that
+        # only the garbage collector would free, much later. The queues are emptied once both
+        # tasks have ended (a cancelled task may still put one last item).
+        for task in (reader, quantizer):
+            task.add_done_callback(lambda _: _empty(queue, results))
         if account is not None:
             account.close()  # whatever the call still holds (cancelled, failed) goes back now
         wire.release_buffers()  # kept for this call's next tensor: there is none
         # Free heap pages (4 MiB chunk copies, the engine's outputs) otherwise stay resident
         # between calls: the next call's peak RSS started ~80 MB higher (bench/README.md).
         memory.give_back_free_memory()
+        # Once more a moment later: a call whose client is gone frees its last buffers (grpc's,
+        # the tasks' above) after this point, and the server may have no next call for a while.
+        asyncio.get_running_loop().call_later(_LATE_TRIM_SECONDS, memory.give_back_free_memory)
 
 
 @dataclasses.dataclass
@@ -225,6 +245,7 @@ class _Engine:
         except asyncio.CancelledError:
             raise  # the call is over; nobody takes results any more
         except BaseException as exc:  # handed to the responder, which owns the call's status
+            item = None  # a reader's error raised here: its traceback holds this frame
             await results.put(exc)
 
 
