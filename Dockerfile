@@ -1,15 +1,16 @@
 # qmill server image. Build: docker build -t qmill .
 # CUDA build (NVIDIA GPUs): docker build --build-arg JAX_EXTRA=cuda13 -t qmill:cuda .
 # (JAX_EXTRA selects the jax[...] extra: "" for CPU, "cuda12" or "cuda13" for NVIDIA GPUs.)
-# Optional qmill extras: --build-arg QMILL_EXTRAS=objectstore (gs:// and s3:// batch jobs),
-# odml (ExportOdml, ~380 MB), or both comma-separated.
+# qmill extras: --build-arg QMILL_EXTRAS=postgres (the default: batch jobs in one PostgreSQL
+# queue shared by the replicas, as deploy/ runs them), objectstore (gs:// and s3:// batch jobs),
+# odml (ExportOdml, ~380 MB); comma-separated, e.g. postgres,objectstore.
 
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
 ARG JAX_EXTRA=""
 ARG JAX_VERSION=0.10.2
-ARG QMILL_EXTRAS=""
+ARG QMILL_EXTRAS="postgres"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN python -m venv /opt/qmill

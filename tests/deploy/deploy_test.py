@@ -209,3 +209,21 @@ def test_the_optional_autoscaler_targets_the_deployment_on_a_metric_the_server_e
     (metric,) = hpa["spec"]["metrics"]
     server_metrics = (DEPLOY.parent / "server" / "metrics.py").read_text()
     assert f'"{metric["pods"]["metric"]["name"]}"' in server_metrics
+
+
+def test_the_job_queue_database_comes_from_a_secret_and_liveness_ignores_it() -> None:
+    """The replicas share one job queue: its URL comes from a Secret through the variable the
+    server reads; readiness (service "") follows the database, liveness has a name of its own
+    that stays SERVING while the database is down (restarts would not help)."""
+    from qmill.server import app
+    from qmill.server import config as config_lib
+
+    docs = _render(DEPLOY / "base")
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = _containers(deployment)
+    env = {e["name"]: e for e in container["env"]}
+    ref = env[config_lib.JOBS_DB_ENV]["valueFrom"]["secretKeyRef"]
+    assert ref["key"] in secrets[ref["name"]]["stringData"]
+    assert "service" not in container["readinessProbe"]["grpc"]
+    assert container["livenessProbe"]["grpc"]["service"] == app.LIVENESS_NAME

@@ -55,8 +55,8 @@ class Replica:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def health(self) -> int | None:
-        """The readiness status ("" service), None when it does not answer."""
+    def health(self, service: str = "") -> int | None:
+        """The health status of `service` ("": readiness), None when it does not answer."""
         with grpc.insecure_channel(self.address) as channel:
             try:
                 return (

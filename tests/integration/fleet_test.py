@@ -157,6 +157,7 @@ def test_database_restart_mid_job(replicas, bucket, postgres, reference):
         while replicas[0].health() != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "readiness did not drop without the database"
             time.sleep(0.2)
+        assert replicas[0].health("liveness") == health_pb2.HealthCheckResponse.SERVING
         with replicas[0].client() as client, pytest.raises(errors.QmillError) as raised:
             client.jobs.get(job.job_id)
         assert raised.value.code == "UNAVAILABLE"
