@@ -147,6 +147,10 @@ class Server:
         await self._grpc.stop(self.config.grace_seconds if grace is None else grace)
         # After the calls: the running job stops at its next tensor, left RUNNING for resuming.
         await asyncio.to_thread(self.jobs.stop)
+        # The database connection; a SQLite file stays open: a job left behind by a cancel may
+        # still write to it.
+        if self.jobs.store.shared:
+            self.jobs.store.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.metrics.stop_http()
         log.info("qmill stopped")

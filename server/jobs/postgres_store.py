@@ -279,7 +279,8 @@ def _claim(conn: Any, owner: str, lease_seconds: float, tenant_limit: int) -> Jo
     with conn.transaction():
         candidates = conn.execute(
             f"SELECT job_id, tenant FROM {TABLE} WHERE state = {_QUEUED} OR "
-            f"(state = {_RUNNING} AND NOT {_LIVE}) ORDER BY created, job_id "
+            f"(state = {_RUNNING} AND (lease_until IS NULL OR NOT {_LIVE})) "
+            "ORDER BY created, job_id "
             f"LIMIT {_CLAIM_WINDOW} FOR UPDATE SKIP LOCKED"
         ).fetchall()
         for job_id, tenant in candidates:

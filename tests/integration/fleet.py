@@ -61,7 +61,7 @@ class Replica:
             try:
                 return (
                     health_pb2_grpc.HealthStub(channel)
-                    .Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    .Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
                     .status
                 )
             except grpc.RpcError:
