@@ -53,6 +53,7 @@ from qmill.server import limits
 from qmill.server.jobs import mirror as mirror_lib
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
+from qmill.server.jobs import progress as progress_lib
 from qmill.server.jobs import room as room_lib
 from qmill.server.jobs import scratch as scratch_lib
 from qmill.server.jobs import store as store_lib
@@ -77,40 +78,6 @@ class _Stop(Exception):
         super().__init__("cancelled" if cancelled else "lease lost" if lost else "stopping")
         self.cancelled = cancelled
         self.lost = lost
-
-
-class _Progress:
-    """pipeline.Progress that writes the counters to the store (and so to watchers), and keeps
-    the job's partial output where another replica finds it (mirror.py)."""
-
-    def __init__(
-        self, runner: JobRunner, job_id: str, mirror: mirror_lib.PartialMirror | None
-    ) -> None:
-        self._runner, self._job_id, self._mirror = runner, job_id, mirror
-        self._tensors = self._bytes = 0
-        self._total = 0
-
-    def start(self, total_bytes: int, total_tensors: int) -> None:
-        self._total = total_tensors
-        self._runner._update(
-            self._job_id,
-            tensors_total=total_tensors,
-            bytes_total=total_bytes,
-            tensors_done=0,
-            bytes_done=0,
-        )
-
-    def advance(self, nbytes: int) -> None:
-        self._tensors += 1
-        self._bytes += nbytes
-        if self._mirror is not None:
-            self._mirror.sync()
-        self._runner._update(
-            self._job_id,
-            tensors_done=self._tensors,
-            bytes_done=self._bytes,
-            message=f"tensor {self._tensors}/{self._total} done",
-        )
 
 
 class JobRunner:
@@ -324,7 +291,9 @@ class JobRunner:
                     backend=self._reserving(backend, record, source, check),
                     output_format=record.output_format or None,
                     overwrite=staged.overwrite,
-                    progress=_Progress(self, record.job_id, mirror),
+                    progress=progress_lib.JobProgress(
+                        functools.partial(self._update, record.job_id), mirror
+                    ),
                     check=check,
                     max_tensor_bytes=self._max_tensor_bytes,
                 )

@@ -128,7 +128,7 @@ async def _upload_tensors(
 
 
 # When a stream's end is followed by a second malloc_trim (see quantize_stream).
-_LATE_TRIM_SECONDS = 1.0
+LATE_TRIM_SECONDS = 1.0
 
 
 def _empty(*queues: asyncio.Queue) -> None:
@@ -204,7 +204,7 @@ async def quantize_stream(
         memory.give_back_free_memory()
         # Once more a moment later: a call whose client is gone frees its last buffers (grpc's,
         # the tasks' above) after this point, and the server may have no next call for a while.
-        asyncio.get_running_loop().call_later(_LATE_TRIM_SECONDS, memory.give_back_free_memory)
+        asyncio.get_running_loop().call_later(LATE_TRIM_SECONDS, memory.give_back_free_memory)
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 
+from qmill.server.quantizer import stream
 from tests.e2e import processes
 
 ROUNDS = 8
@@ -78,12 +79,16 @@ def test_killed_clients_are_info_lines_and_give_their_memory_back(tmp_path):
             assert time.monotonic() < deadline and server.poll() is None, log_path.read_text()
             time.sleep(0.5)
         idle = _settled(server.pid)
-        for _ in range(ROUNDS):
+        for n in range(1, ROUNDS + 1):
             client = _client(address, "kill")
             assert client.stdout.readline(), "the client got no result"
             client.send_signal(signal.SIGKILL)
             client.wait(30)
             client.stdout.close()
+            # One client at a time (the formula counts clients sending at once): the next starts
+            # once the server has ended this call, and given its memory back (a second later).
+            _wait_for_lines(log_path, n)
+            time.sleep(stream.LATE_TRIM_SECONDS)
         after = _settled(server.pid)
         peak = _status(server.pid, "VmHWM")
     finally:
@@ -99,6 +104,13 @@ def test_killed_clients_are_info_lines_and_give_their_memory_back(tmp_path):
     formula = max(300, idle) + (INFLIGHT_BYTES + WORKERS * TENSOR_BYTES) / MiB + 60
     assert peak <= formula, f"peak RSS {peak:.0f} MB over the sizing formula {formula:.0f} MB"
     assert after <= idle + 64, f"RSS {after:.0f} MB after the killed clients, idle {idle:.0f} MB"
+
+
+def _wait_for_lines(log_path, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(re.findall(r"QuantizeParams .*code=CANCELLED", log_path.read_text())) < count:
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.05)
 
 
 def _finished(client: subprocess.Popen) -> int:

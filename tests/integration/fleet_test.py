@@ -4,6 +4,7 @@ queue (a real server, tests/postgres.py) and one S3 bucket (moto on loopback).
 - the runner of a job is killed with SIGKILL mid-job: another replica claims it once the lease
   (2 s here) lapses, resumes it from the partial output copied beside the destination (the
   finished tensors are not redone) and writes the bytes an uninterrupted job writes;
+- a replica told to stop (SIGTERM) hands its job back at once, and another one resumes it;
 - a cancel sent to a replica that does not run the job stops it;
 - a tenant limit of one running job holds across the replicas, while another tenant's job runs;
 - the database restarted mid-job: readiness drops while it is down, the job goes on.
@@ -104,6 +105,24 @@ def test_killed_runner_another_replica_resumes_with_the_same_bytes(replicas, buc
     assert not copy.exists()  # deleted with the job's end
     # The killed replica is replaced, as a Deployment would.
     replicas[replicas.index(runner)] = replacement = runner.replacement()
+    replacement.wait_ready()
+
+
+def test_a_draining_replica_hands_its_job_back(replicas, bucket, reference):
+    """SIGTERM: the runner stops after its tensor and releases the job at once (no lease to
+    wait for); another replica resumes it."""
+    job = _submit(replicas[2], bucket, "drained.npz")
+    _wait(replicas[2], job.job_id, lambda j: j.tensors_done >= 2)
+    runner = fleet.runner_of(replicas, job.job_id)
+    runner.process.terminate()
+    replicas[replicas.index(runner)] = replacement = runner.replacement()
+    runner.process.wait(30)
+    assert f"job {job.job_id} handed back (server stopping)" in runner.log()
+    others = [r for r in replicas if r is not replacement]
+    done = _wait(others[0], job.job_id, _finished)
+    assert done.state == pb.JOB_STATE_SUCCEEDED, done.error
+    assert epath.Path(job.destination).read_bytes() == reference
+    assert any(r.claimed(job.job_id) for r in [*others, replacement])
     replacement.wait_ready()
 
 
