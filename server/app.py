@@ -76,6 +76,8 @@ class Server:
             self._grpc, config, self.metrics, job_peer_backends, limiter=self.limiter
         )
         self.health = _add_health(self._grpc, config)
+        # Follows the job database when it is shared (readiness); started by start().
+        self._readiness: asyncio.Task | None = None
         self.port = _bind(self._grpc, config)
 
     def _add_services(self) -> None:
@@ -123,7 +125,6 @@ class Server:
         self.jobs.start()  # resumes the jobs a previous server left QUEUED or RUNNING
         for name in ("", SERVICE_NAME, LIVENESS_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._readiness: asyncio.Task | None = None
         if self.jobs.store.shared:
             self._readiness = asyncio.create_task(self._watch_database())
         if self.config.metrics_port is not None:
@@ -157,12 +158,13 @@ class Server:
 
     async def _watch_database(self) -> None:
         """Readiness follows the job database: NOT_SERVING while it cannot be reached (every
-        Jobs call would fail), SERVING again once it can."""
+        Jobs call would fail), SERVING again once it can. The same query keeps the qmill_jobs
+        gauge current: other replicas change the jobs too."""
         reachable = True
         while True:
             await asyncio.sleep(READINESS_SECONDS)
             try:
-                await asyncio.to_thread(self.jobs.store.check)
+                self.metrics.set_jobs_by_state(await asyncio.to_thread(self.jobs.store.counts))
                 now = True
             except errors.Unavailable as e:
                 now = False

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from qmill.server import auth
+from qmill.server import auth, errors
 from qmill.server import config as config_lib
 
 # Names of flags copied into ServerConfig only when given (else the config's default applies).
@@ -178,5 +179,11 @@ def run(args: argparse.Namespace, *, job_peer_backends: Callable[..., Any] | Non
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    asyncio.run(app.serve(config_from_args(args), job_peer_backends=job_peer_backends))
+    try:
+        asyncio.run(app.serve(config_from_args(args), job_peer_backends=job_peer_backends))
+    except errors.ServerError as e:
+        # What the server needs and lacks at start (its job database unreachable, an extra not
+        # installed): one line saying so, and a failed exit for the supervisor to retry.
+        print(f"qmill serve: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -43,13 +43,13 @@ class PostgresServer:
     """initdb + pg_ctl start; `url(db)` names a database, `restart()` restarts the server."""
 
     def __init__(self) -> None:
-        self.root = pathlib.Path(tempfile.mkdtemp(prefix="qmill-pg-"))
-        # As root, everything runs as `nobody`, which must own the directory.
-        self._user = None
-        if os.geteuid() == 0:
-            nobody = pwd.getpwnam("nobody")
-            os.chown(self.root, nobody.pw_uid, nobody.pw_gid)
-            self._user = nobody.pw_uid
+        # As root, everything runs as an unprivileged user, which must own the directory and
+        # reach it: under /tmp (sticky, world-traversable), whatever $TMPDIR says.
+        self._user = _unprivileged_user() if os.geteuid() == 0 else None
+        where = "/tmp" if self._user is not None else None
+        self.root = pathlib.Path(tempfile.mkdtemp(prefix="qmill-pg-", dir=where))
+        if self._user is not None:
+            os.chown(self.root, self._user.pw_uid, self._user.pw_gid)
         self.data = self.root / "data"
         self.port = _free_port()
         self._names = itertools.count()
@@ -60,9 +60,12 @@ class PostgresServer:
         self.start()
 
     def _run(self, *args: str) -> None:
+        user = None if self._user is None else self._user.pw_uid
+        group = None if self._user is None else self._user.pw_gid
         result = subprocess.run(
-            args, user=self._user, capture_output=True, text=True, cwd=self.root, timeout=120
-        )
+            args, user=user, group=group, extra_groups=[] if user is not None else None,
+            capture_output=True, text=True, cwd=self.root, timeout=120,
+        )  # fmt: skip
         if result.returncode != 0:
             log = self.root / "server.log"
             tail = log.read_text()[-2000:] if log.exists() else ""
@@ -100,8 +103,23 @@ class PostgresServer:
     def close(self) -> None:
         try:
             self._pg_ctl("-m", "immediate", "stop")
+        except RuntimeError:
+            pass  # already stopped (a test failed between stop() and start())
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _unprivileged_user() -> pwd.struct_passwd:
+    """`nobody` (every Debian has it), else `postgres` (the server package's)."""
+    for name in ("nobody", "postgres"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    raise RuntimeError(
+        "PostgreSQL refuses to run as root and there is no `nobody` or `postgres` user to run "
+        "it as; create one (useradd --system nobody)"
+    )
 
 
 def _free_port() -> int:

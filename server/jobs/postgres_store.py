@@ -137,9 +137,6 @@ class PostgresJobStore:
         with self._lock:
             self._drop()
 
-    def check(self) -> None:
-        self._run(lambda c: c.execute("SELECT 1").fetchone())
-
     # --- jobs ---------------------------------------------------------------------------------
 
     def create(self, **fields: Any) -> tuple[JobRecord, bool]:

@@ -207,9 +207,6 @@ class SqliteJobStore:
         for record in self.list(tenant=None, states=[pb.JOB_STATE_RUNNING]):
             self.update(record.job_id, state=pb.JOB_STATE_QUEUED, message="resumed after restart")
 
-    def check(self) -> None:
-        """A local file is always reachable (a full disk shows on writes)."""
-
     def counts(self) -> dict[str, int]:
         """Jobs per state name ("queued", "running", ...), for the qmill_jobs gauge."""
         with self._lock:

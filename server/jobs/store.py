@@ -126,10 +126,6 @@ class JobStore(Protocol):
         """Called once when the server starts, before its runner claims anything."""
         ...
 
-    def check(self) -> None:
-        """Raises errors.Unavailable when the database cannot be reached (readiness)."""
-        ...
-
     def close(self) -> None: ...
 
 

@@ -134,8 +134,8 @@ def test_an_unreachable_database_is_unavailable_and_the_store_reconnects(postgre
             jobs.get(job.job_id)
         assert errors.status_for(raised.value)[0].name == "UNAVAILABLE"
         with pytest.raises(errors.Unavailable):
-            jobs.check()
+            jobs.counts()
     finally:
         postgres.start()
-    jobs.check()
+    assert jobs.counts() == {"queued": 1}
     assert jobs.get(job.job_id) == job
