@@ -29,6 +29,8 @@ from tests.integration import fleet
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-mlp"  # Orbax, 5 float tensors + 1 int32
 INT8 = {"rules": [{"qtype": "int8"}]}
+# Starts `qmill serve` processes (about 80 s for the module): out of the edit-test loop.
+pytestmark = pytest.mark.slow
 
 
 def _put_tree(local: pathlib.Path, url: str) -> None:
