@@ -310,7 +310,7 @@ _quantize_eager = jax.jit(_quantize_parts, static_argnums=(1, 2, 3))
 
 
 @jax.jit
-def _all_finite(x: jax.Array) -> jax.Array:
+def all_finite(x: jax.Array) -> jax.Array:
     """Whether x has no NaN/Inf: x · 0 is 0, or NaN where x is not finite, and a sum keeps it.
 
     Not read off the scales: XLA:CPU's float max may drop a NaN (see the module doc). Its own
@@ -347,7 +347,7 @@ def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -
         return _quantize(array, how, scale_dtype)
     as_bytes = _packs_on_host(array, how.qtype)
     codes, scale, zero_point = _quantize_eager(array, how, scale_dtype, as_bytes)
-    finite = _all_finite(array)
+    finite = all_finite(array)
     # Under an outer trace (a concrete array closed over in jit) the flag is traced: no check.
     if not isinstance(finite, jax.core.Tracer) and not bool(finite):
         raise ValueError(

@@ -68,22 +68,67 @@ def _how(plan: layout.LeafPlan) -> qarray.HowToQuantize:
     )
 
 
-# Static arguments are the compile cache key: `how` and the scale dtype, never the plan, whose
-# path differs for every tensor (jit adds shape and dtype of x itself).
-@functools.partial(jax.jit, static_argnames=("how", "scale_dtype"))
-def _quantize_and_measure(x: jax.Array, how: qarray.HowToQuantize, scale_dtype: str | None):
+# The quality pass dequantizes and sums on about this many values of a tensor, not all of them:
+# on the CPU XLA materializes the f32 error before reducing it, so measuring a whole tensor took
+# ~10x the quantization itself (bench/README.md). The sample is whole scale blocks, evenly spread.
+QUALITY_SAMPLE = 1 << 20
+
+
+def quality_stride(shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(axis, stride): the quality pass measures every stride-th block of scales along axis.
+
+    The axis with the most scale blocks (the first of equals), so strides cut evenly; stride 1
+    (the whole tensor) for tensors of fewer than 2 * QUALITY_SAMPLE values.
+    """
+    if not shape:
+        return 0, 1
+    axis = max(range(len(shape)), key=lambda a: (scale_shape[a], -a))
+    size = math.prod(shape)
+    return axis, max(1, min(scale_shape[axis], size // QUALITY_SAMPLE))
+
+
+def _every(a: jax.Array, axis: int, blocks: int, stride: int) -> jax.Array:
+    """Every stride-th of `blocks` equal blocks of `a` along `axis`, joined again."""
+    if stride == 1:
+        return a
+    tile = a.shape[axis] // blocks
+    split = a.reshape((*a.shape[:axis], blocks, tile, *a.shape[axis + 1 :]))
+    taken = jax.lax.slice_in_dim(split, 0, blocks, stride, axis)
+    return taken.reshape((*a.shape[:axis], -1, *a.shape[axis + 1 :]))
+
+
+def _quality_sums(x, codes, scale, zero_point, qtype: str, axis: int, stride: int):
+    """Σx², Σ(x − x̂)², mean|x|, mean|x − x̂| over every stride-th scale block along axis."""
+    blocks = scale.shape[axis] if scale.ndim else 1
+    x, codes = (_every(a, axis, blocks, stride) for a in (x, codes))
+    if stride > 1:
+        scale = jax.lax.slice_in_dim(scale, 0, blocks, stride, axis)
+        if zero_point is not None:
+            zero_point = jax.lax.slice_in_dim(zero_point, 0, blocks, stride, axis)
+    x32 = x.astype(jnp.float32)
+    deq = qarray.dequantize_bytes(codes, qtype, scale, zero_point)
+    err = deq.astype(jnp.float32) - x32
+    return (
+        jnp.sum(x32 * x32),
+        jnp.sum(err * err),
+        jnp.mean(jnp.abs(x32)),
+        jnp.mean(jnp.abs(err)),
+    )
+
+
+# Static arguments are the compile cache key: `how`, the scale dtype and the quality sample (a
+# function of the shape), never the plan, whose path differs for every tensor (jit adds shape and
+# dtype of x itself).
+@functools.partial(jax.jit, static_argnames=("how", "scale_dtype", "axis", "stride"))
+def _quantize_and_measure(
+    x: jax.Array, how: qarray.HowToQuantize, scale_dtype: str | None, axis: int, stride: int
+):
     # 4-bit codes come as bytes (qarray.quantize_bytes): they go to the host anyway, where
     # viewing them as int4/uint4 is free and packing them on XLA:CPU is not.
     codes, scale, zero_point = qarray.quantize_bytes(x, how, scale_dtype=scale_dtype)
-    x32 = x.astype(jnp.float32)
-    deq = qarray.dequantize_bytes(codes, how.qtype, scale, zero_point)
-    err = deq.astype(jnp.float32) - x32
-    signal, noise = jnp.sum(x32 * x32), jnp.sum(err * err)
-    abs_x, abs_err = jnp.mean(jnp.abs(x32)), jnp.mean(jnp.abs(err))
-    # x * 0 is 0, or NaN where x is not finite (XLA doesn't fold it for floats); a sum fuses with
-    # the read of x where isfinite(x).all() writes a bool array out first.
-    finite = jnp.isfinite(jnp.sum(x32 * 0))
-    return (codes, scale, zero_point), signal, noise, abs_x, abs_err, finite
+    return (codes, scale, zero_point), *_quality_sums(
+        x, codes, scale, zero_point, how.qtype, axis, stride
+    )
 
 
 # PJRT:CPU uses a host buffer in place when it is aligned to this many bytes, else copies it.
@@ -119,8 +164,16 @@ def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafR
     """
     if not plan.quantize:
         raise ValueError(f"{plan.path}: the plan keeps this tensor ({plan.reason})")
-    outputs = jax.device_get(_quantize_and_measure(_on_device(array), _how(plan), plan.scale_dtype))
-    q, signal, noise, abs_x, abs_err, finite = outputs
+    x = _on_device(array)
+    how = _how(plan)
+    # The scale's shape, without tracing (jax.eval_shape costs ~4 ms): one per tile.
+    scale_shape = tuple(n // t for n, t in zip(x.shape, how.tiles(x.shape), strict=True))
+    axis, stride = quality_stride(x.shape, scale_shape)
+    # The NaN/Inf check reads the whole tensor in its own jit: fused here, XLA wrote a whole f32
+    # copy of a bf16 tensor for it.
+    finite = qarray.all_finite(x)
+    outputs = jax.device_get(_quantize_and_measure(x, how, plan.scale_dtype, axis, stride))
+    q, signal, noise, abs_x, abs_err = outputs
     if not finite:
         raise ValueError(
             f"{plan.path}: tensor contains NaN or Inf; quantization would spread them over whole "

@@ -104,3 +104,39 @@ def test_measure_on_arrays_agrees_with_the_sums():
     got = leaf.measure(x, x + np.float32(0.5))
     assert got == leaf.quality(14.0, 1.0, 1.5, 0.5)
     assert got.sqnr_db == pytest.approx(10 * math.log10(14.0))
+
+
+@pytest.mark.parametrize(
+    ("qtype", "channelwise", "tiled", "axis"),
+    [("int4", (0,), ((1, 8),), 0), ("int8", (1,), (), 1), ("uint4", (1,), ((0, 16),), 1)],
+)
+def test_quality_is_measured_on_every_stride_th_scale_block(
+    monkeypatch, qtype, channelwise, tiled, axis
+) -> None:
+    """Large tensors are measured on a sample: whole scale blocks along the axis with the most,
+    evenly spread. The figures are those of the sampled blocks, and close to the whole tensor's."""
+    monkeypatch.setattr(leaf, "QUALITY_SAMPLE", 256)
+    x = np.random.default_rng(3).standard_normal((64, 48)).astype(np.float32)
+    plan = layout.LeafPlan(path="w", qtype=qtype, channelwise_axes=channelwise, tiled_axes=tiled)
+    result = leaf.quantize_leaf(x, plan)
+    assert leaf.quality_stride(x.shape, result.scale.shape) == (axis, 12)
+    how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=channelwise, tiled_axes=dict(tiled))
+    deq = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(x), how)), np.float32)
+    blocks = result.scale.shape[axis]
+    tile = x.shape[axis] // blocks
+    keep = [i for i in range(x.shape[axis]) if (i // tile) % 12 == 0]
+    sampled = leaf.measure(np.take(x, keep, axis), np.take(deq, keep, axis))
+    assert result.quality.sqnr_db == pytest.approx(sampled.sqnr_db, rel=1e-5)
+    assert result.quality.mean_relative_error == pytest.approx(
+        sampled.mean_relative_error, rel=1e-5
+    )
+    assert result.quality.sqnr_db == pytest.approx(leaf.measure(x, deq).sqnr_db, rel=0.1)
+
+
+def test_small_tensors_are_measured_whole() -> None:
+    assert leaf.quality_stride((2047, 1024), (2047, 8)) == (0, 1)
+    assert leaf.quality_stride((2048, 1024), (2048, 8)) == (0, 2)
+    assert leaf.quality_stride((4096, 4096), (4096, 32)) == (0, 16)
+    assert leaf.quality_stride((4096, 4096), (1, 4096)) == (1, 16)
+    assert leaf.quality_stride((4096, 4096), (1, 1)) == (0, 1)
+    assert leaf.quality_stride((), ()) == (0, 1)
