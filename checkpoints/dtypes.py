@@ -16,6 +16,7 @@ uint8, a dtype record and no shape record) still read back: the by-value carrier
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Container
 from typing import Any
@@ -133,6 +134,59 @@ def unpack_4bit(packed: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> 
     return nibbles[:count].view(dtype).reshape(shape)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packed4:
+    """A 4-bit tensor already packed as `pack_4bit` packs it: `packed` (flat uint8, two codes per
+    byte, low nibble first) stands for an array of `dtype` and `shape`.
+
+    The engine packs codes where it makes them (engine/modelfree/packing.py), so writers
+    (Record.store), the partial output and the wire take these bytes as they are instead of
+    repacking them on the host. `np.asarray(p)` (or `p.unpack()`) gives the array back.
+    """
+
+    packed: np.ndarray
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.dtype.name not in PACKED_4BIT:
+            raise ValueError(
+                f"Packed4 holds 4-bit dtypes ({sorted(PACKED_4BIT)}), not {self.dtype}"
+            )
+        count = math.prod(self.shape)
+        if self.packed.dtype != np.uint8 or self.packed.shape != ((count + 1) // 2,):
+            raise ValueError(
+                f"packed 4-bit data is {self.packed.dtype}{list(self.packed.shape)}, not the "
+                f"{(count + 1) // 2} uint8 bytes of a {self.dtype.name}{list(self.shape)} tensor"
+            )
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def unpack(self) -> np.ndarray:
+        return unpack_4bit(self.packed, self.dtype, self.shape)
+
+    def tobytes(self) -> bytes:
+        """The unpacked array's bytes (one code per byte), as numpy's tobytes would give."""
+        return self.unpack().tobytes()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.unpack()
+        return array if dtype is None else array.astype(dtype)
+
+
+def packed_or_array(array: Any) -> Packed4 | np.ndarray:
+    """A Packed4 as it is, anything else as a numpy array."""
+    return array if isinstance(array, Packed4) else np.asarray(array)
+
+
 class Record:
     """What a reader needs to give back the logical arrays of a checkpoint: {path: logical dtype
     name} for tensors not stored as themselves, {path: logical shape} for packed ones. Writers
@@ -149,13 +203,13 @@ class Record:
             if not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ValueError(f"tensor {key} has a packed shape {shape} that is not a shape")
 
-    def store(self, key: str, array: np.ndarray, native: Container[str]) -> np.ndarray:
+    def store(self, key: str, array: np.ndarray | Packed4, native: Container[str]) -> np.ndarray:
         """`array` as the format stores it (packed, carried or itself), recorded under `key`."""
         name = array.dtype.name
         if name in PACKED_4BIT:
             self.dtypes[key] = name
             self.packed[key] = [int(d) for d in array.shape]
-            return pack_4bit(array)
+            return array.packed if isinstance(array, Packed4) else pack_4bit(array)
         stored, logical = to_carrier(array, native)
         if logical:
             self.dtypes[key] = logical

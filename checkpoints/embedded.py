@@ -57,7 +57,10 @@ class EmbeddedClient:
                 result = leaf.quantize_leaf(array, plan)
             except (ValueError, TypeError) as e:
                 raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
-            parts = {"qvalue": result.qvalue, "scale": result.scale}
+            qvalue = result.qvalue
+            if result.packed_as is not None:  # 4-bit codes, packed by the engine as stored
+                qvalue = dtypes.Packed4(qvalue, *result.packed_as)
+            parts = {"qvalue": qvalue, "scale": result.scale}
             if result.zero_point is not None:
                 parts["zero_point"] = result.zero_point
             yield outcome.TensorOutcome(

@@ -152,7 +152,7 @@ class HfFolderWriter:
         self._weights.write(path, array)
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
-        self._quantized[path] = np.asarray(parts["qvalue"]).dtype.name
+        self._quantized[path] = np.dtype(parts["qvalue"].dtype).name
         self._weights.write_quantized(path, parts)
 
     def commit(self) -> None:

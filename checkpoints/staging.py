@@ -170,16 +170,23 @@ class PartialOutput:
         return completed
 
     def record(
-        self, index: int, path: str, parts: dict[str, np.ndarray], info: dict[str, Any]
+        self,
+        index: int,
+        path: str,
+        parts: dict[str, np.ndarray | dtypes.Packed4],
+        info: dict[str, Any],
     ) -> None:
         """Writes `parts` of the tensor `path` (entry number `index`), then marks it finished."""
         if self._log is None:
             self._create()
         written = {}
         for name, array in parts.items():
-            array = np.ascontiguousarray(array)
             file = self.directory / PARTS / f"{index:06d}-{name}.bin"
-            data = array.reshape(-1).view(np.uint8)
+            if isinstance(array, dtypes.Packed4):  # kept packed, as the checkpoint stores it
+                data, meta = array.packed, {"packed": True}
+            else:
+                array = np.ascontiguousarray(array)
+                data, meta = array.reshape(-1).view(np.uint8), {}
             with open(file, "wb") as f:
                 f.write(memoryview(data))
             written[name] = {
@@ -188,14 +195,15 @@ class PartialOutput:
                 "shape": list(array.shape),
                 # The array itself, not bytes(data): google_crc32c reads any contiguous numpy
                 # array in place (not a memoryview), and the copy cost as much as the write.
-                "crc32c": google_crc32c.value(data) if array.size else 0,
+                "crc32c": google_crc32c.value(data) if data.size else 0,
+                **meta,
             }
         record = {"path": path, "parts": written, "info": info}
         self._log.write(json.dumps(record, sort_keys=True) + "\n")
         self._log.flush()
         self.completed[path] = json.loads(json.dumps(record, sort_keys=True))
 
-    def load(self, path: str) -> dict[str, np.ndarray]:
+    def load(self, path: str) -> dict[str, np.ndarray | dtypes.Packed4]:
         """The parts recorded for `path`, checked against their crc32c."""
         parts = {}
         for name, meta in self.completed[path]["parts"].items():
@@ -206,7 +214,11 @@ class PartialOutput:
                     "mismatch); pass --restart to discard the partial output"
                 )
             dtype = dtypes.logical_dtype(meta["dtype"])
-            parts[name] = np.frombuffer(data, dtype=dtype).reshape(meta["shape"])
+            if meta.get("packed"):
+                raw = np.frombuffer(data, np.uint8)
+                parts[name] = dtypes.Packed4(raw, dtype, tuple(meta["shape"]))
+            else:
+                parts[name] = np.frombuffer(data, dtype=dtype).reshape(meta["shape"])
         return parts
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from qmill.checkpoints import dtypes
+
 # The parts of a quantized leaf, in the order they are written (Qwix's QArray fields).
 QUANTIZED_PARTS = ("qvalue", "scale", "zero_point")
 
@@ -55,7 +57,8 @@ class WriterBase:
         for name in QUANTIZED_PARTS:
             if name in parts:
                 key = quantized_key(path, name)
-                self._add(key, np.asarray(parts[name]), path)
+                # Packed 4-bit codes (dtypes.Packed4) go to the format as they are.
+                self._add(key, dtypes.packed_or_array(parts[name]), path)
 
     def commit(self) -> None:
         self._check_open()

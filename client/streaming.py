@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import outcome
+from qmill.checkpoints import dtypes, outcome
 from qmill.proto import memory, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -163,7 +163,8 @@ class ResponseDecoder:
     def __init__(self, sent: dict[str, np.ndarray]) -> None:
         self._sent = sent
         self._result: pb.TensorResult | None = None
-        self._receiver = wire.Receiver()
+        # 4-bit codes stay packed as they came: the checkpoint stores them so.
+        self._receiver = wire.Receiver(packed=dtypes.Packed4)
         self.summary: pb.Summary | None = None
 
     def feed(self, response: pb.QuantizeParamsResponse) -> outcome.TensorOutcome | None:

@@ -13,7 +13,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import google_crc32c
 import ml_dtypes
@@ -101,8 +101,13 @@ def byte_length(wire: int, shape: tuple[int, ...]) -> int:
 
 def to_bytes(array: np.ndarray) -> np.ndarray:
     """Row-major little-endian bytes of `array` as a flat uint8 array (no copy when possible),
-    4-bit dtypes packed two per byte."""
+    4-bit dtypes packed two per byte. A 4-bit tensor packed already (an object with `dtype`,
+    `shape` and the flat uint8 `packed`, as checkpoints.dtypes.Packed4) gives its bytes as they
+    are."""
     wire = to_wire_dtype(array.dtype)
+    packed = getattr(array, "packed", None)
+    if packed is not None and wire in _PACKED:
+        return packed
     flat = np.ascontiguousarray(array).reshape(-1)
     if wire in _PACKED:
         nibbles = flat.view(np.uint8) & 0x0F
@@ -265,6 +270,9 @@ class Assembler:
 
     header: pb.TensorHeader
     max_bytes: int | None = None
+    # Makes the result of a 4-bit tensor from its packed bytes, dtype and shape instead of
+    # unpacking it (a caller that stores it packed: checkpoints.dtypes.Packed4).
+    packed: Callable[[np.ndarray, np.dtype, tuple[int, ...]], Any] | None = None
     _buffer: np.ndarray = dataclasses.field(init=False)
     _received: int = dataclasses.field(init=False, default=0)
     _crc: int = dataclasses.field(init=False, default=0)
@@ -330,7 +338,10 @@ class Assembler:
                 f"{self.header.crc32c:#010x}; the bytes were corrupted in transit",
                 code="DATA_LOSS",
             )
-        return from_bytes(self._buffer, self.header.dtype, tuple(self.header.shape))
+        shape = tuple(self.header.shape)
+        if self.packed is not None and self.header.dtype in _PACKED:
+            return self.packed(self._buffer, to_numpy_dtype(self.header.dtype), shape)
+        return from_bytes(self._buffer, self.header.dtype, shape)
 
 
 def send(message: Callable[..., M], header_field: str, path: str, array: np.ndarray) -> Iterator[M]:
@@ -359,15 +370,20 @@ class Receiver:
     parts); chunks fill them in announcement order. `take()` hands over what is complete.
     """
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int | None = None,
+        packed: Callable[[np.ndarray, np.dtype, tuple[int, ...]], Any] | None = None,
+    ) -> None:
         self._max_bytes = max_bytes
+        self._packed = packed  # as Assembler's
         self._pending: collections.deque[Assembler] = collections.deque()
         self._done: list[tuple[str, np.ndarray]] = []
 
     def announce(self, *headers: pb.TensorHeader) -> None:
         """Expects these tensors next. Raises WireError for a header that breaks the contract."""
         for header in headers:
-            self.start(Assembler(header, max_bytes=self._max_bytes))
+            self.start(Assembler(header, max_bytes=self._max_bytes, packed=self._packed))
 
     def start(self, assembler: Assembler) -> None:
         """Expects the tensor of an assembler made by the caller (e.g. after reserving memory)."""

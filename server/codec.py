@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.engine.core import qtypes
 from qmill.engine.modelfree import layout, leaf, recipes
 from qmill.engine.modeling import rules as rules_lib
@@ -98,7 +99,10 @@ def quantized_result(
     plan: layout.LeafPlan, result: leaf.LeafResult, input_bytes: int
 ) -> tuple[pb.TensorResult, Iterator[pb.TensorChunk]]:
     """The TensorResult of a quantized tensor and the chunks of its parts, in part order."""
-    parts = {"qvalue": result.qvalue, "scale": result.scale}
+    qvalue = result.qvalue
+    if result.packed_as is not None:  # 4-bit codes the engine packed as the wire carries them
+        qvalue = checkpoint_dtypes.Packed4(qvalue, *result.packed_as)
+    parts = {"qvalue": qvalue, "scale": result.scale}
     if result.zero_point is not None:
         parts["zero_point"] = result.zero_point
     headers, chunks = wire.encode_parts(parts)

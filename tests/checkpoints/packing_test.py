@@ -12,7 +12,7 @@ import safetensors
 import safetensors.numpy
 
 from qmill import checkpoints
-from qmill.checkpoints import dtypes
+from qmill.checkpoints import dtypes, staging
 
 FOUR_BIT = [ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float4_e2m1fn]
 
@@ -126,3 +126,48 @@ def test_a_malformed_packed_record_is_refused_on_open(tmp_path, record, message)
     safetensors.numpy.save_file({"w": np.zeros(2, np.uint8)}, path, metadata=record)
     with pytest.raises(ValueError, match=message):
         checkpoints.open_source(path)
+
+
+@pytest.mark.parametrize("dtype", FOUR_BIT)
+def test_packed4_is_stored_as_it_is_and_unpacks(dtype):
+    array = _every_code(dtype, 15).reshape(3, 5)
+    packed = dtypes.Packed4(dtypes.pack_4bit(array), np.dtype(dtype), (3, 5))
+    assert packed.size == 15 and packed.ndim == 2
+    assert np.asarray(packed).tobytes() == array.tobytes()
+    record = dtypes.Record()
+    assert record.store("w", packed, dtypes.NUMPY_NATIVE) is packed.packed
+    assert record.packed == {"w": [3, 5]} and record.dtypes == {"w": np.dtype(dtype).name}
+
+
+def test_packed4_refuses_bytes_that_do_not_fit():
+    with pytest.raises(ValueError, match="not the 8 uint8 bytes of a int4"):
+        dtypes.Packed4(np.zeros(7, np.uint8), np.dtype(ml_dtypes.int4), (3, 5))
+    with pytest.raises(ValueError, match="4-bit dtypes"):
+        dtypes.Packed4(np.zeros(8, np.uint8), np.dtype(np.int8), (3, 5))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_a_packed4_part_writes_the_same_file_as_its_array(tmp_path, fmt):
+    array = _every_code(ml_dtypes.int4, 21).reshape(3, 7)
+    scale = np.ones((3, 1), np.float32)
+    packed = dtypes.Packed4(dtypes.pack_4bit(array), array.dtype, array.shape)
+    files = []
+    for name, qvalue in (("a", array), ("b", packed)):
+        out = tmp_path / f"{name}.{fmt}"
+        with checkpoints.create_writer(out, fmt) as writer:
+            writer.write_quantized("w", {"qvalue": qvalue, "scale": scale})
+        files.append(out.read_bytes())
+    assert files[0] == files[1]
+
+
+def test_the_partial_output_keeps_packed_parts_packed(tmp_path):
+    array = _every_code(ml_dtypes.uint4, 9).reshape(9)
+    packed = dtypes.Packed4(dtypes.pack_4bit(array), array.dtype, array.shape)
+    partial = staging.PartialOutput(tmp_path / "out", {"k": 1}, restart=False)
+    partial.record(0, "w", {"qvalue": packed, "scale": np.ones(1, np.float32)}, {})
+    partial.close()
+    again = staging.PartialOutput(tmp_path / "out", {"k": 1}, restart=False)
+    back = again.load("w")["qvalue"]
+    assert isinstance(back, dtypes.Packed4) and back.shape == (9,) and back.dtype == array.dtype
+    assert back.packed.tobytes() == packed.packed.tobytes()
+    again.close()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
+from qmill.checkpoints import dtypes
 from qmill.engine import qarray
 from qmill.engine.modelfree import layout, leaf
 
@@ -64,8 +65,14 @@ def test_leaf_parts_equal_quantize(qtype, dtype) -> None:
     how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=(1,), tiled_axes={0: 16})
     q = qarray.quantize(jnp.asarray(x), how, scale_dtype="float32")
     expected = np.asarray(q.qvalue)
-    assert result.qvalue.dtype == expected.dtype and result.qvalue.shape == expected.shape
-    assert result.qvalue.tobytes() == expected.tobytes()
+    codes = result.codes()
+    assert codes.dtype == expected.dtype and codes.shape == expected.shape
+    assert codes.tobytes() == expected.tobytes()
+    if qtype in ("int4", "nf4", "uint4"):  # packed by the engine as checkpoints store them
+        assert result.packed_as == (expected.dtype, expected.shape)
+        assert result.qvalue.tobytes() == dtypes.pack_4bit(expected).tobytes()
+    else:
+        assert result.packed_as is None and result.qvalue is codes
     assert result.scale.dtype == np.float32 and result.scale.tobytes() == q.scale.tobytes()
     assert result.zero_point is None
     x32, deq = x.astype(np.float32), np.asarray(qarray.dequantize(q), np.float32)
