@@ -83,7 +83,7 @@ class Server:
     def _add_services(self) -> None:
         """Registers the qmill.v1 services but Jobs (whose runner the server starts and stops)."""
         config, executor = self.config, self._executor
-        pb_grpc.add_QuantizerServicer_to_server(
+        quantizer_servicer.add_to_server(
             quantizer_servicer.QuantizerServicer(
                 config,
                 executor,

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -176,3 +177,24 @@ def test_a_finished_tensors_buffer_is_reused_only_once_nothing_holds_it():
     fourth = _assembled(np.full((512, 1024), 4.5, np.float32))
     assert fourth.ctypes.data != address and (view == 3.5).all()
     wire.release_buffers()
+
+
+def test_chunk_decoder_views_chunk_requests_and_parses_the_rest() -> None:
+    decode = wire.chunk_decoder(pb.QuantizeParamsRequest)
+    data = np.arange(10_000, dtype=np.uint32).view(np.uint8)
+    encoded = list(wire.encoded_chunks(pb.QuantizeParamsRequest, data, size=16_384))
+    protobuf = pb.QuantizeParamsRequest(chunk=pb.TensorChunk(offset=7, data=b"abc"))
+    requests = [*encoded, protobuf.SerializeToString()]
+    chunks = [decode(r) for r in requests]
+    assert all(isinstance(c, wire.ChunkRequest) and c.WhichOneof("item") == "chunk" for c in chunks)
+    assert [c.chunk.offset for c in chunks] == [0, 16_384, 32_768, 7]
+    joined = b"".join(bytes(c.chunk.data) for c in chunks[:3])
+    assert joined == data.tobytes() and bytes(chunks[3].chunk.data) == b"abc"
+    header = pb.QuantizeParamsRequest(header=pb.TensorHeader(path="w", shape=[2]))
+    assert decode(header.SerializeToString()) == header
+    # A chunk with a field this decoder does not know is protobuf's to parse (and keep).
+    inner = b"\x18\x01" + pb.TensorChunk(offset=7, data=b"abc").SerializeToString()
+    parsed = decode(b"\x1a" + bytes([len(inner)]) + inner)
+    assert isinstance(parsed, pb.QuantizeParamsRequest) and parsed.chunk.data == b"abc"
+    with pytest.raises(DecodeError):
+        decode(b"\x1a\x05\x08")
