@@ -19,10 +19,11 @@ class TensorOutcome:
     """What became of one tensor sent for quantization."""
 
     path: str
-    # True: quantized, `parts` holds qvalue, scale (and zero_point). False: kept; `parts` is
-    # empty, or holds "value" when a server sent a float tensor the caller does not have.
+    # True: quantized, `parts` holds qvalue, scale (and zero_point); 4-bit qvalues come packed
+    # as they are stored (dtypes.Packed4; np.asarray unpacks). False: kept; `parts` is empty, or
+    # holds "value" when a server sent a float tensor the caller does not have.
     quantized: bool
-    parts: dict[str, np.ndarray]
+    parts: dict[str, np.ndarray | dtypes.Packed4]
     reason: str = ""
     # qtype, channelwise_axes, tiled_axes, calibration_method.
     how: dict[str, Any] = dataclasses.field(default_factory=dict)
