@@ -7,6 +7,7 @@ engine are imported on first use, so `import qmill.checkpoints` stays light.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from concurrent import futures
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,13 @@ from qmill.checkpoints import dtypes, errors, outcome
 
 
 class EmbeddedClient:
-    """Quantizes in this process with the same engine code the server runs."""
+    """Quantizes in this process with the same engine code the server runs.
+
+    One tensor ahead: while the caller handles a tensor's outcome (the pipeline records and
+    writes it, which is file I/O), a worker thread reads and quantizes the next one, as a
+    server does. Outcomes come in the order of `tensors`, and an error (the caller's own,
+    raised while reading) is raised where that tensor's outcome would have been.
+    """
 
     target = "embedded"
 
@@ -31,49 +38,55 @@ class EmbeddedClient:
     def quantize(
         self, recipe: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]], **_: Any
     ) -> Iterator[outcome.TensorOutcome]:
-        from qmill.engine.modelfree import (
-            layout,
-            leaf,
-            recipes,  # lazy: pulls in jax
-        )
+        from qmill.engine.modelfree import recipes  # lazy: pulls in jax
 
         try:
             engine_recipe = recipes.recipe_from_mapping(recipe)
         except ValueError as e:
             raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
-        for path, array in tensors:
-            nbytes = dtypes.packed_nbytes(array.dtype, array.shape)
-            try:
-                plan = layout.plan_leaf(path, array.shape, array.dtype, engine_recipe)
-                if not plan.quantize:
-                    yield outcome.TensorOutcome(
-                        path=path,
-                        quantized=False,
-                        parts={},
-                        reason=plan.reason,
-                        input_bytes=nbytes,
-                    )
-                    continue
-                result = leaf.quantize_leaf(array, plan)
-            except (ValueError, TypeError) as e:
-                raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
-            qvalue = result.qvalue
-            if result.packed_as is not None:  # 4-bit codes, packed by the engine as stored
-                qvalue = dtypes.Packed4(qvalue, *result.packed_as)
-            parts = {"qvalue": qvalue, "scale": result.scale}
-            if result.zero_point is not None:
-                parts["zero_point"] = result.zero_point
-            yield outcome.TensorOutcome(
-                path=path,
-                quantized=True,
-                parts=parts,
-                how={
-                    "qtype": plan.qtype,
-                    "channelwise_axes": plan.channelwise_axes,
-                    "tiled_axes": dict(plan.tiled_axes),
-                    "calibration_method": plan.calibration_method,
-                },
-                sqnr_db=result.quality.sqnr_db,
-                mean_relative_error=result.quality.mean_relative_error,
-                input_bytes=nbytes,
+        source = iter(tensors)
+
+        def next_outcome() -> outcome.TensorOutcome | None:
+            item = next(source, None)
+            return None if item is None else _quantize_one(*item, engine_recipe)
+
+        with futures.ThreadPoolExecutor(1, thread_name_prefix="qmill-embedded") as worker:
+            pending = worker.submit(next_outcome)
+            while (done := pending.result()) is not None:
+                pending = worker.submit(next_outcome)
+                yield done
+
+
+def _quantize_one(path: str, array: np.ndarray, engine_recipe: Any) -> outcome.TensorOutcome:
+    from qmill.engine.modelfree import layout, leaf  # lazy: pulls in jax
+
+    nbytes = dtypes.packed_nbytes(array.dtype, array.shape)
+    try:
+        plan = layout.plan_leaf(path, array.shape, array.dtype, engine_recipe)
+        if not plan.quantize:
+            return outcome.TensorOutcome(
+                path=path, quantized=False, parts={}, reason=plan.reason, input_bytes=nbytes
             )
+        result = leaf.quantize_leaf(array, plan)
+    except (ValueError, TypeError) as e:
+        raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
+    qvalue = result.qvalue
+    if result.packed_as is not None:  # 4-bit codes, packed by the engine as stored
+        qvalue = dtypes.Packed4(qvalue, *result.packed_as)
+    parts = {"qvalue": qvalue, "scale": result.scale}
+    if result.zero_point is not None:
+        parts["zero_point"] = result.zero_point
+    return outcome.TensorOutcome(
+        path=path,
+        quantized=True,
+        parts=parts,
+        how={
+            "qtype": plan.qtype,
+            "channelwise_axes": plan.channelwise_axes,
+            "tiled_axes": dict(plan.tiled_axes),
+            "calibration_method": plan.calibration_method,
+        },
+        sqnr_db=result.quality.sqnr_db,
+        mean_relative_error=result.quality.mean_relative_error,
+        input_bytes=nbytes,
+    )
