@@ -83,14 +83,19 @@ def _how_of(template: Any, target: qarray.QArray) -> qarray.HowToQuantize:
 
 
 def _resolve(template: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
-    """The template's param at ``path``; a trailing "array" (our WithAux layout) is optional."""
+    """The template's param at ``path``; a trailing "array" (our WithAux layout) is optional:
+    it names the WithAux, or a float param that has no ``array`` of its own (as the reference,
+    a param whose value carries an ``array`` attribute is matched at the full path)."""
+    found = ptq.get_value_from_path(template, path)
     if path and path[-1] == "array":
         parent = ptq.get_value_from_path(template, path[:-1])
-        if parent is not ptq._MISSING and not isinstance(
-            flax_util.unbox(parent), qarray.QArray | dict
+        unboxed = flax_util.unbox(parent)
+        if isinstance(unboxed, ptq.WithAux) or (
+            found is ptq._MISSING
+            and parent is not ptq._MISSING
+            and not isinstance(unboxed, qarray.QArray | dict)
         ):
             return path[:-1], parent
-    found = ptq.get_value_from_path(template, path)
     return path, (None if found is ptq._MISSING else found)
 
 
@@ -190,8 +195,9 @@ def process_prequantized_params(
     """
     if not isinstance(template_params, nnx.Module):
         raise TypeError(
-            f"process_prequantized_params takes an NNX model, got {type(template_params).__name__}"
-            "; for Linen, build the param tree with quantize_params."
+            "process_prequantized_params only supports NNX models (an NNX model, possibly "
+            f"abstract), got {type(template_params).__name__}; for Linen, build the param tree "
+            "with quantize_params."
         )
     out: dict[tuple[Any, ...], Any] = {}
     flat = flax.traverse_util.flatten_dict(dict(checkpoint_params), is_leaf=_is_quantized_entry)
@@ -220,8 +226,8 @@ def _process(entry: Any, template: Any, where: str, keep_placement: bool) -> Any
         value = qarray.dequantize(_stored_qarray(entry))
     elif quantized_template:
         raise ValueError(
-            f"{where}: the checkpoint holds float values but the model a quantized weight; "
-            "quantize them with quantize_params."
+            f"Unhandled or invalid parameter combination for {where}: the checkpoint holds float "
+            "values but the model a quantized weight; quantize them with quantize_params."
         )
     else:
         value = entry

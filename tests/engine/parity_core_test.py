@@ -180,3 +180,57 @@ def test_prequantized_params_into_a_plain_dict_template():
         {"w": {"qvalue": per_tensor.qvalue, "scale": per_tensor.scale}}, model
     )
     assert out["w"]["scale"].shape == (1, 4)
+
+
+PAYLOAD = {
+    "kernel": {
+        "array": {"qvalue": jnp.ones((12, 6), jnp.int8), "scale": jnp.ones((1, 6), jnp.float32)}
+    }
+}
+
+
+def test_prequantized_params_reference_templates_and_messages():
+    # A param whose value carries an `array` attribute is matched at the full path.
+    class WithArrayAttr(jax.ShapeDtypeStruct):
+        def __init__(self, shape, dtype, array):
+            super().__init__(shape, dtype)
+            object.__setattr__(self, "array", array)
+
+    class Attr(nnx.Module):
+        def __init__(self):
+            sds = jax.ShapeDtypeStruct((12, 6), jnp.float32)
+            self.kernel = nnx.Param(WithArrayAttr((12, 6), jnp.float32, sds))
+
+    out = checkpoint_utils.process_prequantized_params(PAYLOAD, Attr())
+    assert isinstance(out["kernel"]["array"], jax.Array)
+    # The reference's manual dict template: {"array": {"qvalue", "scale"}} of abstract Params.
+    manual = nnx.Linear(12, 6, rngs=nnx.Rngs(0))
+    manual.kernel = {
+        "array": {
+            "qvalue": nnx.Param(jax.ShapeDtypeStruct((12, 6), jnp.int8)),
+            "scale": nnx.Param(jax.ShapeDtypeStruct((1, 6), jnp.float32)),
+        }
+    }
+    out = checkpoint_utils.process_prequantized_params(PAYLOAD, manual)
+    np.testing.assert_array_equal(
+        out["kernel"]["array"]["qvalue"], PAYLOAD["kernel"]["array"]["qvalue"]
+    )
+    # A QT model (float template) takes the dequantized values.
+    x = jnp.ones((2, 12))
+    rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8", tile_size=4)
+    qt_model = nnx.eval_shape(
+        lambda: qwix.quantize_model(nnx.Linear(12, 6, rngs=nnx.Rngs(0)), qwix.QtProvider([rule]), x)
+    )
+    out = checkpoint_utils.process_prequantized_params(PAYLOAD, qt_model)
+    np.testing.assert_array_equal(out["kernel"], jnp.ones((12, 6)))
+    ptq_model = nnx.eval_shape(
+        lambda: qwix.quantize_model(
+            nnx.Linear(12, 6, rngs=nnx.Rngs(0)),
+            qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")]),
+            x,
+        )
+    )
+    with pytest.raises(ValueError, match="Unhandled or invalid parameter combination"):
+        checkpoint_utils.process_prequantized_params({"kernel": jnp.ones((12, 6))}, ptq_model)
+    with pytest.raises(TypeError, match="NNX models"):
+        checkpoint_utils.process_prequantized_params({}, {"params": {}})
