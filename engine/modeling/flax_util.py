@@ -113,7 +113,31 @@ def find_param(array: Any, module: Any = _RUNNING) -> provenance.WeightRef | Non
     for name, value in params:
         if _same(value, array):
             return provenance.WeightRef(module, name)
-    return _by_shape(module, params, array) if public else None
+    if not public:
+        return None
+    # User code, as the reference: a quantized wrapper's array, then the traced chain, then shape.
+    if hasattr(array, "how") and hasattr(array, "array"):
+        return find_param(array.array, module)
+    return _by_trace(module, params, array) or _by_shape(module, params, array)
+
+
+def _by_trace(module: Any, params: list[tuple[str, Any]], array: Any) -> Any:
+    """Under jit, follows the tracer back through unary ops (astype, reshape, sharding
+    constraints...) to a param, as the reference does for user code."""
+    by_id = {id(value): name for name, value in params}
+    x = array
+    while isinstance(x, jax.core.Tracer) and hasattr(x, "parent"):
+        if id(x) in by_id:
+            return provenance.WeightRef(module, by_id[id(x)])
+        parent = x.parent
+        if parent is not None and len(parent.in_tracers) == 1:
+            x = parent.in_tracers[0]
+            continue
+        const = x.get_const() if hasattr(x, "get_const") else None
+        if const is not None and id(const) in by_id:
+            return provenance.WeightRef(module, by_id[id(const)])
+        return None
+    return None
 
 
 def _by_shape(module: Any, params: list[tuple[str, Any]], array: Any) -> Any:
@@ -181,7 +205,7 @@ def update_boxed(
         # Flax 0.12 names them out_sharding (sharding_names before, as the reference reads).
         for key in ("out_sharding", "sharding_names"):
             names = metadata.get(key)
-            if isinstance(names, list | tuple):
+            if isinstance(names, list | tuple | jax.sharding.PartitionSpec):
                 out.set_metadata(key, follow(names, shape=jnp.shape(out.get_value())))
         return out
     if isinstance(boxed, nn.meta.AxisMetadata):
@@ -189,7 +213,7 @@ def update_boxed(
         shape = jnp.shape(out.unbox())
         for field in ("names", "mesh_axes", "axes_types"):
             axes = getattr(out, field, None)
-            if isinstance(axes, list | tuple):
+            if isinstance(axes, list | tuple | jax.sharding.PartitionSpec):
                 out = dataclasses.replace(out, **{field: follow(axes, shape=shape)})
         return out
     if not hasattr(boxed, "shape"):
@@ -348,8 +372,14 @@ def update_sharding(
     if sum(bool(x) for x in (split, merge, transpose)) > 1:
         raise ValueError("update_sharding takes at most one of split, merge and transpose.")
     # The reference hands back a list given a list when it only drops entries (merge, or
-    # nothing to do); a tuple otherwise.
+    # nothing to do); a tuple otherwise; a PartitionSpec stays one.
     keep_list = isinstance(spec, list) and not (split or transpose or shape)
+    if isinstance(spec, jax.sharding.PartitionSpec):
+        return jax.sharding.PartitionSpec(
+            *update_sharding(
+                tuple(spec), shape=shape, split=split, merge=merge, transpose=transpose
+            )
+        )
     out = list(spec)
     if split:
         out = [e for i, a in enumerate(spec) for e in ((a, None) if i in split else (a,))]

@@ -234,3 +234,45 @@ def test_prequantized_params_reference_templates_and_messages():
         checkpoint_utils.process_prequantized_params({"kernel": jnp.ones((12, 6))}, ptq_model)
     with pytest.raises(TypeError, match="NNX models"):
         checkpoint_utils.process_prequantized_params({}, {"params": {}})
+
+
+def test_flax_util_as_the_reference_in_user_code():
+    pspec = jax.sharding.PartitionSpec("a", None, "b")
+    out = flax_util.update_sharding(pspec, merge=[0])
+    assert isinstance(out, jax.sharding.PartitionSpec) and out == jax.sharding.PartitionSpec(
+        "a", "b"
+    )
+    mesh = jax.make_mesh((1, 1), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        boxed = nn.Partitioned(jnp.ones((4, 8)), names=jax.sharding.PartitionSpec("a", "b"))
+        updated = flax_util.update_boxed(boxed, value=jnp.ones((2, 2, 8)), split=[0])
+        assert updated.names == jax.sharding.PartitionSpec("a", None, "b")
+        param = nnx.Param(jnp.ones((2, 2, 8)), out_sharding=("a", None, "b"))
+        merged = flax_util.update_boxed(param, value=jnp.ones((4, 8)), merge=[0])
+        assert merged.get_metadata()["out_sharding"] == ("a", "b")
+        assert merged[...].shape == (4, 8)
+    found = []
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self):
+            w = self.param("w", nn.initializers.ones, (4, 5), jnp.float32)
+            self.param("w2", nn.initializers.ones, (4, 5), jnp.float32)  # same shape: no guess
+            found.append(flax_util.find_param(w.astype(jnp.bfloat16)))
+            found.append(flax_util.find_param(w.reshape((2, 2, 5))))
+            found.append(flax_util.find_param(qwix.WithAux(w, None)))
+
+    variables = jax.jit(Linen().init)(jax.random.key(0))
+    jax.eval_shape(Linen().apply, variables)
+
+    class Nnx(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((4, 5), jnp.float32))
+            self.w2 = nnx.Param(jnp.ones((4, 5), jnp.float32))
+
+        def __call__(self):
+            found.append(flax_util.find_param(self.w.astype(jnp.bfloat16)))
+            found.append(flax_util.find_param(self.w.reshape((2, 2, 5))))
+
+    nnx.jit(Nnx())()
+    assert found == ["w"] * 8
