@@ -109,7 +109,7 @@ class QtRule(QuantizationRule):
     bwd_qtype: QType | None = None
     # Calibration of gradients.
     bwd_calibration_method: str = "absmax"
-    # Tile size along the (first) axis the weight gradient contracts, i.e. the batch axis of a
+    # Tile size along the (last) axis the weight gradient contracts, i.e. the batch axis of a
     # dense layer, when the gradient is quantized for it; None is one scale along that axis.
     bwd_weight_grad_tile_size: int | float | None = None
     # Quantize every operand per tensor instead of per channel.

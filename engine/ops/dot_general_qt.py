@@ -5,7 +5,7 @@ would quantize it, and the float op runs on the result; the gradient reaches the
 straight through the rounding (STE). Backward: the output gradient g is fake-quantized once for
 each operand's gradient when that side has a grad qtype. For dlhs (g contracted with rhs over
 rhs's free axes) g gets a scale per index of its batch and lhs axes, optionally tiled along the
-first contracted axis (``dlhs_tile_size``); for drhs likewise with the rhs axes. The residuals
+last contracted axis (``dlhs_tile_size``); for drhs likewise with the rhs axes. The residuals
 are the fake-quantized operands, so the backward pass sees the values the forward pass used.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from qmill.engine.core import qarray, sparsity
+from qmill.engine.core import qarray, qtypes, sparsity
 from qmill.engine.modeling import interception
 from qmill.engine.ops import dot_general as dot_general_lib
 from qmill.engine.ops import op_adapter
@@ -41,7 +41,7 @@ class DotGeneralQtConfig:
     # Backward pass: the output gradient, as used for the lhs gradient.
     dlhs_grad_qtype: Any = None
     dlhs_grad_calibration_method: str = "absmax"
-    # Tile size along the first axis the lhs gradient contracts (None: one scale along it).
+    # Tile size along the last axis the lhs gradient contracts (None: one scale along it).
     dlhs_tile_size: int | float | None = None
     # Stochastic rounding noise (a HowToQuantize noise_fn), e.g. from qt.stochastic_noise_fn.
     dlhs_stochastic_rounding_noise_fn: Callable[..., jax.Array] | None = None
@@ -105,7 +105,9 @@ def quantize_grad(
         return g
     own = layout.lhs_free if side == "lhs" else layout.rhs_free
     contracted = layout.rhs_free if side == "lhs" else layout.lhs_free
-    tiled = {contracted[0]: quant.tile_size} if quant.tile_size and contracted else {}
+    # The last axis g contracts, as the reference tiles it; mx / nv formats by their block.
+    tile = quant.tile_size or qtypes.get(quant.qtype).required_tile
+    tiled = {contracted[-1]: tile} if tile and contracted else {}
     how = qarray.HowToQuantize(
         qtype=quant.qtype,
         channelwise_axes=() if quant.per_tensor else (*layout.batch, *own),

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from qmill.engine.core import averaging, qarray, sparsity, stochastic_rounding
+from qmill.engine.core import averaging, qarray, qtypes, sparsity, stochastic_rounding
 from qmill.engine.modeling import flax_util, rules
 from qmill.engine.ops import op_adapter
 from qmill.engine.providers import base, model
@@ -144,13 +144,15 @@ class QtProvider(base.OpsProvider):
         operands = []
         weight_side = None
         clip = not qt_option(rule, "disable_gradient_clipping", False)
+        sparsity_rule = qt_option(rule, "sparsity_rule", None)
         for side, x in (("lhs", lhs), ("rhs", rhs)):
             for_lhs = side == "lhs"
-            if flax_util.find_param(x, module) is not None:
+            is_weight = flax_util.find_param(x, module) is not None
+            if side == "rhs" and sparsity_rule is not None:
+                # The rhs, before quantization, as the reference: the kept values get the range.
+                x = sparsity.sparsify(x, sparsity_rule)
+            if is_weight:
                 weight_side = side
-                if (sparsity_rule := qt_option(rule, "sparsity_rule", None)) is not None:
-                    # Before quantization, as the reference: the kept weights get the range.
-                    x = sparsity.sparsify(x, sparsity_rule)
                 h = self._maybe_per_tensor(rule, how.weight(for_lhs))
                 calibration = None
             elif rule.act_qtype is not None:
@@ -255,7 +257,7 @@ def _set_stat(module: Any, name: str, stat: dict) -> None:
 # (g contracted with rhs over rhs's free axes) g gets one scale per index of its batch and lhs
 # axes; for the rhs gradient one per index of its batch and rhs axes. disable_channelwise_axes
 # makes both one scale per tensor. For the *weight's* gradient, bwd_weight_grad_tile_size also
-# tiles the first axis that gradient contracts (the batch axis of a dense layer), so that a few
+# tiles the last axis that gradient contracts (the batch axis of a dense layer), so that a few
 # outlier examples don't flatten the scale of all the others.
 
 
@@ -269,11 +271,16 @@ class _BwdConfig:
     per_tensor: bool
     layout: op_adapter.GradLayout
     weight_side: str | None  # "lhs", "rhs" or None (two activations)
+    # Per side ("lhs", "rhs"): the reference's DotGeneralQtConfig overrides given through
+    # additional_qt_config (dlhs_grad_qtype, drhs_tile_size, ...); None where not given.
+    qtype_by_side: tuple[Any, Any] = (None, None)
+    tile_by_side: tuple[Any, Any] = (None, None)
 
     @classmethod
     def of(cls, rule, layout: op_adapter.GradLayout, weight_side: str | None) -> _BwdConfig:
+        bwd_qtype = _qt_setting(rule, "bwd_qtype")
         return cls(
-            _qt_setting(rule, "bwd_qtype"),
+            bwd_qtype,
             _qt_setting(rule, "bwd_calibration_method"),
             _qt_setting(rule, "bwd_weight_grad_tile_size"),
             _qt_setting(rule, "bwd_stochastic_rounding"),
@@ -281,6 +288,8 @@ class _BwdConfig:
             _qt_setting(rule, "disable_channelwise_axes"),
             layout,
             weight_side,
+            tuple(qt_option(rule, f"{p}_grad_qtype", None) or bwd_qtype for p in ("dlhs", "drhs")),
+            tuple(qt_option(rule, f"{p}_tile_size", None) for p in ("dlhs", "drhs")),
         )
 
 
@@ -324,14 +333,19 @@ def quantize_grad(
     own = layout.lhs_free if side == "lhs" else layout.rhs_free
     contracted = layout.rhs_free if side == "lhs" else layout.lhs_free
     channelwise = () if cfg.per_tensor else (*layout.batch, *own)
-    tiled = {}
-    if side == cfg.weight_side and cfg.weight_grad_tile_size and contracted:
-        tiled = {contracted[0]: cfg.weight_grad_tile_size}
+    index = 0 if side == "lhs" else 1
+    qtype, tile = cfg.qtype_by_side[index] or cfg.qtype, cfg.tile_by_side[index]
+    if tile is None and side == cfg.weight_side:
+        tile = cfg.weight_grad_tile_size
+    # mx / nv formats come with their block, as the reference infers it.
+    tile = tile or qtypes.get(qtype).required_tile
+    # The last axis the gradient contracts, as the reference tiles it.
+    tiled = {contracted[-1]: tile} if tile and contracted else {}
     noise = (
         None if key is None else stochastic_noise_fn(cfg.stochastic_rounding, key, cfg.noise_axes)
     )
     how = qarray.HowToQuantize(
-        qtype=cfg.qtype,
+        qtype=qtype,
         channelwise_axes=channelwise,
         tiled_axes=tiled,
         calibration_method=cfg.calibration_method,

@@ -173,3 +173,58 @@ def test_qt_forward_traces_a_float_dot_by_design():
     jaxpr = jax.make_jaxpr(model.apply)(variables, x)
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert dots and all(v.aval.dtype == jnp.float32 for e in dots for v in e.invars)
+
+
+def test_sparsity_rule_through_additional_qt_config_prunes_the_rhs():
+    # The reference's case: the provider's dot_general called by a plain module, rhs not a param.
+    rule = qwix.QtRule(
+        weight_qtype=jnp.int8,
+        additional_qt_config={
+            "sparsity_rule": qconfig.SparsityRule(weight_sparsity_n=2, weight_sparsity_m=4)
+        },
+    )
+    provider = qwix.QtProvider([rule])
+
+    class Direct(nn.Module):
+        def __call__(self, lhs, rhs):
+            return provider.dot_general(lhs, rhs, DN)
+
+    out = Direct().apply({}, jnp.ones((1, 4), jnp.bfloat16), jnp.ones((4, 1), jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, [[2.0]])
+
+
+@pytest.mark.slow
+def test_mxfp4_backward_pass_of_attention_with_per_side_overrides():
+    rule = qwix.QtRule(
+        weight_qtype="mxfp4",
+        act_qtype="mxfp4",
+        bwd_qtype="mxfp4",
+        tile_size=32,
+        bwd_weight_grad_tile_size=32,
+        additional_qt_config={"dlhs_tile_size": 32, "drhs_tile_size": 32},
+    )
+    x = jnp.ones((1, 32, 32))
+    mha = nnx.MultiHeadAttention(
+        num_heads=1, in_features=32, qkv_features=32, out_features=32, rngs=nnx.Rngs(0)
+    )
+    model = qwix.quantize_model(mha, qwix.QtProvider([rule]), x, decode=False)
+    grads = nnx.grad(lambda m, v: jnp.sum(m(v, decode=False)))(model, x)
+    leaves = jax.tree.leaves(nnx.to_pure_dict(grads))
+    assert leaves and all(bool(jnp.isfinite(g).all()) for g in leaves)
+
+
+def test_mx_gradient_quantization_infers_the_block():
+    # No tile given for an mx gradient qtype: the format's block along the contracted axis.
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 32))
+    config = dot_qt.DotGeneralQtConfig(dlhs_grad_qtype="mxfp4", drhs_grad_qtype="mxfp4")
+    dx, dw = jax.grad(
+        lambda a, b: jnp.sum(dot_qt.dot_general_qt(a, b, DN, config) ** 2), argnums=(0, 1)
+    )(x, w)
+    assert bool(jnp.isfinite(dx).all()) and bool(jnp.isfinite(dw).all())
+    rule = qwix.QtRule(weight_qtype="mxfp4", bwd_qtype="mxfp4")
+    model = qwix.quantize_model(nn.Dense(32, use_bias=False), qwix.QtProvider([rule]))
+    xs = jnp.ones((32, 32))
+    variables = model.init(jax.random.key(0), xs)
+    assert jax.grad(lambda a: jnp.sum(model.apply(variables, a)))(xs).shape == (32, 32)
