@@ -109,8 +109,9 @@ class LoraProvider(ptq.PtqProvider):
             base = self.quantized_einsum(rule, op_id, module, einsum_str, lhs, rhs)
         ins, out = einsum_str.replace(" ", "").split("->")
         lhs_s, rhs_s = ins.split(",")
-        shared_out = set(lhs_s) & set(rhs_s) & set(out)
-        if not isinstance(rule, rules_lib.LoraRule) or ref is None or shared_out or "." in ins:
+        # Batch letters (in both operands and the output) go to lora_a with the contracted
+        # ones, as the reference: "bjir,bnmjr->bimn" adapts as "bjir,bjrA,Anm->bimn".
+        if not isinstance(rule, rules_lib.LoraRule) or ref is None or "." in ins:
             return base
         # The rank's letter as the reference picks it: "r", else the first free letter.
         used = set(ins + out)

@@ -72,3 +72,22 @@ def test_conv_adapter_is_placed_like_a_mesh_placed_kernel():
         model = qwix.apply_lora_to_model(conv, qwix.LoraProvider(ONES), x, rngs=nnx.Rngs(1))
     assert model.kernel_lora_a[...].sharding.spec == P(None, None, "in", None)
     assert model.kernel_lora_b[...].sharding.spec == P(None, "out")
+
+
+def test_batched_einsum_gets_adapters_as_the_reference():
+    class Batched(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jax.random.normal(jax.random.key(0), (16, 10, 8, 4, 5)))
+
+        def __call__(self, x):
+            return jnp.einsum("bjir,bnmjr->bimn", x, self.w[...])
+
+    x = jax.random.normal(jax.random.key(1), (16, 4, 12, 5))
+    model = qwix.apply_lora_to_model(Batched(), qwix.LoraProvider(ONES), x, rngs=nnx.Rngs(1))
+    assert model.w_lora_einsum_str == "bjir,bjrA,Anm->bimn"
+    a, b = model.w_lora_a[...], model.w_lora_b[...]
+    assert a.shape == (16, 4, 5, 2) and b.shape == (2, 10, 8)
+    expected = jnp.einsum("bjir,bnmjr->bimn", x, model.w[...]) + jnp.einsum(
+        model.w_lora_einsum_str, x, a, b
+    )
+    np.testing.assert_allclose(model(x), expected, rtol=1e-4, atol=1e-4)
