@@ -14,7 +14,7 @@ activation scale ``<op_id>_{lhs,rhs}_scale/array`` (+ ``..._zero_point``) in the
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import flax.struct
@@ -162,6 +162,11 @@ class PtqProvider(base.OpsProvider):
         box or not) stays quantized (cast to ``dtype``'s scale) for the op that reads it; a
         float array converts as usual, a param keeping its identity as a weight."""
         value = flax_util.unbox(a) if isinstance(a, nnx.Variable | nn.meta.AxisMetadata) else a
+        if isinstance(value, Mapping) and "array" in value:
+            # A quantized weight's state (nnx.state(model)["kernel"]): its QArray, as the reference.
+            parts = flax_util.unbox(dict(value["array"]))
+            if {"qvalue", "scale"} <= set(parts):
+                value = qarray.QArray(parts["qvalue"], parts["scale"], parts.get("zero_point"))
         if isinstance(value, WithAux):
             return value.replace(array=self.asarray(flax_util.unbox(value.array), dtype))
         if isinstance(value, qarray.QArray):

@@ -69,6 +69,10 @@ def test_asarray_of_a_quantized_weight_stays_quantized_nnx():
     assert spy.asarray(qa) is qa
     assert spy.asarray(qa, jnp.bfloat16).scale.dtype == jnp.bfloat16
     np.testing.assert_array_equal(spy.asarray(jnp.ones(2)), jnp.ones(2))
+    # A quantized weight's NNX state ({"array": {"qvalue", "scale"}}) becomes its QArray.
+    from_state = spy.asarray(nnx.state(model)["kernel"])
+    assert isinstance(from_state, qarray.QArray)
+    np.testing.assert_array_equal(from_state.qvalue, model.kernel.array.qvalue[...])
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
