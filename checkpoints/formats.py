@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from qmill.checkpoints import (
+    ct_writer,
     files,
     hf_folder,
     npz_source,
@@ -21,7 +22,8 @@ from qmill.checkpoints import (
     safetensors_writer,
 )
 
-FORMATS = ("orbax", "safetensors", "npz")
+FORMATS = ("orbax", "safetensors", "npz", "compressed-tensors")
+COMPRESSED_TENSORS = "compressed-tensors"
 _ACCEPTED = (
     "an Orbax PyTree checkpoint directory, a .safetensors file, a sharded safetensors set (its "
     "*.safetensors.index.json, or a directory holding one index or *.safetensors files), or an "
@@ -122,6 +124,13 @@ def check_destination(
         raise FileExistsError(f"{named} already exists; pass --overwrite to replace it")
 
 
+def check_output(format: str, source: protocols.TensorSource, recipe: dict[str, Any]) -> None:
+    """Refuses, before any tensor is read, a source or recipe the output format cannot hold
+    (compressed-tensors: ct_writer.check_source)."""
+    if format == COMPRESSED_TENSORS:
+        ct_writer.check_source(source, recipe)
+
+
 def _open_directory(path: pathlib.Path) -> protocols.TensorSource:
     pytree = orbax_layout.find_pytree_dir(path)
     if pytree is not None:
@@ -179,6 +188,10 @@ def create_writer(
     """
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; qmill writes {', '.join(FORMATS)}")
+    if format == COMPRESSED_TENSORS:
+        if max_shard_bytes is not None:
+            raise ValueError("compressed-tensors output shards as its source: no max_shard_bytes")
+        return ct_writer.create(destination, like, recipe, overwrite=overwrite)
     if max_shard_bytes is not None and (format != "safetensors" or max_shard_bytes <= 0):
         raise ValueError("max_shard_bytes is a positive byte count for safetensors output only")
     if isinstance(like, hf_folder.HfFolderSource):

@@ -169,12 +169,7 @@ class HfFolderWriter:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(self._source.folder / relative, target)  # follows symlinks
             config = dict(self._source.config)
-            config["quantization_config"] = quantization_config.build(
-                self._recipe,
-                quantized=self._quantized,
-                kept=self._kept,
-                not_copied=[str(p) for p in left_out],
-            )
+            config["quantization_config"] = self._quantization_config(left_out)
             # HF's own writer: two-space indent, keys in their order, a final newline.
             text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
             (self._out.staging / CONFIG).write_text(text, encoding="utf-8")
@@ -183,6 +178,15 @@ class HfFolderWriter:
             self.abort()
             raise
         self._state = "committed"
+
+    def _quantization_config(self, left_out: list[pathlib.Path]) -> dict[str, Any]:
+        """config.json's quantization_config (a writer of another layout says its own)."""
+        return quantization_config.build(
+            self._recipe,
+            quantized=self._quantized,
+            kept=self._kept,
+            not_copied=[str(p) for p in left_out],
+        )
 
     def _place_weights(self) -> None:
         """Moves a sharded output's shards and index up, under the source's file names."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import formats
+from qmill.checkpoints import ct_reader, formats
 
 
 def load(
@@ -34,6 +34,7 @@ def load(
     like: Any = None,
     as_jax: bool = False,
     device: Any = None,
+    flax_layout: bool = False,
 ) -> dict[str, Any]:
     """The nested param tree of checkpoint `path`, every tensor in its logical dtype and shape.
 
@@ -43,6 +44,9 @@ def load(
         leaves (and is checked against its shapes and dtypes). Leave out for NNX (pure dicts).
       as_jax: jax arrays instead of numpy ones.
       device: a jax device (or sharding) to put the arrays on; implies `as_jax`.
+      flax_layout: a compressed-tensors checkpoint (vLLM's format, llm-compressor's output)
+        only: each quantized weight's parts transposed from PyTorch's (out, in) to Flax's
+        (in, out). Such a checkpoint is read as the same tree either way (ct_reader).
 
     Raises:
       ValueError: the checkpoint's paths don't form a tree, or it doesn't fit `like`.
@@ -51,6 +55,13 @@ def load(
     with formats.open_source(path) as source:
         for entry in source.entries():
             flat[entry.path] = source.read(entry.path)
+        compressed_tensors = ct_reader.config_of(source)
+    if compressed_tensors is not None:
+        flat = ct_reader.to_qwix(flat, compressed_tensors, flax_layout=flax_layout)
+    elif flax_layout:
+        raise ValueError(
+            f"{path} is not a compressed-tensors checkpoint: flax_layout does not apply"
+        )
     if as_jax or device is not None:
         import jax
 

@@ -94,6 +94,7 @@ def quantize_checkpoint(
         _check_sizes(entries, max_tensor_bytes)
         fingerprint = _fingerprint(source_path, source, entries, dest, recipe, output_format)
         recipe, fmt = fingerprint["recipe"], fingerprint["format"]
+        formats.check_output(fmt, source, recipe)
         # A full disk or read-only output says what failed and what is kept for resuming.
         opened: list[staging.PartialOutput] = []
         kept = dest.absolute().with_name(dest.name + staging.PARTIAL_SUFFIX)

@@ -120,4 +120,8 @@ def describe(config: dict[str, Any]) -> str:
         targets = ",".join(group.get("targets") or [])
         parts.append(f"{w.get('type')}{w.get('num_bits')} {_strategy(w)} on {targets}")
     detail = "; ".join(parts) or qc.get("format", "")
+    if method == "compressed-tensors":
+        # What vLLM dispatches on, and the Linear weights left in float.
+        names = ", ".join(qc.get("config_groups") or {})
+        detail += f"; scheme {names}, format {qc.get('format')}, ignore {qc.get('ignore')}"
     return f"quantized ({method}): {detail}"

@@ -154,6 +154,10 @@ class SafetensorsWriter(writer_base.WriterBase):
                 # Shards cut by size can't tell ahead which entries they will hold.
                 self._new_shard(self._reserve(source, None) if not sharded else 0)
 
+    def set_metadata(self, key: str, value: str) -> None:
+        """Adds `key: value` to every file's __metadata__ (before commit)."""
+        self._metadata[key] = value
+
     def _reserve(self, source: Any, shard: int | None) -> int:
         if source is None:
             return 0

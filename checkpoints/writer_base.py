@@ -47,6 +47,11 @@ class WriterBase:
     def write(self, path: str, array: np.ndarray) -> None:
         self._add(path, np.asarray(array), path)
 
+    def write_as(self, key: str, array: np.ndarray, origin: str) -> None:
+        """Writes `array` under `key`, placed (in a sharded output) with source tensor `origin`:
+        for layouts other than P/array/* (compressed-tensors' M.weight_packed, ...)."""
+        self._add(key, np.asarray(array), origin)
+
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
         unknown = set(parts) - set(QUANTIZED_PARTS)
         if unknown or not {"qvalue", "scale"} <= set(parts):

@@ -112,6 +112,7 @@ def _safetensors_folder_note(output: str) -> str | None:
 
 def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     recipe = recipes.load(args.recipe)
+    args.format = recipes.output_format(args.recipe, args.format)
     _check_output_folder(args.output)
     if args.dry_run:
         return _dry_run(args, recipe, out)
@@ -200,6 +201,9 @@ def _inspect(args: argparse.Namespace, out: Console) -> int:
     leaves = [e for e in entries if e.path.endswith(("/array/qvalue", ".array.qvalue"))]
     dtypes = sorted({e.dtype.name for e in leaves})
     quantized = f"; {len(leaves)} quantized leaves ({', '.join(dtypes)})" if leaves else ""
+    # compressed-tensors stores a quantized weight M.weight as M.weight_scale and its codes.
+    compressed = sum(e.path.endswith(".weight_scale") for e in entries)
+    quantized += f"; {compressed} compressed-tensors weights" if compressed else ""
     stored = sum(checkpoint_dtypes.packed_nbytes(e.dtype, e.shape) for e in entries)
     out.print(
         f"{len(entries)} tensors, {stored:,} bytes{quantized}",

@@ -104,7 +104,11 @@ def add_commands(sub: Any, recipe_help: str) -> None:
     s.add_argument("destination", help="where the server writes the quantized checkpoint")
     s.add_argument("--server", required=True, help="HOST:PORT")
     s.add_argument("--recipe", default="int8", help=recipe_help)
-    s.add_argument("--format", choices=("orbax", "safetensors", "npz"), help="output format")
+    s.add_argument(
+        "--format",
+        choices=("orbax", "safetensors", "npz", "compressed-tensors"),
+        help="output format (a compressed-tensors scheme --recipe implies compressed-tensors)",
+    )
     s.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     s.add_argument("--watch", action="store_true", help="follow the job until it ends")
     credentials_lib.add_arguments(s)  # --request-id doubles as the job's idempotency key
@@ -130,7 +134,7 @@ def run_command(client: ServiceClient, args: Any, print_line: Any) -> int:
             args.destination,
             args.recipe,
             request_id=args.request_id or "",
-            output_format=args.format or "",
+            output_format=recipes.output_format(args.recipe, args.format) or "",
             overwrite=args.overwrite,
         )
         print_line(describe(job))

@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from qmill.checkpoints import ct_schemes
 from qmill.client import credentials, recipes, report, retry
 
 
@@ -102,7 +103,9 @@ def _add_quantize(sub: Any, name: str) -> None:
     q.add_argument(
         "--recipe",
         default="int8",
-        help=f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file (default: int8)",
+        help=f"preset ({', '.join(recipes.PRESETS)}), compressed-tensors scheme "
+        f"({', '.join(ct_schemes.SCHEMES)}; any case; implies --format compressed-tensors) or a "
+        "TOML recipe file (default: int8)",
     )
     q.add_argument(
         "--server",
@@ -119,10 +122,11 @@ def _add_quantize(sub: Any, name: str) -> None:
     )
     q.add_argument(
         "--format",
-        choices=("orbax", "safetensors", "npz"),
+        choices=("orbax", "safetensors", "npz", ct_schemes.FORMAT),
         help="output format (default: the output's suffix, .npz or .safetensors; else the "
         "input's). safetensors to a name without .safetensors writes a folder: "
-        "NAME/model.safetensors, or shards and their index",
+        "NAME/model.safetensors, or shards and their index; compressed-tensors: the layout "
+        "vLLM and transformers load (with a scheme --recipe)",
     )
     q.add_argument("--overwrite", action="store_true", help="replace an existing output")
     q.add_argument(

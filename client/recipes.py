@@ -28,6 +28,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
+from qmill.checkpoints import ct_schemes
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -46,6 +47,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def output_format(spec: Recipe, output_format: str | None) -> str | None:
+    """The output format a recipe implies when none is asked for: a compressed-tensors scheme's
+    name (W4A16, ...) means a compressed-tensors output."""
+    if output_format is None and isinstance(spec, str) and ct_schemes.scheme_named(spec):
+        return ct_schemes.FORMAT
+    return output_format
+
+
 # What every call that takes a recipe accepts: a preset name, a TOML file's path or a mapping.
 Recipe = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -60,12 +69,15 @@ def load(spec: Recipe) -> dict[str, Any]:
         return copy.deepcopy(dict(spec))
     if isinstance(spec, str) and spec in PRESETS:
         return copy.deepcopy(PRESETS[spec])
+    if isinstance(spec, str) and (scheme := ct_schemes.scheme_named(spec)) is not None:
+        return ct_schemes.recipe_for(scheme)
     path = pathlib.Path(spec)
     if not path.is_file():
         close = difflib.get_close_matches(str(spec).lower(), PRESETS, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ValueError(
-            f"recipe {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file{hint}"
+            f"recipe {spec!r} is neither a preset ({', '.join(PRESETS)}), a compressed-tensors "
+            f"scheme ({', '.join(ct_schemes.SCHEMES)}) nor a file{hint}"
         )
     try:
         fields = tomllib.loads(path.read_text())

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # How often WatchJob looks at its job; changes in between are coalesced into one event.
 WATCH_POLL_SECONDS = 0.1
-FORMATS = ("", "orbax", "safetensors", "npz")
+FORMATS = ("", "orbax", "safetensors", "npz", "compressed-tensors")
 
 
 class JobsServicer(pb_grpc.JobsServicer):
@@ -64,7 +64,7 @@ class JobsServicer(pb_grpc.JobsServicer):
         self._paths.check_job(tenant, source, destination)  # symlinks inside a source directory
         if request.output_format not in FORMATS:
             raise ValueError(
-                f"output_format {request.output_format!r} is not one of orbax, safetensors, npz "
+                f"output_format {request.output_format!r} is not one of {', '.join(FORMATS[1:])} "
                 "(or empty for the source's format)"
             )
         if not request.recipe.rules:

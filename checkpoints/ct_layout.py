@@ -1,0 +1,128 @@
+"""compressed-tensors' tensor layout: a quantized Linear weight as compressed-tensors stores it.
+
+For a weight `M.weight` of shape (out, in), the engine's parts (qvalue, scale, zero_point, in the
+PyTorch layout) become, as compressed-tensors 0.19 writes them:
+
+- pack-quantized (int4/int8 groups): `M.weight_packed` int32 (out, ceil(in * bits / 32)): the
+  codes offset to unsigned (code + 2^(bits-1)) and packed densely, code i at bit i * bits of
+  the row (little-endian words); `M.weight_scale` (out, groups) in the weight's dtype;
+  `M.weight_shape` int64 [out, in]; asymmetric: `M.weight_zero_point` int32, the zero points
+  packed the same way along the output axis ((ceil(out * bits / 32), groups)).
+- int-quantized / float-quantized: `M.weight` int8 or float8_e4m3fn as it is, `M.weight_scale`
+  (out, 1) per channel or (ceil(out/128), ceil(in/128)) per block.
+
+`decompress` is the inverse, back to the engine's parts, so a compressed-tensors folder (ours or
+llm-compressor's) loads into the Qwix PTQ tree.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from qmill.checkpoints import ct_schemes
+
+# The suffixes compressed-tensors adds to a module name, by part.
+PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
+ZERO_POINT = "weight_zero_point"
+_WEIGHT = ".weight"
+
+
+def module_of(path: str) -> str:
+    """`M` of a weight path `M.weight`."""
+    if not path.endswith(_WEIGHT):
+        raise ValueError(f"{path}: compressed-tensors quantizes `<module>.weight` tensors only")
+    return path[: -len(_WEIGHT)]
+
+
+def pack_int32(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Signed `bits`-bit codes (rows, cols) -> int32 (rows, ceil(cols * bits / 32)), densely."""
+    rows, cols = np.shape(codes)
+    per = 32 // bits
+    if 32 % bits == 0 and cols % per == 0:
+        # Whole words (4- and 8-bit codes, as Linear shapes have): shift and or in uint32.
+        unsigned = (np.asarray(codes).astype(np.int32) + (1 << (bits - 1))).astype(np.uint32)
+        unsigned = unsigned.reshape(rows, cols // per, per)
+        words = unsigned[:, :, 0].copy()
+        for i in range(1, per):
+            words |= unsigned[:, :, i] << np.uint32(i * bits)
+        return words.view(np.int32)
+    codes = np.asarray(codes).astype(np.int64) + (1 << (bits - 1))
+    words = -(-cols * bits // 32)
+    padded = -(-cols // 32) * 32  # whole runs of 32 codes: bits words each
+    value = np.zeros((rows, padded), np.uint64)
+    value[:, :cols] = codes
+    value = value.reshape(rows, padded // 32, 32)
+    out = np.zeros((rows, padded // 32, bits), np.uint64)
+    for i in range(32):  # code i of a run starts at bit i*bits of the run's bits words
+        word, shift = divmod(i * bits, 32)
+        out[:, :, word] |= (value[:, :, i] << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
+        spill = shift + bits - 32
+        if spill > 0:
+            out[:, :, word + 1] |= value[:, :, i] >> np.uint64(bits - spill)
+    flat = out.reshape(rows, -1)[:, :words].astype(np.uint32)
+    return flat.view(np.int32)
+
+
+def unpack_int32(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """The inverse of pack_int32: int32 words -> signed codes (rows, cols) as int8."""
+    words = np.asarray(packed).view(np.uint32).astype(np.uint64)
+    rows = words.shape[0]
+    need = -(-cols // 32) * bits
+    full = np.zeros((rows, need), np.uint64)
+    full[:, : min(need, words.shape[1])] = words[:, :need]
+    runs = full.reshape(rows, -1, bits)
+    mask = np.uint64((1 << bits) - 1)
+    codes = np.zeros((rows, runs.shape[1], 32), np.uint64)
+    for i in range(32):
+        word, shift = divmod(i * bits, 32)
+        value = runs[:, :, word] >> np.uint64(shift)
+        spill = shift + bits - 32
+        if spill > 0:
+            value |= runs[:, :, word + 1] << np.uint64(bits - spill)
+        codes[:, :, i] = value & mask
+    codes = codes.reshape(rows, -1)[:, :cols].astype(np.int16) - (1 << (bits - 1))
+    return codes.astype(np.int8)
+
+
+def compress(
+    scheme: ct_schemes.Scheme, path: str, parts: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The tensors compressed-tensors stores for weight `path` quantized as `parts`."""
+    module = module_of(path)
+    qvalue = np.asarray(parts["qvalue"])
+    scale = np.asarray(parts["scale"])
+    zero_point = parts.get("zero_point")
+    if qvalue.ndim != 2:
+        raise ValueError(f"{path}: compressed-tensors stores 2-D weights, got {qvalue.shape}")
+    if scheme.format != "pack-quantized":
+        return {f"{module}.weight": qvalue, f"{module}.{SCALE}": scale}
+    bits = scheme.num_bits
+    out = {
+        f"{module}.{PACKED}": pack_int32(qvalue, bits),
+        f"{module}.{SCALE}": scale,
+        f"{module}.{SHAPE}": np.asarray(qvalue.shape, np.int64),
+    }
+    if zero_point is not None:
+        # Packed along the output axis (compressed-tensors' packed_dim=0).
+        out[f"{module}.{ZERO_POINT}"] = pack_int32(np.asarray(zero_point).T, bits).T.copy()
+    return out
+
+
+def decompress(
+    scheme: ct_schemes.Scheme, module: str, stored: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The engine's parts (qvalue, scale[, zero_point]) of `module`'s stored tensors."""
+    scale = np.asarray(stored[f"{module}.{SCALE}"])
+    if scheme.format != "pack-quantized":
+        return {"qvalue": np.asarray(stored[f"{module}.weight"]), "scale": scale}
+    bits = scheme.num_bits
+    out_features, in_features = (int(n) for n in np.asarray(stored[f"{module}.{SHAPE}"]))
+    codes = unpack_int32(stored[f"{module}.{PACKED}"], bits, in_features)
+    logical = ml_dtypes.int4 if bits == 4 else np.int8
+    parts = {"qvalue": codes.astype(logical), "scale": scale}
+    zp = stored.get(f"{module}.{ZERO_POINT}")
+    if zp is not None:
+        zero_point = unpack_int32(np.asarray(zp).T.copy(), bits, out_features).T
+        parts["zero_point"] = zero_point.astype(logical)
+    return parts

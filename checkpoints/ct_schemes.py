@@ -1,0 +1,216 @@
+"""compressed-tensors' quantization schemes (llm-compressor's preset names) as qmill recipes.
+
+Each scheme pairs the engine rule that computes compressed-tensors' codes and scales (the same
+arithmetic: docs/compressed-tensors.md says where the formats meet and where they part) with the
+`config_groups` entry compressed-tensors writes for it. The field values are those
+compressed-tensors 0.19 serialises for the preset (its QuantizationArgs, every field present), so
+vLLM and transformers read our config as they read llm-compressor's.
+
+A recipe is "of" a scheme when every rule that quantizes carries that scheme's numerics (any
+path_regex; skip rules anywhere): a user may widen or narrow the default `ignore` without leaving
+the format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+FORMAT = "compressed-tensors"
+# The compressed-tensors release whose on-disk layout and config this module writes.
+CT_VERSION = "0.19.0"
+
+# Left in the source dtype by default, as users of llm-compressor pass them in `ignore`:
+# embeddings, the output head and norms (vectors are never quantized anyway). RE2, full match.
+DEFAULT_IGNORE_REGEX = r"(?i).*(embed|lm_head|norm).*"
+# compressed-tensors quantizes the `weight` of Linear modules only.
+TARGET_REGEX = r".*\.weight"
+
+
+def _args(**fields: Any) -> dict[str, Any]:
+    """One QuantizationArgs as compressed-tensors dumps it (every field, its defaults)."""
+    args = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": None,
+        "num_bits": 8,
+        "observer": None,
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": None,
+        "symmetric": True,
+        "type": "int",
+        "zp_dtype": None,
+    }
+    unknown = set(fields) - set(args)
+    assert not unknown, unknown
+    return args | fields
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    name: str
+    # compressed-tensors' compression format ("pack-quantized", "float-quantized", ...).
+    format: str
+    # The engine rule's numerics (TensorRule fields besides path_regex).
+    rule: Mapping[str, Any]
+    weights: Mapping[str, Any]
+    input_activations: Mapping[str, Any] | None = None
+
+    @property
+    def num_bits(self) -> int:
+        return int(self.weights["num_bits"])
+
+
+_INT_TOKEN = _args(dynamic=True, strategy="token")
+_FP8_TOKEN = _args(dynamic=True, strategy="token", type="float")
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme(
+            "W4A16",
+            "pack-quantized",
+            {"qtype": "int4", "tile_size": 128},
+            _args(num_bits=4, group_size=128, strategy="group"),
+        ),
+        Scheme(
+            "W4A16_ASYM",
+            "pack-quantized",
+            {"qtype": "int4", "tile_size": 128, "calibration_method": "minmax"},
+            _args(
+                num_bits=4, group_size=128, strategy="group", symmetric=False, zp_dtype="torch.int8"
+            ),
+        ),
+        Scheme(
+            "W8A16",
+            "pack-quantized",
+            {"qtype": "int8", "tile_size": 128},
+            _args(num_bits=8, group_size=128, strategy="group"),
+        ),
+        Scheme(
+            "W8A8",
+            "int-quantized",
+            {"qtype": "int8"},
+            _args(strategy="channel"),
+            _INT_TOKEN,
+        ),
+        Scheme(
+            "FP8_DYNAMIC",
+            "float-quantized",
+            {"qtype": "float8_e4m3fn"},
+            _args(strategy="channel", type="float"),
+            _FP8_TOKEN,
+        ),
+        Scheme(
+            "FP8_BLOCK",
+            "float-quantized",
+            {"qtype": "float8_e4m3fn", "tiled_axes": {0: 128, 1: 128}},
+            _args(strategy="block", type="float", block_structure=[128, 128]),
+            _args(dynamic=True, strategy="group", type="float", group_size=128),
+        ),
+    )
+}
+
+
+def scheme_named(name: str) -> Scheme | None:
+    """The scheme called `name`, whatever its case ("w4a16" is W4A16); None if none is."""
+    return SCHEMES.get(str(name).upper())
+
+
+def recipe_for(scheme: Scheme) -> dict[str, Any]:
+    """The recipe a scheme preset runs: the default ignore, then the scheme on Linear weights."""
+    return {
+        "convention": "torch",
+        "rules": [
+            {"path_regex": DEFAULT_IGNORE_REGEX, "skip": True},
+            {"path_regex": TARGET_REGEX, **scheme.rule},
+        ],
+    }
+
+
+# TensorRule fields that decide the numerics, with the defaults a mapping may leave out.
+_NUMERIC_DEFAULTS: dict[str, Any] = {
+    "qtype": None,
+    "tile_size": None,
+    "tile_if_divisible": False,
+    "tiled_axes": None,
+    "calibration_method": "absmax",
+    "scale_dtype": None,
+    "include_vectors": False,
+    "contracting_axes": None,
+    "channel_axes": None,
+}
+
+
+def _numerics(rule: Mapping[str, Any]) -> dict[str, Any]:
+    values = {k: rule.get(k, d) for k, d in _NUMERIC_DEFAULTS.items()}
+    # A recipe from TOML or a proto may spell these as a table, pairs or lists.
+    tiles = values["tiled_axes"]
+    if tiles:
+        pairs = tiles.items() if isinstance(tiles, Mapping) else tiles
+        values["tiled_axes"] = {int(a): int(t) for a, t in pairs}
+    else:
+        values["tiled_axes"] = None
+    for key in ("contracting_axes", "channel_axes"):
+        if values[key] is not None:
+            values[key] = tuple(values[key]) or None
+    return values
+
+
+def scheme_of_recipe(recipe: Mapping[str, Any]) -> Scheme:
+    """The scheme every quantizing rule of `recipe` carries.
+
+    Raises:
+        ValueError: no rule quantizes, or one carries numerics no scheme has, or rules carry
+            different schemes; the message names the schemes.
+    """
+    names = ", ".join(SCHEMES)
+    found: set[str] = set()
+    for rule in recipe.get("rules", ()):
+        if rule.get("skip"):
+            continue
+        numerics = _numerics(rule)
+        match = [s.name for s in SCHEMES.values() if _numerics(s.rule) == numerics]
+        if not match:
+            raise ValueError(
+                f"the recipe rule {rule.get('path_regex', '.*')!r} quantizes in a way no "
+                f"compressed-tensors scheme does; pass --recipe with a scheme ({names}), or a "
+                "recipe whose quantizing rules are a scheme's (only skip rules added)"
+            )
+        found.add(match[0])
+    if len(found) != 1:
+        what = "no rule quantizes" if not found else f"rules use {', '.join(sorted(found))}"
+        raise ValueError(
+            f"a compressed-tensors output takes one scheme ({names}); this recipe's {what}"
+        )
+    return SCHEMES[found.pop()]
+
+
+def quantization_config(scheme: Scheme, ignore: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config` for weights in `scheme`, `ignore` left as they were.
+
+    The fields and values are compressed-tensors' (QuantizationConfig.model_dump plus the
+    method, version and transform fields model_free_ptq adds); nothing of qmill's, since
+    compressed-tensors refuses fields it does not know inside a group.
+    """
+    group = {
+        "format": scheme.format,
+        "input_activations": dict(scheme.input_activations) if scheme.input_activations else None,
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": dict(scheme.weights),
+    }
+    return {
+        "config_groups": {scheme.name: group},
+        "format": scheme.format,
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "quant_method": FORMAT,
+        "quantization_status": "compressed",
+        "transform_config": {},
+        "version": CT_VERSION,
+    }

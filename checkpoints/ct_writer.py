@@ -1,0 +1,172 @@
+"""`--format compressed-tensors`: the checkpoint vLLM, SGLang and transformers load.
+
+The engine quantizes as for any output (the scheme's rule, ct_schemes); this writer stores each
+quantized weight in compressed-tensors' layout (ct_layout) instead of the Qwix one, and the
+folder's config.json gets compressed-tensors' `quantization_config` (ct_schemes), whose
+`ignore` names the Linear weights left in float. Every other file of a Hugging Face folder is
+copied as HfFolderWriter copies it. A safetensors file or set without a folder around it gets the
+same tensors, the config in its `__metadata__["quantization_config"]` (JSON).
+
+`check_source` refuses, before any tensor is read, what compressed-tensors cannot hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from qmill.checkpoints import ct_layout, ct_schemes, hf_folder, safetensors_writer
+
+METADATA_KEY = "quantization_config"
+
+
+def check_source(source: Any, recipe: dict[str, Any]) -> ct_schemes.Scheme:
+    """The recipe's scheme, once every tensor it quantizes fits compressed-tensors.
+
+    Raises:
+        ValueError: the source is not a PyTorch-layout safetensors checkpoint, is already
+            quantized, the recipe is no scheme's, or a tensor the scheme would quantize is not
+            a 2-D `<module>.weight` or its groups or blocks do not divide it; the message says
+            what to do instead.
+    """
+    from qmill.engine.modelfree import layout, recipes  # lazy: pulls in jax
+
+    if source.format != "safetensors":
+        raise ValueError(
+            f"compressed-tensors output needs a safetensors checkpoint in the PyTorch layout (a "
+            f"Hugging Face folder or .safetensors); this {source.format} checkpoint holds Flax "
+            "kernels (in, out): save the model as a Hugging Face folder first, or write "
+            "--format safetensors/orbax"
+        )
+    if recipe.get("convention", "torch") != "torch":
+        raise ValueError(
+            "compressed-tensors weights are PyTorch Linear weights (out, in): drop the recipe's "
+            f"convention {recipe['convention']!r} or set it to 'torch'"
+        )
+    config = getattr(source, "config", {})
+    if isinstance(config, dict) and "quantization_config" in config:
+        method = (config["quantization_config"] or {}).get("quant_method", "unknown")
+        raise ValueError(
+            f"{source.folder} is already quantized (quant_method {method!r}); quantize the "
+            "float model instead"
+        )
+    scheme = ct_schemes.scheme_of_recipe(recipe)
+    engine_recipe = recipes.recipe_from_mapping(recipe)
+    for entry in source.entries():
+        try:
+            plan = layout.plan_leaf(entry.path, entry.shape, entry.dtype, engine_recipe)
+        except ValueError as e:
+            raise ValueError(
+                f"{e}. {scheme.name} needs the groups/blocks to divide each weight: leave this "
+                "tensor in float with a skip rule before the scheme's in a recipe file, or "
+                "choose a per-channel scheme (W8A8, FP8_DYNAMIC)"
+            ) from None
+        if plan.quantize and (len(entry.shape) != 2 or not entry.path.endswith(".weight")):
+            raise ValueError(
+                f"{entry.path} (shape {list(entry.shape)}) would be quantized, but "
+                "compressed-tensors stores only 2-D Linear `<module>.weight` tensors: leave it "
+                "in float with a skip rule in a recipe file"
+            )
+    return scheme
+
+
+class _Layout:
+    """What both writers share: the scheme, and the weights left in float."""
+
+    def _setup(self, recipe: dict[str, Any] | None) -> None:
+        self._scheme = ct_schemes.scheme_of_recipe(recipe or {})
+        self._ignored: list[str] = []
+
+    def _note_kept(self, path: str, array: np.ndarray) -> None:
+        if array.ndim == 2 and path.endswith(".weight"):
+            self._ignored.append(ct_layout.module_of(path))
+
+    def _config(self) -> dict[str, Any]:
+        return ct_schemes.quantization_config(self._scheme, sorted(self._ignored))
+
+
+class FolderWriter(_Layout, hf_folder.HfFolderWriter):
+    """A Hugging Face folder in, the same folder out with compressed-tensors weights."""
+
+    def __init__(
+        self,
+        destination: str | os.PathLike,
+        source: hf_folder.HfFolderSource,
+        recipe: dict[str, Any] | None,
+        *,
+        overwrite: bool = False,
+    ) -> None:
+        self._setup(recipe)
+        super().__init__(destination, source, recipe, overwrite=overwrite)
+
+    def write(self, path: str, array: np.ndarray) -> None:
+        self._note_kept(path, np.asarray(array))
+        super().write(path, array)
+
+    def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
+        self._quantized[path] = np.asarray(parts["qvalue"]).dtype.name
+        for key, array in ct_layout.compress(self._scheme, path, parts).items():
+            self._weights.write_as(key, array, path)
+
+    def _quantization_config(self, left_out: list[pathlib.Path]) -> dict[str, Any]:
+        return self._config()
+
+
+class FileWriter(_Layout):
+    """A safetensors file (or set) out: the config goes in __metadata__."""
+
+    def __init__(
+        self,
+        destination: str | os.PathLike,
+        like: Any,
+        recipe: dict[str, Any] | None,
+        *,
+        overwrite: bool = False,
+    ) -> None:
+        self._setup(recipe)
+        self._weights = safetensors_writer.SafetensorsWriter(
+            destination, like=like, overwrite=overwrite
+        )
+
+    def write(self, path: str, array: np.ndarray) -> None:
+        self._note_kept(path, np.asarray(array))
+        self._weights.write(path, array)
+
+    def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
+        for key, array in ct_layout.compress(self._scheme, path, parts).items():
+            self._weights.write_as(key, array, path)
+
+    def commit(self) -> None:
+        self._weights.set_metadata(METADATA_KEY, json.dumps(self._config(), sort_keys=True))
+        self._weights.commit()
+
+    def abort(self) -> None:
+        self._weights.abort()
+
+    def __enter__(self) -> FileWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def create(
+    destination: str | os.PathLike,
+    like: Any,
+    recipe: dict[str, Any] | None,
+    *,
+    overwrite: bool = False,
+) -> FolderWriter | FileWriter:
+    """The writer for a compressed-tensors output of source `like` (see the module doc)."""
+    if isinstance(like, hf_folder.HfFolderSource):
+        if not str(destination).endswith(".safetensors"):
+            return FolderWriter(destination, like, recipe, overwrite=overwrite)
+        like = like.weights
+    return FileWriter(destination, like, recipe, overwrite=overwrite)

@@ -1,0 +1,103 @@
+"""Fixtures for the compressed-tensors tests: a tiny Llama folder written by transformers, and
+llm-compressor's model_free_ptq outputs for it (the reference every qmill output must equal).
+
+These tests need the `interop` extra (torch CPU, transformers, compressed-tensors,
+llm-compressor); the README's test set-up and CI install it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+# What qmill leaves in float by default, named as a user of llm-compressor names it in `ignore`.
+LLAMA_IGNORE = ["lm_head", "model.embed_tokens"]
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory) -> pathlib.Path:
+    """A Llama-architecture folder in bf16 (2 layers, hidden 256), sharded with an index."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    )
+    folder = tmp_path_factory.mktemp("llama") / "tiny-llama"
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="1MB")
+    assert (folder / "model.safetensors.index.json").exists()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def peer(tmp_path_factory):
+    """peer(source, scheme, ignore) -> llm-compressor's model_free_ptq output folder (cached)."""
+    from llmcompressor import model_free_ptq
+
+    made: dict[Any, pathlib.Path] = {}
+
+    def run(source: pathlib.Path, scheme: str, ignore: list[str]) -> pathlib.Path:
+        key = (str(source), scheme, tuple(ignore))
+        if key not in made:
+            out = tmp_path_factory.mktemp("peer") / f"{source.name}-{scheme}"
+            model_free_ptq(str(source), str(out), scheme=scheme, ignore=ignore, max_workers=1)
+            made[key] = out
+        return made[key]
+
+    return run
+
+
+def tensors(folder: pathlib.Path) -> dict[str, Any]:
+    """Every tensor of a folder's safetensors files, as torch tensors."""
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for path in sorted(glob.glob(str(folder / "*.safetensors"))):
+        out.update(load_file(path))
+    return out
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Equal dtype, shape and bits (NaNs and signed zeros included)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_bytes = (a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return bool(np.array_equal(as_bytes[0].numpy(), as_bytes[1].numpy()))
+
+
+def quantization_config(folder: pathlib.Path) -> dict[str, Any]:
+    return json.loads((folder / "config.json").read_text())["quantization_config"]
+
+
+def assert_same_checkpoint(ours: pathlib.Path, theirs: pathlib.Path, *, ignore_list=True) -> None:
+    """Same tensors (names, dtypes, shapes, bits), same shards and index, same config."""
+    a, b = tensors(ours), tensors(theirs)
+    assert sorted(a) == sorted(b)
+    unequal = [k for k in a if not same_bits(a[k], b[k])]
+    assert not unequal, f"{len(unequal)} tensors differ, e.g. {unequal[:3]}"
+    assert sorted(p.name for p in ours.glob("*.safetensors")) == sorted(
+        p.name for p in theirs.glob("*.safetensors")
+    )
+    index = "model.safetensors.index.json"
+    if (theirs / index).exists():
+        ours_map = json.loads((ours / index).read_text())["weight_map"]
+        assert ours_map == json.loads((theirs / index).read_text())["weight_map"]
+    qa, qb = quantization_config(ours), quantization_config(theirs)
+    if not ignore_list:
+        qa.pop("ignore"), qb.pop("ignore")
+    assert qa == qb

@@ -1,0 +1,176 @@
+"""`--format compressed-tensors` equals llm-compressor's model_free_ptq, tensor for tensor, on
+every path (embedded, a server, replicas, a job, a resumed run), and its consumers load it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qmill.checkpoints import ct_schemes, embedded, formats, pipeline, staging
+from qmill.client import client as client_lib
+from qmill.client import fanout, recipes
+from tests.interop.conftest import (
+    LLAMA_IGNORE,
+    assert_same_checkpoint,
+    quantization_config,
+    tensors,
+)
+
+CT = "compressed-tensors"
+
+
+def _quantize(source, dest, scheme: str, backend=None, **kwargs) -> list[pipeline.ReportRow]:
+    with backend or embedded.EmbeddedClient() as client:
+        return pipeline.quantize_checkpoint(
+            source, dest, recipes.load(scheme), backend=client, output_format=CT, **kwargs
+        )
+
+
+@pytest.mark.parametrize(
+    "scheme", ["W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block"]
+)
+def test_every_scheme_equals_llm_compressor(tmp_path, llama, peer, scheme):
+    out = tmp_path / "out"
+    rows = _quantize(llama, out, scheme)
+    assert sum(r.qtype != "kept" for r in rows) == 14  # 7 Linear weights in each of 2 layers
+    assert_same_checkpoint(out, peer(llama, scheme.upper(), LLAMA_IGNORE))
+    # The copied files come along, the config keeps the model's own fields.
+    assert (out / "generation_config.json").read_bytes() == (
+        llama / "generation_config.json"
+    ).read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_config_validates_in_compressed_tensors(tmp_path, llama):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    _quantize(llama, tmp_path / "out", "W8A8")
+    qc = quantization_config(tmp_path / "out")
+    parsed = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k != "version"})
+    assert parsed.format == "int-quantized" and parsed.ignore == LLAMA_IGNORE
+    assert parsed.config_groups["W8A8"].input_activations.dynamic is True
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK"])
+def test_transformers_runs_ours_as_it_runs_llm_compressors(tmp_path, llama, peer, scheme):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quantize(llama, tmp_path / "out", scheme)
+    ids = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
+    logits = []
+    for folder in (tmp_path / "out", peer(llama, scheme, LLAMA_IGNORE), llama):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
+    assert not torch.equal(logits[0], logits[2])  # the quantized weights are what ran
+
+
+def test_through_a_server_and_replicas(tmp_path, llama, peer, make_server):
+    servers = [make_server(), make_server()]
+    reference = peer(llama, "W4A16", LLAMA_IGNORE)
+    _quantize(llama, tmp_path / "one", "W4A16", backend=client_lib.Client(servers[0].address))
+    assert_same_checkpoint(tmp_path / "one", reference)
+    addresses = ",".join(s.address for s in servers)
+    _quantize(llama, tmp_path / "two", "W4A16", backend=fanout.FanoutClient(addresses, streams=2))
+    assert_same_checkpoint(tmp_path / "two", reference)
+
+
+def test_as_a_server_job(tmp_path, llama, peer, server):
+    from qmill.proto.v1 import qmill_pb2 as pb
+
+    with client_lib.Client(server.address) as client:
+        job = client.jobs.submit(str(llama), str(tmp_path / "job"), "w4a16", output_format=CT)
+        final = list(client.jobs.watch(job.job_id))[-1]
+    assert final.job.state == pb.JOB_STATE_SUCCEEDED, final
+    assert_same_checkpoint(tmp_path / "job", peer(llama, "W4A16", LLAMA_IGNORE))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _StopsAfter:
+    """The embedded engine, stopped after `count` tensors as a killed run would be."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.inner = embedded.EmbeddedClient()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def quantize(self, recipe, tensors, **kwargs):
+        for i, outcome in enumerate(self.inner.quantize(recipe, tensors, **kwargs)):
+            if i == self.count:
+                raise _Interrupted
+            yield outcome
+
+
+def test_resumed_run_writes_the_same_bytes(tmp_path, llama):
+    _quantize(llama, tmp_path / "once", "W4A16_ASYM")
+    out = tmp_path / "resumed"
+    with pytest.raises(_Interrupted):
+        _quantize(llama, out, "W4A16_ASYM", backend=_StopsAfter(5))
+    partial = out.with_name(out.name + staging.PARTIAL_SUFFIX)
+    assert len((partial / "tensors.jsonl").read_text().splitlines()) >= 5
+    rows = _quantize(llama, out, "W4A16_ASYM")
+    assert len(rows) == 21
+    once = {p.name: p.read_bytes() for p in (tmp_path / "once").iterdir()}
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == once
+    assert not partial.exists()
+
+
+def test_a_safetensors_file_gets_the_config_in_its_metadata(tmp_path, llama, peer):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    one = tmp_path / "one.safetensors"
+    src = tmp_path / "src.safetensors"
+    save_file(tensors(llama), src)  # the sharded folder's tensors as one plain file
+    _quantize(src, one, "FP8_DYNAMIC")
+    with safe_open(one, "pt") as f:
+        qc = json.loads(f.metadata()["quantization_config"])
+        assert qc["format"] == "float-quantized"
+        names = set(f.keys())
+    assert "model.layers.1.mlp.up_proj.weight_scale" in names
+
+
+def test_unsuitable_sources_are_refused_before_any_work(tmp_path, llama):
+    # A weight whose input size 320 is no multiple of the 128-wide groups.
+    from safetensors.numpy import save_file
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    rng = np.random.default_rng(0)
+    save_file(
+        {"a.proj.weight": rng.normal(size=(200, 320)).astype(np.float32)}, odd / "model.safetensors"
+    )
+    (odd / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"a\.proj\.weight: tile size 128 does not divide.*W8A8"):
+        _quantize(odd, tmp_path / "out", "W4A16")
+    assert not list(tmp_path.glob("out*"))  # no output, no partial output
+    _quantize(odd, tmp_path / "per-channel", "W8A8")  # the suggested fix works
+    # A Flax-layout source (npz here) and a recipe that is no scheme's.
+    npz = tmp_path / "src.npz"
+    np.savez(npz, w=rng.normal(size=(128, 128)).astype(np.float32))
+    with pytest.raises(ValueError, match="PyTorch layout"):
+        _quantize(npz, tmp_path / "x", "W8A8")
+    with embedded.EmbeddedClient() as client, pytest.raises(ValueError, match="no compressed"):
+        pipeline.quantize_checkpoint(
+            llama, tmp_path / "y", recipes.load("nf4"), backend=client, output_format=CT
+        )
+    # An already compressed folder is not quantized again.
+    _quantize(odd, tmp_path / "done", "W8A8")
+    with pytest.raises(ValueError, match="already quantized"):
+        _quantize(tmp_path / "done", tmp_path / "again", "W8A8")
+    assert (
+        formats.FORMATS[-1] == CT and ct_schemes.scheme_named("fp8_dynamic").name == "FP8_DYNAMIC"
+    )
