@@ -64,6 +64,9 @@ class Scheme:
         return int(self.weights["num_bits"])
 
 
+# compressed-tensors quantizes with PyTorch: the engine follows its arithmetic (true divisions;
+# engine/numerics.py ARITHMETICS), which the reference's differs from for float32/16 weights.
+_TORCH = {"arithmetic": "torch"}
 _INT_TOKEN = _args(dynamic=True, strategy="token")
 _FP8_TOKEN = _args(dynamic=True, strategy="token", type="float")
 
@@ -73,13 +76,13 @@ SCHEMES: dict[str, Scheme] = {
         Scheme(
             "W4A16",
             "pack-quantized",
-            {"qtype": "int4", "tile_size": 128},
+            {"qtype": "int4", "tile_size": 128, **_TORCH},
             _args(num_bits=4, group_size=128, strategy="group"),
         ),
         Scheme(
             "W4A16_ASYM",
             "pack-quantized",
-            {"qtype": "int4", "tile_size": 128, "calibration_method": "minmax"},
+            {"qtype": "int4", "tile_size": 128, "calibration_method": "minmax", **_TORCH},
             _args(
                 num_bits=4, group_size=128, strategy="group", symmetric=False, zp_dtype="torch.int8"
             ),
@@ -87,27 +90,27 @@ SCHEMES: dict[str, Scheme] = {
         Scheme(
             "W8A16",
             "pack-quantized",
-            {"qtype": "int8", "tile_size": 128},
+            {"qtype": "int8", "tile_size": 128, **_TORCH},
             _args(num_bits=8, group_size=128, strategy="group"),
         ),
         Scheme(
             "W8A8",
             "int-quantized",
-            {"qtype": "int8"},
+            {"qtype": "int8", **_TORCH},
             _args(strategy="channel"),
             _INT_TOKEN,
         ),
         Scheme(
             "FP8_DYNAMIC",
             "float-quantized",
-            {"qtype": "float8_e4m3fn"},
+            {"qtype": "float8_e4m3fn", **_TORCH},
             _args(strategy="channel", type="float"),
             _FP8_TOKEN,
         ),
         Scheme(
             "FP8_BLOCK",
             "float-quantized",
-            {"qtype": "float8_e4m3fn", "tiled_axes": {0: 128, 1: 128}},
+            {"qtype": "float8_e4m3fn", "tiled_axes": {0: 128, 1: 128}, **_TORCH},
             _args(strategy="block", type="float", block_structure=[128, 128]),
             _args(dynamic=True, strategy="group", type="float", group_size=128),
         ),
@@ -142,6 +145,7 @@ _NUMERIC_DEFAULTS: dict[str, Any] = {
     "include_vectors": False,
     "contracting_axes": None,
     "channel_axes": None,
+    "arithmetic": "",
 }
 
 

@@ -26,6 +26,7 @@ _SCALARS = (
     "skip",
     "include_vectors",
     "scale_dtype",
+    "arithmetic",
 )
 _LAYOUT = ("contracting_axes", "channel_axes")
 RULE_FIELDS = (*_SCALARS, "tiled_axes", *_LAYOUT)

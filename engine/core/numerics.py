@@ -190,20 +190,38 @@ def _snap_pow2(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.ldexp(jnp.ones_like(scale), exponent)
 
 
+def _divide_by(a: jax.Array, c: float, dtype: jnp.dtype, torch: bool) -> jax.Array:
+    """a / c in `dtype`: as the reference's broadcast division, or (torch) a true one."""
+    if not torch:
+        return divide_broadcast(a, c, dtype)
+    return divide_exact(a, jnp.full(a.shape, const(c, dtype), wide_dtype(dtype)), dtype)
+
+
 def _replace_tiny(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     # A scale this small would overflow x / scale; 1 keeps all-zero blocks exact.
     tiny = float(np.sqrt(ml_dtypes.finfo(dtype).tiny))
     return jnp.where(scale < tiny, jnp.ones_like(scale), scale)
 
 
+# Whose arithmetic a quantization follows: the reference's (Qwix on XLA), or PyTorch's op by op
+# as compressed-tensors quantizes: true divisions where XLA multiplies by a reciprocal, and a
+# zero scale replaced by the dtype's eps (not 1). Same bits for bfloat16 tensors (a quotient of
+# two bf16 values is never within float32 rounding of a bf16 tie), different for float32/16.
+TORCH = "torch"
+ARITHMETICS = ("", TORCH)
+
+
 def compute_scale_zero_point(
     calibration: Mapping[str, jax.Array],
     qtype: qtypes.QType | str,
     scale_dtype: jnp.dtype | None = None,
+    *,
+    torch: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Scale and zero point (None when symmetric) from a calibration dict.
 
     The scale is computed in the calibration's dtype; `scale_dtype` only casts the result.
+    `torch`: PyTorch's arithmetic (see ARITHMETICS).
 
     Raises:
       ValueError: an asymmetric calibration for a qtype without an asymmetric range.
@@ -211,7 +229,7 @@ def compute_scale_zero_point(
     qt = qtypes.get(qtype)
     if "absmax" in calibration:
         dtype = calibration["absmax"].dtype
-        scale = divide_broadcast(calibration["absmax"], float(qt.bound), dtype)
+        scale = _divide_by(calibration["absmax"], float(qt.bound), dtype, torch)
         lo = None
     else:
         if qt.asymmetric_range is None:
@@ -223,16 +241,23 @@ def compute_scale_zero_point(
         qmin, qmax = qt.asymmetric_range
         dtype = calibration["min"].dtype
         lo, hi = widen(calibration["min"]), widen(calibration["max"])
-        scale = divide_broadcast(fit(hi - lo, dtype), float(qmax - qmin), dtype)
+        scale = _divide_by(fit(hi - lo, dtype), float(qmax - qmin), dtype, torch)
     if qt.scale_rounding == qtypes.POW2:
         scale = _snap_pow2(scale, dtype)
     elif qt.scale_rounding == qtypes.E4M3:
         scale = widen(scale.astype(dtype).astype(jnp.float8_e4m3fn).astype(dtype))
-    scale = _replace_tiny(scale, dtype)
+    if torch:
+        eps = float(ml_dtypes.finfo(dtype).eps)
+        scale = jnp.where(scale == 0, jnp.asarray(eps, scale.dtype), scale)
+    else:
+        scale = _replace_tiny(scale, dtype)
     zero_point = None
     if lo is not None:
         shifted = divide_exact(lo, scale, dtype)
         zero_point = jnp.round(fit(opaque(qmin, shifted) - shifted, dtype)).astype(qt.storage)
+        if torch:
+            # PyTorch computes it before replacing a zero scale: 0 / 0, a NaN stored as 0.
+            zero_point = jnp.where(hi == lo, jnp.zeros_like(zero_point), zero_point)
     # The reference quantizes with the scale in the input's dtype and casts only what it stores.
     return scale.astype(scale_dtype or dtype), zero_point
 

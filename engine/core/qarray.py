@@ -69,6 +69,8 @@ class HowToQuantize:
     noise_fn: NoiseFn | None = None
     # dtype name of the scale; None = the input's dtype.
     scale_dtype: str | None = None
+    # Whose arithmetic (numerics.ARITHMETICS): "" the reference's, "torch" PyTorch's.
+    arithmetic: str = ""
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -78,6 +80,8 @@ class HowToQuantize:
         items = tiled.items() if isinstance(tiled, Mapping) else (tiled or ())
         set_("tiled_axes", qarray_util.AxisTiles(sorted((int(a), t) for a, t in items)))
         calibration_lib.parse(self.calibration_method)  # fail early on a bad method
+        if self.arithmetic not in numerics.ARITHMETICS:
+            raise ValueError(f"arithmetic {self.arithmetic!r} is not one of {numerics.ARITHMETICS}")
         set_("scale_dtype", _dtype_name(self.scale_dtype))
         self._check_required_tile()
 
@@ -230,13 +234,15 @@ def _codes(
     zero_point: jax.Array | None,
     noise_fn: NoiseFn | None,
     as_bytes: bool,
+    torch: bool = False,
 ) -> jax.Array:
-    """convert(x / scale (+ zp) (+ noise)); `as_bytes` as in numerics.to_qtype."""
+    """convert(x / scale (+ zp) (+ noise)); `as_bytes` as in numerics.to_qtype; `torch`: every
+    division a true one, as PyTorch divides by a broadcast scale."""
 
     def shift(x: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
         # In the input dtype with the scale (and zero point) cast to it; see numerics on exactness.
         s = numerics.fit(s, x.dtype)
-        if s.shape == x.shape:
+        if s.shape == x.shape or torch:
             y = numerics.divide_exact(x, s, x.dtype)
         else:
             y = numerics.divide_broadcast(x, s, x.dtype)
@@ -271,9 +277,10 @@ def _quantize_parts(
     array: jax.Array, how: HowToQuantize, scale_dtype: str | None, as_bytes: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     calib = calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
-    scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype)
+    torch = how.arithmetic == numerics.TORCH
+    scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype, torch=torch)
     qt = qtypes.get(how.qtype)
-    codes = _codes(array, qt, scale, zero_point, how.noise_fn, as_bytes)
+    codes = _codes(array, qt, scale, zero_point, how.noise_fn, as_bytes, torch=torch)
     # The codes use the scale in the input's dtype; only the stored scale takes scale_dtype.
     scale_dtype = scale_dtype or how.scale_dtype
     return codes, scale if scale_dtype is None else scale.astype(scale_dtype), zero_point

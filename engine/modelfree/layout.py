@@ -41,6 +41,7 @@ class LeafPlan:
     calibration_method: str = "absmax"
     scale_dtype: str | None = None
     reason: str = ""
+    arithmetic: str = ""
 
     @property
     def quantize(self) -> bool:
@@ -119,6 +120,7 @@ def plan_leaf(
         tiled_axes=tiled,
         calibration_method=rule.calibration_method,
         scale_dtype=rule.scale_dtype,
+        arithmetic=rule.arithmetic,
     )
 
 

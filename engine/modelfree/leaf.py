@@ -74,6 +74,7 @@ def _how(plan: layout.LeafPlan) -> qarray.HowToQuantize:
         channelwise_axes=plan.channelwise_axes,
         tiled_axes=dict(plan.tiled_axes),
         calibration_method=plan.calibration_method,
+        arithmetic=plan.arithmetic,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from qmill.engine.core import calibration, qtypes
+from qmill.engine.core import calibration, numerics, qtypes
 from qmill.engine.modeling import linear_regex
 
 CONVENTIONS = ("auto", "flax", "torch")
@@ -51,6 +51,8 @@ class TensorRule:
     include_vectors: bool = False
     # dtype name of the scales; None = the tensor's own dtype.
     scale_dtype: str | None = None
+    # "" (the reference's arithmetic) or "torch" (PyTorch's, as compressed-tensors quantizes).
+    arithmetic: str = ""
 
     def __post_init__(self) -> None:
         compiled = linear_regex.compile(self.path_regex, "rule path_regex")
@@ -75,6 +77,11 @@ class TensorRule:
             )
         if self.scale_dtype is not None:
             _check_scale_dtype(self.path_regex, self.scale_dtype)
+        if self.arithmetic not in numerics.ARITHMETICS:
+            raise ValueError(
+                f"rule {self.path_regex!r}: arithmetic {self.arithmetic!r} is not one of "
+                f"{list(numerics.ARITHMETICS)}"
+            )
         if (self.contracting_axes is None) != (self.channel_axes is None):
             raise ValueError(
                 f"rule {self.path_regex!r}: a layout override needs both contracting_axes and "

