@@ -25,6 +25,7 @@ from qmill.checkpoints import ct_schemes
 # The suffixes compressed-tensors adds to a module name, by part.
 PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
 ZERO_POINT = "weight_zero_point"
+MXFP4 = "mxfp4-pack-quantized"
 _WEIGHT = ".weight"
 
 
@@ -85,6 +86,31 @@ def unpack_int32(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
     return codes.astype(np.int8)
 
 
+def pack_fp4(codes: np.ndarray) -> np.ndarray:
+    """float4_e2m1fn (rows, cols) -> uint8 (rows, cols / 2), code 2i in the low nibble."""
+    nibbles = np.asarray(codes).view(np.uint8) & 0xF
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    rows, half = packed.shape
+    nibbles = np.empty((rows, half * 2), np.uint8)
+    nibbles[:, 0::2] = packed & 0xF
+    nibbles[:, 1::2] = packed >> 4
+    return nibbles.view(ml_dtypes.float4_e2m1fn)
+
+
+def e8m0(scale: np.ndarray) -> np.ndarray:
+    """Power-of-two scales -> their biased exponents (E8M0, uint8), as compressed-tensors stores
+    MX scales."""
+    _, exponent = np.frexp(np.asarray(scale).astype(np.float64))
+    return (exponent - 1 + 127).clip(0, 255).astype(np.uint8)
+
+
+def from_e8m0(biased: np.ndarray) -> np.ndarray:
+    return np.ldexp(np.float32(1), np.asarray(biased).astype(np.int32) - 127).astype(np.float32)
+
+
 def compress(
     scheme: ct_schemes.Scheme, path: str, parts: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
@@ -95,6 +121,8 @@ def compress(
     zero_point = parts.get("zero_point")
     if qvalue.ndim != 2:
         raise ValueError(f"{path}: compressed-tensors stores 2-D weights, got {qvalue.shape}")
+    if scheme.format == MXFP4:
+        return {f"{module}.{PACKED}": pack_fp4(qvalue), f"{module}.{SCALE}": e8m0(scale)}
     if scheme.format != "pack-quantized":
         return {f"{module}.weight": qvalue, f"{module}.{SCALE}": scale}
     bits = scheme.num_bits
@@ -114,6 +142,9 @@ def decompress(
 ) -> dict[str, np.ndarray]:
     """The engine's parts (qvalue, scale[, zero_point]) of `module`'s stored tensors."""
     scale = np.asarray(stored[f"{module}.{SCALE}"])
+    if scheme.format == MXFP4:
+        packed = np.asarray(stored[f"{module}.{PACKED}"])
+        return {"qvalue": unpack_fp4(packed), "scale": from_e8m0(scale)}
     if scheme.format != "pack-quantized":
         return {"qvalue": np.asarray(stored[f"{module}.weight"]), "scale": scale}
     bits = scheme.num_bits

@@ -67,7 +67,8 @@ def to_qwix(
     """`flat` (tensor name -> array, as stored) with every compressed weight as its Qwix parts
     under `M.weight/array/{qvalue,scale,zero_point}`; other tensors as they are."""
     scheme = scheme_of_config(qc)
-    marker = ct_layout.PACKED if scheme.format == "pack-quantized" else ct_layout.SCALE
+    packed = scheme.format in ("pack-quantized", ct_layout.MXFP4)
+    marker = ct_layout.PACKED if packed else ct_layout.SCALE
     modules = [k[: -len(marker) - 1] for k in flat if k.endswith("." + marker)]
     out = dict(flat)
     for module in modules:

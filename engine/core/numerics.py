@@ -197,6 +197,30 @@ def _divide_by(a: jax.Array, c: float, dtype: jnp.dtype, torch: bool) -> jax.Arr
     return divide_exact(a, jnp.full(a.shape, const(c, dtype), wide_dtype(dtype)), dtype)
 
 
+def _torch_mx_scale(absmax: jax.Array, bound: float, dtype: jnp.dtype) -> jax.Array:
+    """compressed-tensors' MX scale: absmax rounded to a power of two p on its bits (up when the
+    mantissa is >= 0.75, as 0.25 added to the fraction carries), then 2^(log2 p - floor(log2
+    bound)) with the biased exponent clamped to E8M0's 0..255 (p = 0 gives 2^-127). Not the
+    reference's 2^ceil(log2(absmax / bound)), which may pick the next power up."""
+    info = ml_dtypes.finfo(dtype)
+    mant = int(info.nmant)
+    width = np.dtype(dtype).itemsize * 8
+    uint = {16: jnp.uint16, 32: jnp.uint32}[width]
+    bits = jax.lax.bitcast_convert_type(fit(absmax, dtype).astype(dtype), uint).astype(jnp.uint32)
+    field = ((bits + (1 << (mant - 2))) >> mant) & ((1 << (width - 1 - mant)) - 1)
+    bias = int(info.maxexp) - 1
+    offset = int(np.floor(np.log2(bound)))
+    biased = jnp.clip(field.astype(jnp.int32) - bias - offset + 127, 0, 255)
+    biased = jnp.where(field == 0, 0, biased)
+    if bias != 127:  # float16: 2^(biased - 127) rounds as PyTorch's cast to float16 does
+        return widen(jnp.ldexp(jnp.ones(biased.shape, jnp.float32), biased - 127).astype(dtype))
+    # bfloat16 / float32 share E8M0's exponent range: the scale is built from its bits, because
+    # 2^-127 (biased 0, an all-zero group) is subnormal, which XLA:CPU flushes to zero in
+    # arithmetic; _codes divides such groups by 1 instead.
+    pattern = jnp.where(biased == 0, 1 << (mant - 1), biased.astype(jnp.uint32) << mant)
+    return widen(jax.lax.bitcast_convert_type(pattern.astype(uint), dtype))
+
+
 def _replace_tiny(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     # A scale this small would overflow x / scale; 1 keeps all-zero blocks exact.
     tiny = float(np.sqrt(ml_dtypes.finfo(dtype).tiny))
@@ -242,15 +266,17 @@ def compute_scale_zero_point(
         dtype = calibration["min"].dtype
         lo, hi = widen(calibration["min"]), widen(calibration["max"])
         scale = _divide_by(fit(hi - lo, dtype), float(qmax - qmin), dtype, torch)
-    if qt.scale_rounding == qtypes.POW2:
+    if qt.scale_rounding == qtypes.POW2 and torch and lo is None:
+        scale = _torch_mx_scale(calibration["absmax"], float(qt.bound), dtype)
+    elif qt.scale_rounding == qtypes.POW2:
         scale = _snap_pow2(scale, dtype)
     elif qt.scale_rounding == qtypes.E4M3:
         scale = widen(scale.astype(dtype).astype(jnp.float8_e4m3fn).astype(dtype))
-    if torch:
+    if not torch:
+        scale = _replace_tiny(scale, dtype)
+    elif qt.scale_rounding != qtypes.POW2:  # an MX scale is never 0 (2^-127 at least)
         eps = float(ml_dtypes.finfo(dtype).eps)
         scale = jnp.where(scale == 0, jnp.asarray(eps, scale.dtype), scale)
-    else:
-        scale = _replace_tiny(scale, dtype)
     zero_point = None
     if lo is not None:
         shifted = divide_exact(lo, scale, dtype)

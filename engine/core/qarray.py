@@ -242,6 +242,9 @@ def _codes(
     def shift(x: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
         # In the input dtype with the scale (and zero point) cast to it; see numerics on exactness.
         s = numerics.fit(s, x.dtype)
+        if torch:
+            # A subnormal MX scale (2^-127) is flushed to 0 on XLA:CPU: x / 1 gives its codes.
+            s = jnp.where(s == 0, jnp.ones_like(s), s)
         if s.shape == x.shape or torch:
             y = numerics.divide_exact(x, s, x.dtype)
         else:

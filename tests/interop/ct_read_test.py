@@ -14,7 +14,7 @@ from qmill import checkpoints
 from tests.e2e import processes
 from tests.interop.conftest import LLAMA_IGNORE, assert_same_checkpoint
 
-SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK"]
+SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"]
 
 
 def _dequantize(parts: dict[str, np.ndarray]) -> np.ndarray:

@@ -30,7 +30,7 @@ def _quantize(source, dest, scheme: str, backend=None, **kwargs) -> list[pipelin
 
 
 @pytest.mark.parametrize(
-    "scheme", ["W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block"]
+    "scheme", ["W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block", "mxfp4a16"]
 )
 def test_every_scheme_equals_llm_compressor(tmp_path, llama, peer, scheme):
     out = tmp_path / "out"
@@ -55,7 +55,9 @@ def test_config_validates_in_compressed_tensors(tmp_path, llama):
     assert parsed.config_groups["W8A8"].input_activations.dynamic is True
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK"])
+@pytest.mark.parametrize(
+    "scheme", ["W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"]
+)
 def test_transformers_runs_ours_as_it_runs_llm_compressors(tmp_path, llama, peer, scheme):
     import torch
     from transformers import AutoModelForCausalLM
