@@ -40,6 +40,14 @@ def pack_int32(codes: np.ndarray, bits: int) -> np.ndarray:
     """Signed `bits`-bit codes (rows, cols) -> int32 (rows, ceil(cols * bits / 32)), densely."""
     rows, cols = np.shape(codes)
     per = 32 // bits
+    if bits in (4, 8) and cols % per == 0:
+        # Byte-wise (the common case, ~10x faster): code + 2^(bits-1) is the code's byte with
+        # its sign bit flipped (int4 codes may be stored sign-extended: masked to the nibble).
+        raw = np.ascontiguousarray(codes).view(np.uint8)
+        if bits == 8:
+            return (raw ^ np.uint8(0x80)).view("<i4")
+        unsigned = (raw + np.uint8(8)) & np.uint8(0x0F)
+        return np.ascontiguousarray(unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)).view("<i4")
     if 32 % bits == 0 and cols % per == 0:
         # Whole words (4- and 8-bit codes, as Linear shapes have): shift and or in uint32.
         unsigned = (np.asarray(codes).astype(np.int32) + (1 << (bits - 1))).astype(np.uint32)

@@ -192,7 +192,8 @@ def _snap_pow2(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def _divide_by(a: jax.Array, c: float, dtype: jnp.dtype, torch: bool) -> jax.Array:
     """a / c in `dtype`: as the reference's broadcast division, or (torch) a true one."""
-    if not torch:
+    if not torch or np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        # bfloat16: the reciprocal multiply gives the true quotient's bits (TORCH), faster.
         return divide_broadcast(a, c, dtype)
     return divide_exact(a, jnp.full(a.shape, const(c, dtype), wide_dtype(dtype)), dtype)
 

@@ -245,7 +245,9 @@ def _codes(
         if torch:
             # A subnormal MX scale (2^-127) is flushed to 0 on XLA:CPU: x / 1 gives its codes.
             s = jnp.where(s == 0, jnp.ones_like(s), s)
-        if s.shape == x.shape or torch:
+        # bfloat16 quotients round the same either way (numerics.TORCH): the faster multiply.
+        exact = torch and np.dtype(x.dtype) != np.dtype(jnp.bfloat16)
+        if s.shape == x.shape or exact:
             y = numerics.divide_exact(x, s, x.dtype)
         else:
             y = numerics.divide_broadcast(x, s, x.dtype)

@@ -65,6 +65,7 @@ def test_flax_layout_is_refused_for_other_checkpoints(tmp_path):
         checkpoints.load(tmp_path / "x.npz", flax_layout=True)
 
 
+@pytest.mark.slow  # starts `qmill` processes
 def test_cli_writes_and_inspects_compressed_tensors(tmp_path, llama, peer):
     out = tmp_path / "out"
     command = [*processes.qmill(), "quantize", str(llama), "-o", str(out), "--recipe", "w4a16"]
