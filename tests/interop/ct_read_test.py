@@ -92,3 +92,24 @@ def test_cli_writes_and_inspects_compressed_tensors(tmp_path, llama, peer):
         timeout=300,
     )
     assert bad.returncode == 1 and "W4A16" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow  # starts `qmill` processes
+def test_cli_killed_mid_run_resumes_to_the_same_bytes(tmp_path, llama):
+    once, out = tmp_path / "once", tmp_path / "resumed"
+    args = ["quantize", str(llama), "--recipe", "W4A16_ASYM", "-q"]
+    done = subprocess.run([*processes.qmill(), *args, "-o", str(once)], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    slow = subprocess.Popen(
+        [*processes.qmill(read_delay=0.5), *args, "-o", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    processes.wait_for_finished_tensors(out, 3, slow)
+    processes.kill(slow)  # SIGKILL: no cleanup, the partial output stays
+    assert not out.exists()
+    done = subprocess.run([*processes.qmill(), *args, "-o", str(out)], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {
+        p.name: p.read_bytes() for p in once.iterdir()
+    }
