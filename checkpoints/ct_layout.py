@@ -20,7 +20,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from qmill.checkpoints import ct_schemes
+from qmill.checkpoints import ct_schemes, dtypes
 
 # The suffixes compressed-tensors adds to a module name, by part.
 PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
@@ -120,24 +120,37 @@ def from_e8m0(biased: np.ndarray) -> np.ndarray:
 
 
 def compress(
-    scheme: ct_schemes.Scheme, path: str, parts: dict[str, np.ndarray]
+    scheme: ct_schemes.Scheme, path: str, parts: dict[str, np.ndarray | dtypes.Packed4]
 ) -> dict[str, np.ndarray]:
     """The tensors compressed-tensors stores for weight `path` quantized as `parts`."""
     module = module_of(path)
-    qvalue = np.asarray(parts["qvalue"])
+    qvalue = parts["qvalue"]
     scale = np.asarray(parts["scale"])
     zero_point = parts.get("zero_point")
-    if qvalue.ndim != 2:
+    if len(qvalue.shape) != 2:
         raise ValueError(f"{path}: compressed-tensors stores 2-D weights, got {qvalue.shape}")
+    rows, cols = qvalue.shape
+    # 4-bit codes the engine packed (two a byte, low nibble first) are already compressed-
+    # tensors' order: fp4 bytes as they are; int4 bytes with each nibble offset by 8 (bit 3
+    # flipped) are its int32 words' bytes.
+    packed = qvalue.packed if isinstance(qvalue, dtypes.Packed4) else None
     if scheme.format == MXFP4:
-        return {f"{module}.{PACKED}": pack_fp4(qvalue), f"{module}.{SCALE}": e8m0(scale)}
+        if packed is not None and cols % 2 == 0:
+            codes = packed.reshape(rows, cols // 2)
+        else:
+            codes = pack_fp4(np.asarray(qvalue))
+        return {f"{module}.{PACKED}": codes, f"{module}.{SCALE}": e8m0(scale)}
     if scheme.format != "pack-quantized":
-        return {f"{module}.weight": qvalue, f"{module}.{SCALE}": scale}
+        return {f"{module}.weight": np.asarray(qvalue), f"{module}.{SCALE}": scale}
     bits = scheme.num_bits
+    if packed is not None and bits == 4 and cols % 8 == 0:
+        words = (packed ^ np.uint8(0x88)).view("<i4").reshape(rows, cols // 8)
+    else:
+        words = pack_int32(np.asarray(qvalue), bits)
     out = {
-        f"{module}.{PACKED}": pack_int32(qvalue, bits),
+        f"{module}.{PACKED}": words,
         f"{module}.{SCALE}": scale,
-        f"{module}.{SHAPE}": np.asarray(qvalue.shape, np.int64),
+        f"{module}.{SHAPE}": np.asarray((rows, cols), np.int64),
     }
     if zero_point is not None:
         # Packed along the output axis (compressed-tensors' packed_dim=0).

@@ -108,7 +108,7 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
         super().write(path, array)
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
-        self._quantized[path] = np.asarray(parts["qvalue"]).dtype.name
+        self._quantized[path] = np.dtype(parts["qvalue"].dtype).name
         for key, array in ct_layout.compress(self._scheme, path, parts).items():
             self._weights.write_as(key, array, path)
 
