@@ -36,6 +36,7 @@ def _stats(method: str, rules):
     return params, stats
 
 
+@pytest.mark.slow
 def test_gptq_leaf_matches_the_model_path() -> None:
     rules = [qe.QuantizationRule(module_path="hidden", weight_qtype="int4", tile_size=128)]
     params, stats = _stats("gptq", rules)
