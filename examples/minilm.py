@@ -11,7 +11,7 @@ downloaded); the tokenizer is BERT's uncased WordPiece over the shipped vocab.tx
     ids, mask = minilm.Tokenizer(folder).batch(["A sentence.", "Another one."], 32)
     embeddings = model.apply({"params": params}, ids, mask)   # (2, 384), unit norm
 
-`build()` is the `--model-fn` entry point (model and one example batch).
+`build()` is the `--model-fn` entry point (model, one example batch, the real params).
 """
 
 from __future__ import annotations
@@ -156,7 +156,9 @@ class Tokenizer:
         return ids, mask
 
 
-def build() -> tuple[nn.Module, tuple[np.ndarray, np.ndarray]]:
-    """`--model-fn` entry: the model and one example batch (8 sentences of 32 tokens)."""
-    ids, mask = Tokenizer(shipped_folder()).batch(["An example sentence."] * 8, 32)
-    return MiniLM(), (ids, mask)
+def build() -> dict:
+    """`--model-fn` entry: the model, one example batch (token ids and mask, 32 tokens) and the
+    real float params."""
+    folder = shipped_folder()
+    ids, mask = Tokenizer(folder).batch(["An example sentence."], 32)
+    return {"model": MiniLM(), "inputs": (ids, mask), "params": load_params(folder)}
