@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -21,6 +22,7 @@ SENTENCES = [
 ]
 
 
+@pytest.mark.slow
 def test_flax_minilm_matches_transformers() -> None:
     folder = minilm.shipped_folder()
     tok = minilm.Tokenizer(folder)
