@@ -36,9 +36,20 @@ class EmbeddedClient:
         return None
 
     def quantize(
-        self, recipe: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]], **_: Any
+        self,
+        recipe: dict[str, Any],
+        tensors: Iterable[tuple[str, np.ndarray]],
+        *,
+        calibration_stats: dict[str, np.ndarray] | None = None,
+        **_: Any,
     ) -> Iterator[outcome.TensorOutcome]:
-        from qmill.engine.modelfree import recipes  # lazy: pulls in jax
+        """As a server's QuantizeParams; `calibration_stats` (a calibrated method's flat
+        statistics, as `qmill calibrate --stats-output` writes them) quantize the weights they
+        name by that method, as a server does for a calibration id."""
+        from qmill.engine.contrib import leaf as contrib_leaf  # lazy: pulls in jax
+        from qmill.engine.modelfree import recipes
+
+        quantize = contrib_leaf.quantizer(contrib_leaf.method_stats(calibration_stats or {}))
 
         try:
             engine_recipe = recipes.recipe_from_mapping(recipe)
@@ -48,7 +59,7 @@ class EmbeddedClient:
 
         def next_outcome() -> outcome.TensorOutcome | None:
             item = next(source, None)
-            return None if item is None else _quantize_one(*item, engine_recipe)
+            return None if item is None else _quantize_one(*item, engine_recipe, quantize)
 
         with futures.ThreadPoolExecutor(1, thread_name_prefix="qmill-embedded") as worker:
             pending = worker.submit(next_outcome)
@@ -57,8 +68,10 @@ class EmbeddedClient:
                 yield done
 
 
-def _quantize_one(path: str, array: np.ndarray, engine_recipe: Any) -> outcome.TensorOutcome:
-    from qmill.engine.modelfree import layout, leaf  # lazy: pulls in jax
+def _quantize_one(
+    path: str, array: np.ndarray, engine_recipe: Any, quantize: Any
+) -> outcome.TensorOutcome:
+    from qmill.engine.modelfree import layout  # lazy: pulls in jax
 
     nbytes = dtypes.packed_nbytes(array.dtype, array.shape)
     try:
@@ -67,7 +80,7 @@ def _quantize_one(path: str, array: np.ndarray, engine_recipe: Any) -> outcome.T
             return outcome.TensorOutcome(
                 path=path, quantized=False, parts={}, reason=plan.reason, input_bytes=nbytes
             )
-        result = leaf.quantize_leaf(array, plan)
+        result = quantize(array, plan)
     except (ValueError, TypeError) as e:
         raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
     qvalue = result.qvalue

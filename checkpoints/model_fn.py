@@ -127,13 +127,15 @@ def calibration_program(
     rules: Sequence[Mapping[str, Any]],
     batch_size: int,
     params: Mapping[str, np.ndarray] | None = None,
+    method: str = "static",
 ) -> tuple[bytes, dict[str, np.ndarray]]:
-    """(calibrate artifact taking batches of `batch_size`, {path: float param})."""
+    """(calibrate artifact taking batches of `batch_size`, {path: float param}); `method`:
+    static ranges, or the statistics of a calibrated method (gptq, awq, smoothquant)."""
     from qmill.engine.programs import build as program_build
 
     tree = _nested(params) if params is not None else fn.params
     data, flat = program_build.calibration_program(
-        fn.model, _rules(rules), *_batched(fn.inputs, batch_size), params=tree
+        fn.model, _rules(rules), *_batched(fn.inputs, batch_size), params=tree, method=method
     )
     return data, {k: np.asarray(v) for k, v in flat.items()}
 
@@ -155,3 +157,25 @@ def export_program(
         params=tree,
         quant_stats=_nested(stats),
     )
+
+
+def run_calibration(
+    program: bytes, params: Mapping[str, np.ndarray], batches: Any
+) -> tuple[dict[str, np.ndarray], int, int]:
+    """Runs a calibrate artifact in this process, as a server's Calibrate does: (merged
+    statistics by '/'-joined path, batches, examples). `batches` yields one array per model
+    input (a tuple when there are several)."""
+    import jax
+
+    from qmill.engine.programs import program as programs
+
+    prog = programs.load(program, platform=jax.devices()[0].platform)
+    tree = programs.tree_from_flat(prog.params, dict(params), "params")
+    step, stats = programs.calibrate_step(prog), programs.zero_stats(prog)
+    batch_count = examples = 0
+    for batch in batches:
+        xs = programs.check_inputs(prog, list(batch) if isinstance(batch, tuple) else [batch])
+        stats = step(tree, stats, *xs)
+        batch_count, examples = batch_count + 1, examples + int(xs[0].shape[0])
+    flat = {p: np.asarray(v) for p, v in programs.flat_paths(stats).items()}
+    return flat, batch_count, examples

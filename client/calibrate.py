@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from qmill import checkpoints
+from qmill.checkpoints import model_fn
 from qmill.client import credentials, errors, model_rules, programs, uploads
 from qmill.client.service_client import ServiceClient
 from qmill.proto import wire
@@ -199,9 +200,15 @@ def write_ptq(result: CalibrateResult, destination: str, *, overwrite: bool = Fa
 def add_command(sub: Any) -> None:
     """Adds `qmill calibrate` to the CLI's subparsers."""
     c = sub.add_parser(
-        "calibrate", help="activation statistics (and static-range PTQ params) from a server"
+        "calibrate",
+        help="activation statistics, or a calibrated method's (GPTQ...), on a server or here",
     )
-    c.add_argument("--server", required=True, help="HOST:PORT")
+    c.add_argument(
+        "--server",
+        help="HOST:PORT; without it a program (--model-fn / --artifact) runs in this process "
+        "and the statistics go to --stats-output",
+    )
+    programs.add_method_argument(c)
     programs.add_model_arguments(c, "model name in the server's registry")
     c.add_argument("--config", default="", help="the model's config as a JSON object")
     programs.add_params_arguments(c)
@@ -224,6 +231,38 @@ def add_command(sub: Any) -> None:
     c.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     c.add_argument("--timeout", type=float, help="seconds before a call is abandoned")
     credentials.add_arguments(c)
+
+
+def run_local(args: argparse.Namespace, print_line: Callable[[str], None]) -> int:
+    """`qmill calibrate` without --server: the program runs in this process, batch after batch,
+    exactly as a server runs it; the statistics go to --stats-output (`qmill quantize
+    --calibration STATS.npz` applies a method's)."""
+    if args.model or args.params_upload_id or args.calibration_id or args.ptq_output:
+        raise ValueError(
+            "--model, --params-upload-id, --calibration-id and --ptq-output need a --server; "
+            "in-process, give --model-fn or --artifact and --stats-output"
+        )
+    if not args.stats_output:
+        raise ValueError("in-process (no --server), --stats-output says where the statistics go")
+    rules = programs.rule_dicts(model_rules.load_rules(args.rules))
+    if args.artifact:
+        if not args.params:
+            raise ValueError("--artifact needs the model's params: --params")
+        data = pathlib.Path(args.artifact).read_bytes()
+        batch_size = int(model_fn.read_header(data)["inputs"][0][0][0])
+        floats = programs.read_params(args.params)
+    else:
+        fn = model_fn.load(args.model_fn)
+        local = programs.read_params(args.params) if args.params else None
+        data, floats = model_fn.calibration_program(
+            fn, rules, args.batch_size, local, method=args.method
+        )
+        batch_size = args.batch_size
+    batches = programs.load_batches(args.batches, batch_size, print_line)
+    stats, count, examples = model_fn.run_calibration(data, floats, batches)
+    print_line(f"calibration in-process: {count} batches, {examples} examples; {len(stats)} stats")
+    _write_stats(stats, args, print_line)
+    return 0
 
 
 def run_command(
@@ -285,10 +324,14 @@ def _report(result: CalibrateResult, args: argparse.Namespace, print_line) -> No
         f"examples in total; {len(result.stats)} statistics"
     )
     if args.stats_output:
-        tmp = pathlib.Path(args.stats_output + ".partial.npz")
-        np.savez(tmp, **result.stats)
-        if os.path.exists(args.stats_output) and not args.overwrite:
-            tmp.unlink()
-            raise FileExistsError(f"{args.stats_output} exists; pass --overwrite to replace it")
-        os.replace(tmp, args.stats_output)
-        print_line(f"statistics → {args.stats_output}")
+        _write_stats(result.stats, args, print_line)
+
+
+def _write_stats(stats: dict[str, np.ndarray], args: argparse.Namespace, print_line) -> None:
+    tmp = pathlib.Path(args.stats_output + ".partial.npz")
+    np.savez(tmp, **stats)
+    if os.path.exists(args.stats_output) and not args.overwrite:
+        tmp.unlink()
+        raise FileExistsError(f"{args.stats_output} exists; pass --overwrite to replace it")
+    os.replace(tmp, args.stats_output)
+    print_line(f"statistics → {args.stats_output}")

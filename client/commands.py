@@ -14,7 +14,7 @@ import pathlib
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
@@ -83,6 +83,40 @@ def _backend(args: argparse.Namespace) -> pipeline.Backend:
     )
 
 
+class _Calibrated:
+    """A backend whose quantize calls carry the calibration (--calibration) as well."""
+
+    def __init__(self, backend: Any, kwargs: dict[str, Any]) -> None:
+        self._backend, self._kwargs = backend, kwargs
+
+    def quantize(self, recipe: Any, tensors: Any, **kwargs: Any) -> Any:
+        return self._backend.quantize(recipe, tensors, **kwargs, **self._kwargs)
+
+
+def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--calibration as the backend takes it: a calibration id for one server, the statistics
+    themselves in-process."""
+    if not args.calibration:
+        return {}
+    if args.server:
+        from qmill.client import fanout  # lazy: the gRPC client, for --server only
+        from qmill.proto.v1 import qmill_pb2 as pb
+
+        if fanout.is_fanout(args.server) or args.streams != 1:
+            raise ValueError("--calibration takes one --server (and --streams 1)")
+        return {"static_ranges": pb.StaticRanges(calibration_id=args.calibration)}
+    path = pathlib.Path(args.calibration)
+    if path.suffix != ".npz" or not path.is_file():
+        raise ValueError(
+            f"--calibration {args.calibration}: without --server, give the statistics file "
+            "(.npz) `qmill calibrate --stats-output` wrote; a calibration id needs its --server"
+        )
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as f:
+        return {"calibration_stats": {k: f[k] for k in f.files}}
+
+
 def _check_output_folder(output: str) -> None:
     """Refuses `-o a/b/out` when a/b/ does not exist, as `cp` does: a mistyped path would
     otherwise leave a tree of folders nobody asked for."""
@@ -118,6 +152,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         return _dry_run(args, recipe, out)
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
+    calibration = _calibration_kwargs(args)
 
     def attempt(restart: bool) -> list[pipeline.ReportRow]:
         backend = _backend(args)
@@ -126,7 +161,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
                 args.source,
                 args.output,
                 recipe,
-                backend=retry.NoticeAnswers(backend, answered),
+                backend=retry.NoticeAnswers(_Calibrated(backend, calibration), answered),
                 output_format=args.format,
                 overwrite=args.overwrite,
                 progress=bar,
@@ -279,6 +314,8 @@ def run(args: argparse.Namespace, out: Console | None = None, err: Console | Non
 
     if args.command == "export-program":
         return programs.run_local(args, line)
+    if args.command == "calibrate" and not args.server:
+        return calibrate.run_local(args, line)
     modules = {
         "export-odml": export_odml,
         "admin": admin,

@@ -17,6 +17,9 @@ from qmill.proto.v1 import qmill_pb2 as pb
 PRESETS: dict[str, tuple[pb.ModelRule, ...]] = {
     "w8a8-static": (pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True),),
     "w4a8-static": (pb.ModelRule(weight_qtype="int4", act_qtype="int8", act_static_scale=True),),
+    # Weight-only, groups of 128 along the input features: what `--method gptq|awq` calibrates.
+    "w4-g128": (pb.ModelRule(weight_qtype="int4", tile_size=128),),
+    "w3-g128": (pb.ModelRule(weight_qtype="int3", tile_size=128),),
 }
 # ModelRule's fields and the TOML types they take (a test checks this covers the proto).
 RULE_FIELDS: dict[str, type] = {

@@ -61,6 +61,19 @@ def add_params_arguments(parser: argparse.ArgumentParser) -> None:
 INLINE_BYTES = 4 * 1024 * 1024
 
 
+METHODS = ("static", "gptq", "awq", "smoothquant")
+
+
+def add_method_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="static",
+        help="what the calibration collects: static activation ranges (default), or a "
+        "calibrated weight method's statistics, which `qmill quantize --calibration` applies",
+    )
+
+
 def upload_program(client: ServiceClient, data: bytes) -> str:
     """Uploads an artifact (a safetensors file of one uint8 tensor "program"); its upload id."""
     content = safetensors.numpy.save({"program": np.frombuffer(data, np.uint8)})
@@ -126,7 +139,7 @@ def calibration_program(
     else:
         fn = model_fn.load(args.model_fn)
         data, floats = model_fn.calibration_program(
-            fn, rule_dicts(rules), args.batch_size, local_params
+            fn, rule_dicts(rules), args.batch_size, local_params, method=args.method
         )
         batch_size = args.batch_size
         print_line(f"program {args.model_fn}: {len(data):,} bytes, batches of {batch_size}")
@@ -211,6 +224,7 @@ def add_command(sub: Any) -> None:
         "--rules", default="w8a8-static", help=f"preset ({', '.join(model_rules.PRESETS)}) or TOML"
     )
     e.add_argument("--batch-size", type=int, default=32, help="calibrate: examples per batch")
+    add_method_argument(e)
     e.add_argument("--params", metavar="CKPT", help="the float params (else the model's own)")
     e.add_argument("--stats", help="export: statistics .npz from `qmill calibrate --stats-output`")
     e.add_argument("--params-output", help="calibrate: also write the float params (safetensors)")
@@ -227,7 +241,9 @@ def run_local(args: argparse.Namespace, print_line: Callable[[str], None]) -> in
     else:
         fn = model_fn.load(args.model_fn)
         params = read_params(args.params) if args.params else None
-        data, floats = model_fn.calibration_program(fn, rule_dicts(rules), args.batch_size, params)
+        data, floats = model_fn.calibration_program(
+            fn, rule_dicts(rules), args.batch_size, params, method=args.method
+        )
         if args.params_output:
             _write(args.params_output, safetensors.numpy.save(floats), args.overwrite)
             print_line(f"float params: {len(floats)} tensors → {args.params_output}")

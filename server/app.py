@@ -107,6 +107,7 @@ class Server:
                 self.calibrations,
                 max_tensor_bytes=config.max_tensor_bytes,
                 limiter=self.limiter,
+                max_stats_bytes=config.max_calibration_stats_bytes,
             ),
             self._grpc,
         )

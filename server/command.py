@@ -23,6 +23,7 @@ _OPTIONAL_FIELDS = (
     "max_inflight_bytes",
     "max_tenant_inflight_bytes",
     "max_upload_bytes",
+    "max_calibration_stats_bytes",
     "upload_quota_bytes",
     "upload_expiry_seconds",
     "data_dir",
@@ -46,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks one)")
     parser.add_argument("--workers", type=int, default=2, help="threads running the engine")
     parser.add_argument("--max-tensor-bytes", type=int, help="largest tensor accepted")
+    parser.add_argument(
+        "--max-calibration-stats-bytes",
+        type=int,
+        help="largest statistics one calibration keeps (GPTQ: d_in² float32 per weight)",
+    )
     parser.add_argument(
         "--grace", type=float, default=10.0, help="seconds to finish calls on SIGTERM"
     )

@@ -69,6 +69,9 @@ class ServerConfig:
     # Seconds a call may wait in the (first come, first served) queue for in-flight room before
     # RESOURCE_EXHAUSTED; short, so a busy replica sends clients elsewhere rather than hold them.
     max_wait_seconds: float = 5.0
+    # Largest statistics one calibration may keep (on disk, and on the device while it runs): a
+    # GPTQ calibration holds d_in² float32 per weight. Over it Calibrate is RESOURCE_EXHAUSTED.
+    max_calibration_stats_bytes: int = 4 * 1024 * MiB
     # Largest upload (a checkpoint sent for a job or calibration), in bytes.
     max_upload_bytes: int = 256 * 1024 * MiB
     # Bytes of live uploads one tenant may hold on disk (a shared blob counts for each upload).

@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qmill.engine.contrib import calibration, gptq_core
-from qmill.engine.core import averaging, qarray
-from qmill.engine.modelfree import layout
+from qmill.engine.core import averaging, numerics, qarray, qtypes
+from qmill.engine.modelfree import layout, packing
 from qmill.engine.modelfree import leaf as leaf_lib
 
 SUFFIXES = {"_gptq": "gptq", "_awq": "awq", "_sq": "smoothquant"}
@@ -107,20 +108,27 @@ def quantize_leaf(
     scale = q.scale if plan.scale_dtype is None else q.scale.astype(plan.scale_dtype)
     host = np.asarray(x, np.float32)
     deq = np.asarray(qarray.dequantize(q), np.float32)
+    qvalue, packed_as = np.asarray(q.qvalue), None
+    storage = np.dtype(qtypes.get(plan.qtype).storage)
+    if numerics.byte_dtype(plan.qtype) != storage:  # 4-bit: packed as the plain path packs them
+        qvalue = np.asarray(packing.pack_nibbles(q.qvalue.astype(jnp.int8).reshape(-1)))
+        packed_as = (storage, tuple(x.shape))
     return leaf_lib.LeafResult(
-        qvalue=qarray.storage_view(np.asarray(q.qvalue), plan.qtype),
+        qvalue=qvalue,
         scale=np.asarray(scale),
         zero_point=None if q.zero_point is None else np.asarray(q.zero_point),
         quality=leaf_lib.measure(host, deq),
+        packed_as=packed_as,
     )
 
 
 def quantizer(stats: Mapping[str, tuple[str, Mapping[str, np.ndarray]]]):
     """A quantize(array, plan) for the streaming path: the method where `stats` has the
-    tensor's path, plain modelfree.leaf.quantize_leaf elsewhere."""
+    tensor's path (a checkpoint's leading "params/" level aside, as the params of a model have
+    none), plain modelfree.leaf.quantize_leaf elsewhere."""
 
     def quantize(array: Any, plan: layout.LeafPlan) -> leaf_lib.LeafResult:
-        found = stats.get(plan.path)
+        found = stats.get(plan.path) or stats.get(plan.path.removeprefix("params/"))
         if found is None:
             return leaf_lib.quantize_leaf(array, plan)
         return quantize_leaf(array, plan, *found)

@@ -88,6 +88,20 @@ def model_key(program: programs.Program) -> str:
     return f"program:{program.sha256}"
 
 
+def _check_stats_size(program: programs.Program, limit: int | None) -> None:
+    """Refuses, before any work, a program whose statistics the server would not keep."""
+    need = sum(
+        int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(program.stats)
+    )
+    if limit is not None and need > limit:
+        raise errors.ResourceExhausted(
+            f"this program's statistics need {need:,} bytes (a GPTQ Hessian is d_in² float32 per "
+            f"weight) but this server keeps at most {limit:,} per calibration: calibrate fewer "
+            "weights per program (narrower rules), or ask the operator to raise "
+            "--max-calibration-stats-bytes"
+        )
+
+
 class ProgramSession:
     """The program, its params and the running stats of one Calibrate call."""
 
@@ -96,11 +110,14 @@ class ProgramSession:
         program: programs.Program,
         params: Mapping[str, Any],
         previous: store.Calibration | None,
+        *,
+        max_stats_bytes: int | None = None,
     ) -> None:
         if program.kind != programs.CALIBRATE:
             raise programs.ProgramError(
                 f"Calibrate takes a calibrate program, not an {program.kind} one"
             )
+        _check_stats_size(program, max_stats_bytes)
         self.program = program
         self.stat_qtypes = dict(program.stat_qtypes)
         # Each batch is one tensor per model input.

@@ -56,8 +56,10 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         resolve: Callable[[pb.ModelSpec], tuple[Any, Any]] = registry.resolve,
         limiter: limits.ByteLimiter | None = None,
         max_program_bytes: int = programs.DEFAULT_MAX_BYTES,
+        max_stats_bytes: int | None = None,
     ) -> None:
         self._executor = executor
+        self._max_stats_bytes = max_stats_bytes
         self._max_program_bytes = max_program_bytes
         self._uploads = uploads_store
         self._calibrations = calibration_store
@@ -102,7 +104,9 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
             raise ValueError("params_upload_id is empty: upload the model's params first")
         params = self._uploads.open_params(tenant, start.params_upload_id)
         return _Prepared(
-            session=program_session.ProgramSession(program, params, previous),
+            session=program_session.ProgramSession(
+                program, params, previous, max_stats_bytes=self._max_stats_bytes
+            ),
             calibration_id=start.calibration_id or store_lib.CalibrationStore.new_id(),
             model_key=keys[0],
             rules_key=keys[1],

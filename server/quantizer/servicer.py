@@ -8,6 +8,7 @@ from concurrent import futures
 
 import grpc
 
+from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -49,12 +50,18 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
     async def QuantizeParams(self, request_iterator, context):
         stats = stream.CallStats()
         requests, ranges = await static_ranges.split(aiter(request_iterator))
-        scales = {}
+        scales, methods = {}, {}
         if ranges is not None:
             tenant = auth.current_principal().tenant
-            scales = await asyncio.get_running_loop().run_in_executor(
+            loop = asyncio.get_running_loop()
+            scales = await loop.run_in_executor(
                 self._executor, static_ranges.scales, ranges, tenant, self._calibrations
             )
+            methods = await loop.run_in_executor(
+                self._executor, static_ranges.method_stats, ranges, tenant, self._calibrations
+            )
+        # Weights with a method's statistics (GPTQ) are quantized by it, the rest as usual.
+        extra = {"quantize": contrib_leaf.quantizer(methods)} if methods else {}
         try:
             async for response in stream.quantize_stream(
                 requests,
@@ -64,6 +71,7 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
                 limiter=self._limiter,
                 metrics=self._metrics,
                 upload_tensors=self._upload_tensors,
+                **extra,
             ):
                 if scales and response.WhichOneof("item") == "summary":
                     for result in static_ranges.results(scales):

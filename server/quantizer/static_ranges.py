@@ -5,6 +5,10 @@ The client sends a StaticRanges message right after the recipe, naming a calibra
 before any tensor is read (bad statistics fail the call at once) and answered as
 RESULT_KIND_FLOAT tensors after the last tensor, before the summary, under the paths a PTQ
 model's params use: ``<module>/<op>_<side>_scale/array`` (engine/programs.static_scales).
+
+A calibration made by a method's program (GPTQ and kin) holds per-weight statistics instead;
+`method_stats` hands them to the tensor stream, which quantizes those weights with the method
+(engine/contrib/leaf.py) as they pass.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.programs import program as programs
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -74,7 +79,7 @@ def scales(
         if calibrations is None:
             raise errors.Unimplemented("this server keeps no calibrations")
         cal = calibrations.load(tenant, ranges.calibration_id)
-        if not cal.stat_qtypes:
+        if not cal.stat_qtypes and not contrib_leaf.method_stats(params_lib.flatten(cal.stats)):
             raise errors.FailedPrecondition(
                 f"calibration {ranges.calibration_id} predates static ranges in QuantizeParams; "
                 "calibrate again"
@@ -85,12 +90,25 @@ def scales(
             raise ValueError("static_ranges: set calibration_id or quant_stats")
         stats, qtypes = _inline_stats(ranges), dict(ranges.act_qtypes)
         for path in {p.rsplit("/", 1)[0] for p in params_lib.flatten(stats)}:
-            if path not in qtypes:
+            if path not in qtypes and contrib_leaf.method_of(path) is None:
                 raise ValueError(f"static_ranges: act_qtypes has no entry for statistic {path}")
     try:
         return programs.static_scales(stats, qtypes)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"static_ranges: the statistics are incomplete ({exc})") from None
+
+
+def method_stats(
+    ranges: pb.StaticRanges, tenant: str, calibrations: store_lib.CalibrationStore | None
+) -> dict[str, tuple[str, dict[str, np.ndarray]]]:
+    """{param path: (method, statistic)} of the calibration's method statistics (may be empty);
+    call after `scales`, which checks the message."""
+    if ranges.calibration_id:
+        assert calibrations is not None  # scales() refused the call otherwise
+        stats = calibrations.load(tenant, ranges.calibration_id).stats
+    else:
+        stats = _inline_stats(ranges)
+    return contrib_leaf.method_stats(params_lib.flatten(stats))
 
 
 def results(values: dict[str, np.ndarray]) -> Iterator[pb.QuantizeParamsResponse]:

@@ -38,6 +38,7 @@ def _mae(a, b) -> float:
     return float(jnp.mean(jnp.abs(a - b)))
 
 
+@pytest.mark.slow
 def test_linen_awq_beats_rtn_and_writes_the_reference_layout() -> None:
     model = Mlp()
     variables = model.init(KEYS[2], X)
@@ -77,6 +78,7 @@ def test_raw_nnx_param_through_einsum_collects_statistics() -> None:
         assert stats[name][key].shape[0] == 64
 
 
+@pytest.mark.slow
 def test_nnx_awq_params_are_a_pure_dict_with_the_scales() -> None:
     rules = [awq.AwqRule(weight_qtype="int4", tile_size=16)]
     calibrating = qe.quantize_model(

@@ -50,6 +50,7 @@ def test_awq_matches_the_reference() -> None:
     np.testing.assert_array_equal(bits(scales), GOLDEN["awq_s"])
 
 
+@pytest.mark.slow
 def test_smooth_quant_model_flow_matches_the_reference() -> None:
     model = Mlp()
     variables = model.init(jax.random.key(1), ACTS[:8])
