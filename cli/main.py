@@ -28,7 +28,7 @@ COMMANDS = {
     "submit": "run a quantize job on a server (server-side paths)",
     "jobs": "list, watch or cancel jobs on a server",
     "upload": "store a checkpoint on a server once (prints its upload id)",
-    "calibrate": "activation statistics (and static-range PTQ params) from a server",
+    "calibrate": "activation statistics, or a calibrated method's (GPTQ...), on a server or here",
     "export-odml": "export a LiteRT (.tflite) model from a server",
     "export-program": "write a model as a program for a qmill server",
     "admin": "server-wide operations (admin token)",
