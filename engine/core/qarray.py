@@ -71,6 +71,8 @@ class HowToQuantize:
     scale_dtype: str | None = None
     # Whose arithmetic (numerics.ARITHMETICS): "" the reference's, "torch" PyTorch's.
     arithmetic: str = ""
+    # nvfp4 with a global scale (numerics.nv_global_scales); None: E4M3 block scales alone.
+    global_scale: float | None = None
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -83,6 +85,8 @@ class HowToQuantize:
         if self.arithmetic not in numerics.ARITHMETICS:
             raise ValueError(f"arithmetic {self.arithmetic!r} is not one of {numerics.ARITHMETICS}")
         set_("scale_dtype", _dtype_name(self.scale_dtype))
+        if self.global_scale is not None and self.qtype != "nvfp4":
+            raise ValueError(f"global_scale applies to nvfp4 only, not {self.qtype}")
         self._check_required_tile()
 
     def _check_required_tile(self) -> None:
@@ -282,6 +286,8 @@ def _quantize_parts(
     array: jax.Array, how: HowToQuantize, scale_dtype: str | None, as_bytes: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     calib = calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
+    if how.global_scale is not None:
+        return _nv_global_parts(array, calib, how)
     torch = how.arithmetic == numerics.TORCH
     scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype, torch=torch)
     qt = qtypes.get(how.qtype)
@@ -289,6 +295,25 @@ def _quantize_parts(
     # The codes use the scale in the input's dtype; only the stored scale takes scale_dtype.
     scale_dtype = scale_dtype or how.scale_dtype
     return codes, scale if scale_dtype is None else scale.astype(scale_dtype), zero_point
+
+
+def _nv_global_parts(
+    array: jax.Array, calib: Mapping[str, jax.Array], how: HowToQuantize
+) -> tuple[jax.Array, jax.Array, None]:
+    """nvfp4 with a global scale: the stored scale is E4M3 (whatever scale_dtype says, as
+    compressed-tensors stores it); the codes divide by it over the global scale, in float32."""
+    if "absmax" not in calib:
+        raise ValueError("nvfp4 with a global scale takes absmax calibration")
+    qt = qtypes.get(how.qtype)
+    scale, divisor = numerics.nv_global_scales(
+        calib["absmax"], float(qt.bound), how.global_scale, calib["absmax"].dtype
+    )
+
+    def shift(x: jax.Array, d: jax.Array) -> jax.Array:
+        return numerics.divide_exact(x, d, jnp.float32)
+
+    y = tiling.apply_tiled(shift, array, divisor)
+    return numerics.to_qtype(y, qt), scale, None
 
 
 def _quantize(array: jax.Array, how: HowToQuantize, scale_dtype: str | None) -> QArray:

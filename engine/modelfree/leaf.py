@@ -75,6 +75,7 @@ def _how(plan: layout.LeafPlan) -> qarray.HowToQuantize:
         tiled_axes=dict(plan.tiled_axes),
         calibration_method=plan.calibration_method,
         arithmetic=plan.arithmetic,
+        global_scale=plan.global_scale,
     )
 
 
@@ -137,7 +138,11 @@ def _quantize_and_measure(
     # are stored: packing fuses with the quantizing loop, where XLA:CPU writes int4/uint4 arrays
     # element by element and numpy on the host took ~20 % of a whole int4 checkpoint run.
     codes, scale, zero_point = qarray.quantize_bytes(x, how, scale_dtype=scale_dtype)
-    sums = _quality_sums(x, codes, scale, zero_point, how.qtype, axis, stride)
+    # A global scale divides the stored (E4M3) scale: the values are codes × scale / global.
+    value_scale = scale
+    if how.global_scale is not None:
+        value_scale = scale.astype(jnp.float32) / jnp.float32(how.global_scale)
+    sums = _quality_sums(x, codes, value_scale, zero_point, how.qtype, axis, stride)
     if _packs(how.qtype):
         codes = packing.pack_nibbles(codes.reshape(-1))
     return (codes, scale, zero_point), *sums
