@@ -283,11 +283,16 @@ def quantize_with_scale_zero_point(
 
 
 def _quantize_parts(
-    array: jax.Array, how: HowToQuantize, scale_dtype: str | None, as_bytes: bool
+    array: jax.Array,
+    how: HowToQuantize,
+    scale_dtype: str | None,
+    as_bytes: bool,
+    global_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     calib = calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
     if how.global_scale is not None:
-        return _nv_global_parts(array, calib, how)
+        g = how.global_scale if global_scale is None else global_scale
+        return _nv_global_parts(array, calib, how, g)
     torch = how.arithmetic == numerics.TORCH
     scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype, torch=torch)
     qt = qtypes.get(how.qtype)
@@ -298,7 +303,7 @@ def _quantize_parts(
 
 
 def _nv_global_parts(
-    array: jax.Array, calib: Mapping[str, jax.Array], how: HowToQuantize
+    array: jax.Array, calib: Mapping[str, jax.Array], how: HowToQuantize, g: float | jax.Array
 ) -> tuple[jax.Array, jax.Array, None]:
     """nvfp4 with a global scale: the stored scale is E4M3 (whatever scale_dtype says, as
     compressed-tensors stores it); the codes divide by it over the global scale, in float32."""
@@ -306,7 +311,7 @@ def _nv_global_parts(
         raise ValueError("nvfp4 with a global scale takes absmax calibration")
     qt = qtypes.get(how.qtype)
     scale, divisor = numerics.nv_global_scales(
-        calib["absmax"], float(qt.bound), how.global_scale, calib["absmax"].dtype
+        calib["absmax"], float(qt.bound), g, calib["absmax"].dtype
     )
 
     def shift(x: jax.Array, d: jax.Array) -> jax.Array:
@@ -322,7 +327,11 @@ def _quantize(array: jax.Array, how: HowToQuantize, scale_dtype: str | None) -> 
 
 
 def quantize_bytes(
-    array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None
+    array: jax.Array,
+    how: HowToQuantize,
+    *,
+    scale_dtype: Any = None,
+    global_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """`quantize`'s (qvalue, scale, zero_point), with 4-bit integer qvalues as uint8 bytes.
 
@@ -334,7 +343,7 @@ def quantize_bytes(
       TypeError, ValueError: as `quantize`.
     """
     array = _check_input(array)
-    return _quantize_parts(array, how, _dtype_name(scale_dtype), as_bytes=True)
+    return _quantize_parts(array, how, _dtype_name(scale_dtype), True, global_scale)
 
 
 def storage_view(codes: np.ndarray, qtype: Any) -> np.ndarray:
