@@ -119,8 +119,9 @@ SCHEMES: dict[str, Scheme] = {
         Scheme(
             "NVFP4A16",
             NVFP4,
-            # ct_global adds each tensor's global_scale (rules ahead of this one).
-            {"qtype": "nvfp4", "tiled_axes": {1: 16}, **_TORCH},
+            # ct_global adds each tensor's global_scale (rules ahead of this one); the scale
+            # dtype is what the engine stores with one, and lets --dry-run count its bytes.
+            {"qtype": "nvfp4", "tiled_axes": {1: 16}, "scale_dtype": "float8_e4m3fn", **_TORCH},
             _args(
                 num_bits=4,
                 group_size=16,
