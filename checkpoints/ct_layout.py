@@ -8,6 +8,9 @@ PyTorch layout) become, as compressed-tensors 0.19 writes them:
   the row (little-endian words); `M.weight_scale` (out, groups) in the weight's dtype;
   `M.weight_shape` int64 [out, in]; asymmetric: `M.weight_zero_point` int32, the zero points
   packed the same way along the output axis ((ceil(out * bits / 32), groups)).
+- mxfp4- / nvfp4-pack-quantized: `M.weight_packed` uint8 (out, in / 2), fp4 codes two a byte,
+  low nibble first; `M.weight_scale` uint8 E8M0 exponents (mx) or float8_e4m3fn (nv); nv adds
+  `M.weight_global_scale` float32 [1], which divides the scale (ct_global).
 - int-quantized / float-quantized: `M.weight` int8 or float8_e4m3fn as it is, `M.weight_scale`
   (out, 1) per channel or (ceil(out/128), ceil(in/128)) per block.
 
@@ -25,7 +28,10 @@ from qmill.checkpoints import ct_schemes, dtypes
 # The suffixes compressed-tensors adds to a module name, by part.
 PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
 ZERO_POINT = "weight_zero_point"
+GLOBAL_SCALE = "weight_global_scale"
 MXFP4 = "mxfp4-pack-quantized"
+NVFP4 = ct_schemes.NVFP4
+FP4_FORMATS = (MXFP4, NVFP4)
 _WEIGHT = ".weight"
 
 
@@ -120,9 +126,13 @@ def from_e8m0(biased: np.ndarray) -> np.ndarray:
 
 
 def compress(
-    scheme: ct_schemes.Scheme, path: str, parts: dict[str, np.ndarray | dtypes.Packed4]
+    scheme: ct_schemes.Scheme,
+    path: str,
+    parts: dict[str, np.ndarray | dtypes.Packed4],
+    global_scale: float | None = None,
 ) -> dict[str, np.ndarray]:
-    """The tensors compressed-tensors stores for weight `path` quantized as `parts`."""
+    """The tensors compressed-tensors stores for weight `path` quantized as `parts` (NVFP4:
+    with the `global_scale` it was quantized with)."""
     module = module_of(path)
     qvalue = parts["qvalue"]
     scale = np.asarray(parts["scale"])
@@ -134,12 +144,20 @@ def compress(
     # tensors' order: fp4 bytes as they are; int4 bytes with each nibble offset by 8 (bit 3
     # flipped) are its int32 words' bytes.
     packed = qvalue.packed if isinstance(qvalue, dtypes.Packed4) else None
-    if scheme.format == MXFP4:
+    if scheme.format in FP4_FORMATS:
         if packed is not None and cols % 2 == 0:
             codes = packed.reshape(rows, cols // 2)
         else:
             codes = pack_fp4(np.asarray(qvalue))
-        return {f"{module}.{PACKED}": codes, f"{module}.{SCALE}": e8m0(scale)}
+        if scheme.format == MXFP4:
+            return {f"{module}.{PACKED}": codes, f"{module}.{SCALE}": e8m0(scale)}
+        if global_scale is None:
+            raise ValueError(f"{path}: an NVFP4 weight needs its global scale")
+        return {
+            f"{module}.{GLOBAL_SCALE}": np.asarray([global_scale], np.float32),
+            f"{module}.{PACKED}": codes,
+            f"{module}.{SCALE}": scale,
+        }
     if scheme.format != "pack-quantized":
         return {f"{module}.weight": np.asarray(qvalue), f"{module}.{SCALE}": scale}
     bits = scheme.num_bits
@@ -166,6 +184,12 @@ def decompress(
     if scheme.format == MXFP4:
         packed = np.asarray(stored[f"{module}.{PACKED}"])
         return {"qvalue": unpack_fp4(packed), "scale": from_e8m0(scale)}
+    if scheme.format == NVFP4:
+        # The value of a code is code · scale / global scale (float32), as compressed-tensors
+        # decompresses it: the Qwix scale is that quotient.
+        packed = np.asarray(stored[f"{module}.{PACKED}"])
+        glob = np.asarray(stored[f"{module}.{GLOBAL_SCALE}"], np.float32).reshape(())
+        return {"qvalue": unpack_fp4(packed), "scale": scale.astype(np.float32) / glob}
     if scheme.format != "pack-quantized":
         return {"qvalue": np.asarray(stored[f"{module}.weight"]), "scale": scale}
     bits = scheme.num_bits

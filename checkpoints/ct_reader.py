@@ -67,7 +67,7 @@ def to_qwix(
     """`flat` (tensor name -> array, as stored) with every compressed weight as its Qwix parts
     under `M.weight/array/{qvalue,scale,zero_point}`; other tensors as they are."""
     scheme = scheme_of_config(qc)
-    packed = scheme.format in ("pack-quantized", ct_layout.MXFP4)
+    packed = scheme.format in ("pack-quantized", *ct_layout.FP4_FORMATS)
     marker = ct_layout.PACKED if packed else ct_layout.SCALE
     modules = [k[: -len(marker) - 1] for k in flat if k.endswith("." + marker)]
     out = dict(flat)
@@ -79,6 +79,7 @@ def to_qwix(
             ct_layout.SCALE,
             ct_layout.SHAPE,
             ct_layout.ZERO_POINT,
+            ct_layout.GLOBAL_SCALE,
         ):
             out.pop(f"{module}.{suffix}", None)
         for name, array in parts.items():

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 FORMAT = "compressed-tensors"
+# The format of NVFP4, whose global scales ct_global finds before quantizing.
+NVFP4 = "nvfp4-pack-quantized"
 # The compressed-tensors release whose on-disk layout and config this module writes.
 CT_VERSION = "0.19.0"
 
@@ -115,6 +117,20 @@ SCHEMES: dict[str, Scheme] = {
             _args(dynamic=True, strategy="group", type="float", group_size=128),
         ),
         Scheme(
+            "NVFP4A16",
+            NVFP4,
+            # ct_global adds each tensor's global_scale (rules ahead of this one); the scale
+            # dtype is what the engine stores with one, and lets --dry-run count its bytes.
+            {"qtype": "nvfp4", "tiled_axes": {1: 16}, "scale_dtype": "float8_e4m3fn", **_TORCH},
+            _args(
+                num_bits=4,
+                group_size=16,
+                strategy="tensor_group",
+                type="float",
+                scale_dtype="torch.float8_e4m3fn",
+            ),
+        ),
+        Scheme(
             "MXFP4A16",
             "mxfp4-pack-quantized",
             {"qtype": "mxfp4", "tiled_axes": {1: 32}, **_TORCH},
@@ -127,13 +143,7 @@ SCHEMES: dict[str, Scheme] = {
 
 
 # llm-compressor schemes qmill does not write yet, and why (a clear refusal, not "unknown").
-NOT_YET = {
-    "NVFP4A16": (
-        "NVFP4A16 is not written yet: its global scale is shared by fused projections (q/k/v, "
-        "gate/up), which qmill quantizes one at a time; use MXFP4A16 or W4A16 "
-        "(docs/compressed-tensors.md)"
-    ),
-}
+NOT_YET: dict[str, str] = {}
 
 
 def scheme_named(name: str) -> Scheme | None:
@@ -174,6 +184,7 @@ _NUMERIC_DEFAULTS: dict[str, Any] = {
 
 
 def _numerics(rule: Mapping[str, Any]) -> dict[str, Any]:
+    # A tensor's global_scale (ct_global) is its own, not the scheme's: not compared.
     values = {k: rule.get(k, d) for k, d in _NUMERIC_DEFAULTS.items()}
     # A recipe from TOML or a proto may spell these as a table, pairs or lists.
     tiles = values["tiled_axes"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import ct_layout, ct_schemes, hf_folder, safetensors_writer
+from qmill.checkpoints import ct_global, ct_layout, ct_schemes, hf_folder, safetensors_writer
 
 METADATA_KEY = "quantization_config"
 
@@ -79,7 +79,11 @@ class _Layout:
 
     def _setup(self, recipe: dict[str, Any] | None) -> None:
         self._scheme = ct_schemes.scheme_of_recipe(recipe or {})
+        self._global_scales = ct_global.global_scales(recipe or {})
         self._ignored: list[str] = []
+
+    def _compress(self, path: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return ct_layout.compress(self._scheme, path, parts, self._global_scales.get(path))
 
     def _note_kept(self, path: str, array: np.ndarray) -> None:
         if array.ndim == 2 and path.endswith(".weight"):
@@ -102,6 +106,10 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
     ) -> None:
         self._setup(recipe)
         super().__init__(destination, source, recipe, overwrite=overwrite)
+        # NVFP4: fused partners are stored in their primary's shard, as model_free_ptq does.
+        self._homes: dict[str, str] = {}
+        if self._scheme.format == ct_schemes.NVFP4:
+            self._homes = ct_global.partner_homes([e.path for e in source.entries()])
 
     def write(self, path: str, array: np.ndarray) -> None:
         self._note_kept(path, np.asarray(array))
@@ -109,8 +117,8 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
         self._quantized[path] = np.dtype(parts["qvalue"].dtype).name
-        for key, array in ct_layout.compress(self._scheme, path, parts).items():
-            self._weights.write_as(key, array, path)
+        for key, array in self._compress(path, parts).items():
+            self._weights.write_as(key, array, self._homes.get(path, path))
 
     def _quantization_config(self, left_out: list[pathlib.Path]) -> dict[str, Any]:
         return self._config()
@@ -137,7 +145,7 @@ class FileWriter(_Layout):
         self._weights.write(path, array)
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
-        for key, array in ct_layout.compress(self._scheme, path, parts).items():
+        for key, array in self._compress(path, parts).items():
             self._weights.write_as(key, array, path)
 
     def commit(self) -> None:

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from qmill.checkpoints import (
+    ct_global,
     ct_writer,
     files,
     hf_folder,
@@ -122,6 +123,18 @@ def check_destination(
     named = pathlib.Path(destination)
     if not overwrite and (named.exists() or named.is_symlink()):
         raise FileExistsError(f"{named} already exists; pass --overwrite to replace it")
+
+
+def prepare_recipe(
+    format: str, source: protocols.TensorSource, recipe: dict[str, Any]
+) -> dict[str, Any]:
+    """The recipe a run of `format` quantizes with: compressed-tensors NVFP4 adds each tensor's
+    global scale (ct_global, which reads the tensors, once the source and recipe are known to
+    fit); any other as it is."""
+    if format == COMPRESSED_TENSORS:
+        ct_writer.check_source(source, recipe)
+        return ct_global.with_global_scales(source, recipe)
+    return recipe
 
 
 def check_output(format: str, source: protocols.TensorSource, recipe: dict[str, Any]) -> None:

@@ -283,9 +283,12 @@ def _fingerprint(
     recipe: dict[str, Any],
     output_format: str | None,
 ) -> dict[str, Any]:
+    fmt = output_format or formats.format_for_destination(dest, source.format)
+    recipe = with_default_convention(recipe, source.format)
     return {
-        "recipe": with_default_convention(recipe, source.format),
-        "format": output_format or formats.format_for_destination(dest, source.format),
+        # NVFP4 in compressed-tensors: each tensor's global scale goes into the recipe first.
+        "recipe": formats.prepare_recipe(fmt, source, recipe),
+        "format": fmt,
         "source": _source_fingerprint(source_path, source.format, entries),
     }
 

@@ -27,6 +27,7 @@ _SCALARS = (
     "include_vectors",
     "scale_dtype",
     "arithmetic",
+    "global_scale",
 )
 _LAYOUT = ("contracting_axes", "channel_axes")
 RULE_FIELDS = (*_SCALARS, "tiled_axes", *_LAYOUT)

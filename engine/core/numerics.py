@@ -236,6 +236,26 @@ TORCH = "torch"
 ARITHMETICS = ("", TORCH)
 
 
+# E4M3's largest value, and the scale compressed-tensors puts in place of an E4M3 scale of 0.
+_E4M3_MAX = 448.0
+_E4M3_ZERO_SCALE = 0.125
+
+
+def nv_global_scales(
+    absmax: jax.Array, bound: float, global_scale: float | jax.Array, dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 with a global scale g, as compressed-tensors computes it with PyTorch: the block
+    scale absmax / bound (in `dtype`), times g in float32, saturated to E4M3 and cast (0 becomes
+    0.125); the codes divide by that E4M3 scale / g in float32. Returns (E4M3 scale, divisor)."""
+    g = jnp.asarray(global_scale, jnp.float32)
+    local = _divide_by(absmax, bound, dtype, True).astype(jnp.float32)
+    scaled = jnp.clip(local * g, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    scale = jnp.where(scaled == 0, jnp.float8_e4m3fn(_E4M3_ZERO_SCALE), scaled)
+    wide = scale.astype(jnp.float32)
+    divisor = divide_exact(wide, jnp.broadcast_to(g, wide.shape), jnp.float32)
+    return scale, divisor
+
+
 def compute_scale_zero_point(
     calibration: Mapping[str, jax.Array],
     qtype: qtypes.QType | str,

@@ -71,6 +71,8 @@ class HowToQuantize:
     scale_dtype: str | None = None
     # Whose arithmetic (numerics.ARITHMETICS): "" the reference's, "torch" PyTorch's.
     arithmetic: str = ""
+    # nvfp4 with a global scale (numerics.nv_global_scales); None: E4M3 block scales alone.
+    global_scale: float | None = None
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -83,6 +85,8 @@ class HowToQuantize:
         if self.arithmetic not in numerics.ARITHMETICS:
             raise ValueError(f"arithmetic {self.arithmetic!r} is not one of {numerics.ARITHMETICS}")
         set_("scale_dtype", _dtype_name(self.scale_dtype))
+        if self.global_scale is not None and self.qtype != "nvfp4":
+            raise ValueError(f"global_scale applies to nvfp4 only, not {self.qtype}")
         self._check_required_tile()
 
     def _check_required_tile(self) -> None:
@@ -279,9 +283,16 @@ def quantize_with_scale_zero_point(
 
 
 def _quantize_parts(
-    array: jax.Array, how: HowToQuantize, scale_dtype: str | None, as_bytes: bool
+    array: jax.Array,
+    how: HowToQuantize,
+    scale_dtype: str | None,
+    as_bytes: bool,
+    global_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     calib = calibration_lib.calibrate(array, how.calibration_method, how.tiles(array.shape))
+    if how.global_scale is not None:
+        g = how.global_scale if global_scale is None else global_scale
+        return _nv_global_parts(array, calib, how, g)
     torch = how.arithmetic == numerics.TORCH
     scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype, torch=torch)
     qt = qtypes.get(how.qtype)
@@ -291,13 +302,36 @@ def _quantize_parts(
     return codes, scale if scale_dtype is None else scale.astype(scale_dtype), zero_point
 
 
+def _nv_global_parts(
+    array: jax.Array, calib: Mapping[str, jax.Array], how: HowToQuantize, g: float | jax.Array
+) -> tuple[jax.Array, jax.Array, None]:
+    """nvfp4 with a global scale: the stored scale is E4M3 (whatever scale_dtype says, as
+    compressed-tensors stores it); the codes divide by it over the global scale, in float32."""
+    if "absmax" not in calib:
+        raise ValueError("nvfp4 with a global scale takes absmax calibration")
+    qt = qtypes.get(how.qtype)
+    scale, divisor = numerics.nv_global_scales(
+        calib["absmax"], float(qt.bound), g, calib["absmax"].dtype
+    )
+
+    def shift(x: jax.Array, d: jax.Array) -> jax.Array:
+        return numerics.divide_exact(x, d, jnp.float32)
+
+    y = tiling.apply_tiled(shift, array, divisor)
+    return numerics.to_qtype(y, qt), scale, None
+
+
 def _quantize(array: jax.Array, how: HowToQuantize, scale_dtype: str | None) -> QArray:
     codes, scale, zero_point = _quantize_parts(array, how, scale_dtype, as_bytes=False)
     return QArray(codes, scale, zero_point, how.qtype)
 
 
 def quantize_bytes(
-    array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None
+    array: jax.Array,
+    how: HowToQuantize,
+    *,
+    scale_dtype: Any = None,
+    global_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """`quantize`'s (qvalue, scale, zero_point), with 4-bit integer qvalues as uint8 bytes.
 
@@ -309,7 +343,7 @@ def quantize_bytes(
       TypeError, ValueError: as `quantize`.
     """
     array = _check_input(array)
-    return _quantize_parts(array, how, _dtype_name(scale_dtype), as_bytes=True)
+    return _quantize_parts(array, how, _dtype_name(scale_dtype), True, global_scale)
 
 
 def storage_view(codes: np.ndarray, qtype: Any) -> np.ndarray:

@@ -42,6 +42,7 @@ class LeafPlan:
     scale_dtype: str | None = None
     reason: str = ""
     arithmetic: str = ""
+    global_scale: float | None = None
 
     @property
     def quantize(self) -> bool:
@@ -121,6 +122,7 @@ def plan_leaf(
         calibration_method=rule.calibration_method,
         scale_dtype=rule.scale_dtype,
         arithmetic=rule.arithmetic,
+        global_scale=rule.global_scale,
     )
 
 

@@ -75,6 +75,7 @@ def _how(plan: layout.LeafPlan) -> qarray.HowToQuantize:
         tiled_axes=dict(plan.tiled_axes),
         calibration_method=plan.calibration_method,
         arithmetic=plan.arithmetic,
+        global_scale=plan.global_scale,
     )
 
 
@@ -131,13 +132,24 @@ def _quality_sums(x, codes, scale, zero_point, qtype: str, axis: int, stride: in
 # dtype of x itself).
 @functools.partial(jax.jit, static_argnames=("how", "scale_dtype", "axis", "stride"))
 def _quantize_and_measure(
-    x: jax.Array, how: qarray.HowToQuantize, scale_dtype: str | None, axis: int, stride: int
+    x: jax.Array,
+    how: qarray.HowToQuantize,
+    scale_dtype: str | None,
+    axis: int,
+    stride: int,
+    global_scale: jax.Array | None = None,
 ):
     # 4-bit codes come as bytes (qarray.quantize_bytes) and leave packed two per byte, as they
     # are stored: packing fuses with the quantizing loop, where XLA:CPU writes int4/uint4 arrays
     # element by element and numpy on the host took ~20 % of a whole int4 checkpoint run.
-    codes, scale, zero_point = qarray.quantize_bytes(x, how, scale_dtype=scale_dtype)
-    sums = _quality_sums(x, codes, scale, zero_point, how.qtype, axis, stride)
+    codes, scale, zero_point = qarray.quantize_bytes(
+        x, how, scale_dtype=scale_dtype, global_scale=global_scale
+    )
+    # A global scale divides the stored (E4M3) scale: the values are codes × scale / global.
+    value_scale = scale
+    if global_scale is not None:
+        value_scale = scale.astype(jnp.float32) / global_scale
+    sums = _quality_sums(x, codes, value_scale, zero_point, how.qtype, axis, stride)
     if _packs(how.qtype):
         codes = packing.pack_nibbles(codes.reshape(-1))
     return (codes, scale, zero_point), *sums
@@ -183,13 +195,21 @@ def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafR
         raise ValueError(f"{plan.path}: the plan keeps this tensor ({plan.reason})")
     x = _on_device(array)
     how = _how(plan)
+    # An NVFP4 global scale is an argument, not part of the compile key (how): in `how`, each
+    # tensor of a checkpoint, whose global scale is its own, compiled anew.
+    global_scale = None
+    if how.global_scale is not None:
+        global_scale = np.float32(how.global_scale)
+        how = dataclasses.replace(how, global_scale=1.0)
     # The scale's shape, without tracing (jax.eval_shape costs ~4 ms): one per tile.
     scale_shape = tuple(n // t for n, t in zip(x.shape, how.tiles(x.shape), strict=True))
     axis, stride = quality_stride(x.shape, scale_shape)
     # The NaN/Inf check reads the whole tensor in its own jit: fused here, XLA wrote a whole f32
     # copy of a bf16 tensor for it.
     finite = qarray.all_finite(x)
-    outputs = jax.device_get(_quantize_and_measure(x, how, plan.scale_dtype, axis, stride))
+    outputs = jax.device_get(
+        _quantize_and_measure(x, how, plan.scale_dtype, axis, stride, global_scale)
+    )
     q, signal, noise, abs_x, abs_err = outputs
     if not finite:
         raise ValueError(

@@ -13,6 +13,7 @@ server's event loop for tens of seconds. RE2 refuses the constructs that need ba
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,10 @@ class TensorRule:
     scale_dtype: str | None = None
     # "" (the reference's arithmetic) or "torch" (PyTorch's, as compressed-tensors quantizes).
     arithmetic: str = ""
+    # nvfp4 only: the tensor's global scale (compressed-tensors' NVFP4 "tensor_group" strategy):
+    # block scales are E4M3 of global_scale * absmax / 6, codes x / (scale / global_scale).
+    # None: E4M3 block scales alone.
+    global_scale: float | None = None
 
     def __post_init__(self) -> None:
         compiled = linear_regex.compile(self.path_regex, "rule path_regex")
@@ -82,6 +87,8 @@ class TensorRule:
                 f"rule {self.path_regex!r}: arithmetic {self.arithmetic!r} is not one of "
                 f"{list(numerics.ARITHMETICS)}"
             )
+        if self.global_scale is not None:
+            _check_global_scale(self.path_regex, self.qtype, self.global_scale)
         if (self.contracting_axes is None) != (self.channel_axes is None):
             raise ValueError(
                 f"rule {self.path_regex!r}: a layout override needs both contracting_axes and "
@@ -90,6 +97,13 @@ class TensorRule:
 
     def matches(self, path: str) -> bool:
         return self._compiled.fullmatch(path) is not None  # type: ignore[attr-defined]
+
+
+def _check_global_scale(rule: str, qtype: str, value: float) -> None:
+    if qtypes.name(qtype) != "nvfp4":
+        raise ValueError(f"rule {rule!r}: global_scale applies to qtype nvfp4 only, not {qtype}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"rule {rule!r}: global_scale must be finite and positive, got {value}")
 
 
 def _check_scale_dtype(rule: str, name: str) -> None:

@@ -119,7 +119,7 @@ class TensorChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Rule(_message.Message):
-    __slots__ = ("path_regex", "qtype", "tile_size", "tiled_axes", "calibration_method", "contracting_axes", "channel_axes", "override_layout", "skip", "include_vectors", "scale_dtype", "tile_if_divisible", "arithmetic")
+    __slots__ = ("path_regex", "qtype", "tile_size", "tiled_axes", "calibration_method", "contracting_axes", "channel_axes", "override_layout", "skip", "include_vectors", "scale_dtype", "tile_if_divisible", "arithmetic", "global_scale")
     class TiledAxesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class Rule(_message.Message):
     SCALE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TILE_IF_DIVISIBLE_FIELD_NUMBER: _ClassVar[int]
     ARITHMETIC_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SCALE_FIELD_NUMBER: _ClassVar[int]
     path_regex: str
     qtype: str
     tile_size: int
@@ -153,7 +154,8 @@ class Rule(_message.Message):
     scale_dtype: str
     tile_if_divisible: bool
     arithmetic: str
-    def __init__(self, path_regex: _Optional[str] = ..., qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., tiled_axes: _Optional[_Mapping[int, int]] = ..., calibration_method: _Optional[str] = ..., contracting_axes: _Optional[_Iterable[int]] = ..., channel_axes: _Optional[_Iterable[int]] = ..., override_layout: _Optional[bool] = ..., skip: _Optional[bool] = ..., include_vectors: _Optional[bool] = ..., scale_dtype: _Optional[str] = ..., tile_if_divisible: _Optional[bool] = ..., arithmetic: _Optional[str] = ...) -> None: ...
+    global_scale: float
+    def __init__(self, path_regex: _Optional[str] = ..., qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., tiled_axes: _Optional[_Mapping[int, int]] = ..., calibration_method: _Optional[str] = ..., contracting_axes: _Optional[_Iterable[int]] = ..., channel_axes: _Optional[_Iterable[int]] = ..., override_layout: _Optional[bool] = ..., skip: _Optional[bool] = ..., include_vectors: _Optional[bool] = ..., scale_dtype: _Optional[str] = ..., tile_if_divisible: _Optional[bool] = ..., arithmetic: _Optional[str] = ..., global_scale: _Optional[float] = ...) -> None: ...
 
 class Recipe(_message.Message):
     __slots__ = ("rules", "convention")

@@ -14,7 +14,16 @@ from qmill import checkpoints
 from tests.e2e import processes
 from tests.interop.conftest import LLAMA_IGNORE, assert_same_checkpoint
 
-SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"]
+SCHEMES = [
+    "W4A16",
+    "W4A16_ASYM",
+    "W8A16",
+    "W8A8",
+    "FP8_DYNAMIC",
+    "FP8_BLOCK",
+    "MXFP4A16",
+    "NVFP4A16",
+]
 
 
 def _dequantize(parts: dict[str, np.ndarray]) -> np.ndarray:
@@ -49,8 +58,9 @@ def test_llm_compressor_folder_loads_as_compressed_tensors_decompresses_it(llama
     quantized = [k for k, v in tree.items() if isinstance(v, dict)]
     assert len(quantized) == 14
     for name in quantized:
-        ours = _dequantize(tree[name]["array"])
         theirs = decompressed[name].view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        # Rounded once to the model's dtype (NVFP4's float32 scale, scale / global scale).
+        ours = _dequantize(tree[name]["array"]).astype(theirs.dtype)
         np.testing.assert_array_equal(ours, theirs, err_msg=name)
     # Float tensors come as stored, and the Flax layout is the same leaves transposed.
     assert tree["lm_head.weight"].dtype == ml_dtypes.bfloat16

