@@ -150,6 +150,12 @@ def wrap_handler(
                 try:
                     async for response in responses:
                         await _write(context, response)
+                except Exception as e:
+                    # A client killed mid-upload can surface as any error of the request
+                    # stream's read; once the call is cancelled that is the cancellation's doing.
+                    if context.cancelled():
+                        raise asyncio.CancelledError(f"the client went away ({e!r})") from e
+                    raise
                 finally:
                     await responses.aclose()
 
