@@ -74,6 +74,20 @@ def check_source(source: Any, recipe: dict[str, Any]) -> ct_schemes.Scheme:
     return scheme
 
 
+LM_HEAD = "lm_head"
+# transformers' PretrainedConfig ties the head to the input embedding unless a config says not.
+_LANGUAGE_MODEL_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+
+
+def _ties_lm_head(config: Any, paths: list[str]) -> bool:
+    """Whether the model has an lm_head Linear whose weight is the (float) embedding's."""
+    if not isinstance(config, dict) or f"{LM_HEAD}.weight" in paths:
+        return False
+    architectures = config.get("architectures") or []
+    is_language_model = any(str(a).endswith(_LANGUAGE_MODEL_SUFFIXES) for a in architectures)
+    return is_language_model and config.get("tie_word_embeddings", True) is not False
+
+
 class _Layout:
     """What both writers share: the scheme, and the weights left in float."""
 
@@ -108,8 +122,13 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
         super().__init__(destination, source, recipe, overwrite=overwrite)
         # NVFP4: fused partners are stored in their primary's shard, as model_free_ptq does.
         self._homes: dict[str, str] = {}
+        paths = [e.path for e in source.entries()]
         if self._scheme.format == ct_schemes.NVFP4:
-            self._homes = ct_global.partner_homes([e.path for e in source.entries()])
+            self._homes = ct_global.partner_homes(paths)
+        if _ties_lm_head(getattr(source, "config", {}), paths):
+            # The head is the float embedding under another name: compressed-tensors would
+            # otherwise make the model's lm_head Linear a quantized one with no weights to load.
+            self._ignored.append(LM_HEAD)
 
     def write(self, path: str, array: np.ndarray) -> None:
         self._note_kept(path, np.asarray(array))

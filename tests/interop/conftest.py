@@ -19,9 +19,7 @@ import pytest
 LLAMA_IGNORE = ["lm_head", "model.embed_tokens"]
 
 
-@pytest.fixture(scope="session")
-def llama(tmp_path_factory) -> pathlib.Path:
-    """A Llama-architecture folder in bf16 (2 layers, hidden 256), sharded with an index."""
+def _tiny_llama(tmp_path_factory, name: str, *, tied: bool, **save) -> pathlib.Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,13 +31,38 @@ def llama(tmp_path_factory) -> pathlib.Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
-    folder = tmp_path_factory.mktemp("llama") / "tiny-llama"
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="1MB")
+    folder = tmp_path_factory.mktemp("llama") / name
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, **save)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory) -> pathlib.Path:
+    """A Llama-architecture folder in bf16 (2 layers, hidden 256), sharded with an index."""
+    folder = _tiny_llama(tmp_path_factory, "tiny-llama", tied=False, max_shard_size="1MB")
     assert (folder / "model.safetensors.index.json").exists()
     return folder
+
+
+@pytest.fixture(scope="session")
+def tied_llama(tmp_path_factory) -> pathlib.Path:
+    """The same with the output head tied to the embedding (Llama-3.2-1B, Qwen2.5-0.5B, Gemma
+    do this): transformers writes no lm_head.weight, one file."""
+    folder = _tiny_llama(tmp_path_factory, "tiny-llama-tied", tied=True)
+    assert "lm_head.weight" not in json.dumps(_safetensors_names(folder))
+    return folder
+
+
+def _safetensors_names(folder: pathlib.Path) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "np") as f:
+            names += list(f.keys())
+    return names
 
 
 @pytest.fixture(scope="session")

