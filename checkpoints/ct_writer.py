@@ -19,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import ct_global, ct_layout, ct_schemes, hf_folder, safetensors_writer
+from qmill.checkpoints import (
+    ct_blocks,
+    ct_global,
+    ct_layout,
+    ct_schemes,
+    hf_folder,
+    safetensors_writer,
+)
 
 METADATA_KEY = "quantization_config"
 
@@ -56,7 +63,9 @@ def check_source(source: Any, recipe: dict[str, Any]) -> ct_schemes.Scheme:
         )
     scheme = ct_schemes.scheme_of_recipe(recipe)
     engine_recipe = recipes.recipe_from_mapping(recipe)
+    padded = ct_blocks.padded_entries(source.entries(), recipe)
     for entry in source.entries():
+        entry = padded.get(entry.path, entry)
         try:
             plan = layout.plan_leaf(entry.path, entry.shape, entry.dtype, engine_recipe)
         except ValueError as e:
@@ -91,17 +100,28 @@ def _ties_lm_head(config: Any, paths: list[str]) -> bool:
 class _Layout:
     """What both writers share: the scheme, and the weights left in float."""
 
-    def _setup(self, recipe: dict[str, Any] | None) -> None:
+    def _setup(self, recipe: dict[str, Any] | None, source: Any) -> None:
         self._scheme = ct_schemes.scheme_of_recipe(recipe or {})
         self._global_scales = ct_global.global_scales(recipe or {})
         self._ignored: list[str] = []
+        # Weights the engine saw zero-padded to whole blocks (ct_blocks): their own shapes.
+        padded = ct_blocks.padded_entries(source.entries(), recipe or {})
+        self._shapes = {e.path: e.shape for e in source.entries() if e.path in padded}
+
+    def _unpadded(self, path: str, array: Any) -> Any:
+        shape = self._shapes.get(path)
+        return array if shape is None else ct_blocks.unpad(array, shape)
 
     def _compress(self, path: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        parts = {**parts, "qvalue": self._unpadded(path, parts["qvalue"])}
         return ct_layout.compress(self._scheme, path, parts, self._global_scales.get(path))
 
-    def _note_kept(self, path: str, array: np.ndarray) -> None:
+    def _note_kept(self, path: str, array: np.ndarray) -> np.ndarray:
+        """The kept weight as stored (its own shape), noted in `ignore`."""
+        array = self._unpadded(path, array)
         if array.ndim == 2 and path.endswith(".weight"):
             self._ignored.append(ct_layout.module_of(path))
+        return array
 
     def _config(self) -> dict[str, Any]:
         return ct_schemes.quantization_config(self._scheme, sorted(self._ignored))
@@ -118,7 +138,7 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
         *,
         overwrite: bool = False,
     ) -> None:
-        self._setup(recipe)
+        self._setup(recipe, source)
         super().__init__(destination, source, recipe, overwrite=overwrite)
         # NVFP4: fused partners are stored in their primary's shard, as model_free_ptq does.
         self._homes: dict[str, str] = {}
@@ -131,8 +151,7 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
             self._ignored.append(LM_HEAD)
 
     def write(self, path: str, array: np.ndarray) -> None:
-        self._note_kept(path, np.asarray(array))
-        super().write(path, array)
+        super().write(path, self._note_kept(path, np.asarray(array)))
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
         self._quantized[path] = np.dtype(parts["qvalue"].dtype).name
@@ -154,14 +173,13 @@ class FileWriter(_Layout):
         *,
         overwrite: bool = False,
     ) -> None:
-        self._setup(recipe)
+        self._setup(recipe, like)
         self._weights = safetensors_writer.SafetensorsWriter(
             destination, like=like, overwrite=overwrite
         )
 
     def write(self, path: str, array: np.ndarray) -> None:
-        self._note_kept(path, np.asarray(array))
-        self._weights.write(path, array)
+        self._weights.write(path, self._note_kept(path, np.asarray(array)))
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
         for key, array in self._compress(path, parts).items():

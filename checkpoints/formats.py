@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from qmill.checkpoints import (
+    ct_blocks,
     ct_global,
     ct_writer,
     files,
@@ -135,6 +136,16 @@ def prepare_recipe(
         ct_writer.check_source(source, recipe)
         return ct_global.with_global_scales(source, recipe)
     return recipe
+
+
+def engine_view(
+    format: str, source: protocols.TensorSource, recipe: dict[str, Any]
+) -> protocols.TensorSource:
+    """The source as the engine quantizes it for `format`: compressed-tensors' block scheme
+    reads weights with ragged blocks zero-padded (ct_blocks); otherwise the source itself."""
+    if format == COMPRESSED_TENSORS:
+        return ct_blocks.padded_view(source, recipe)
+    return source
 
 
 def check_output(format: str, source: protocols.TensorSource, recipe: dict[str, Any]) -> None:

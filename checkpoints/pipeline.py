@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from qmill.checkpoints import errors, formats, protocols, staging
+from qmill.checkpoints import ct_blocks, errors, formats, protocols, staging
 from qmill.checkpoints import outcome as outcome_lib
 
 # The engine quantizes only these; every other dtype is copied without a round trip.
@@ -89,12 +89,17 @@ def quantize_checkpoint(
     """
     dest = pathlib.Path(destination)
     formats.check_destination(source_path, dest, overwrite=overwrite, output_format=output_format)
-    with formats.open_source(source_path) as source:
-        entries = source.entries()
-        _check_sizes(entries, max_tensor_bytes)
-        fingerprint = _fingerprint(source_path, source, entries, dest, recipe, output_format)
+    with formats.open_source(source_path) as checkpoint:
+        _check_sizes(checkpoint.entries(), max_tensor_bytes)
+        fingerprint = _fingerprint(
+            source_path, checkpoint, checkpoint.entries(), dest, recipe, output_format
+        )
         recipe, fmt = fingerprint["recipe"], fingerprint["format"]
-        formats.check_output(fmt, source, recipe)
+        formats.check_output(fmt, checkpoint, recipe)
+        # The tensors as the engine quantizes them (compressed-tensors FP8_BLOCK: ragged
+        # blocks padded, ct_blocks); the writer works from the source as it is.
+        source = formats.engine_view(fmt, checkpoint, recipe)
+        entries = source.entries()
         # A full disk or read-only output says what failed and what is kept for resuming.
         opened: list[staging.PartialOutput] = []
         kept = dest.absolute().with_name(dest.name + staging.PARTIAL_SUFFIX)
@@ -106,11 +111,13 @@ def quantize_checkpoint(
             try:
                 # The recipe goes into a Hugging Face folder's config.json (quantization_config).
                 writer = formats.create_writer(
-                    dest, fmt, like=source, overwrite=overwrite, recipe=recipe
+                    dest, fmt, like=checkpoint, overwrite=overwrite, recipe=recipe
                 )
                 with writer:
                     ordered = _InOrder(source, entries, partial, writer, check)
                     rows = _run(source, entries, recipe, backend, partial, progress, ordered)
+                    if isinstance(source, ct_blocks.PaddedSource):
+                        rows = {path: source.as_stored(path, row) for path, row in rows.items()}
             finally:
                 partial.close()
         partial.discard()

