@@ -91,3 +91,42 @@ def test_batched_einsum_gets_adapters_as_the_reference():
         model.w_lora_einsum_str, x, a, b
     )
     np.testing.assert_allclose(model(x), expected, rtol=1e-4, atol=1e-4)
+
+
+MULTI = (((1,), (0,)), ((), ()))  # x (3, 4) · w (4, 5, 6): two output axes
+
+
+class LinenMultiOutput(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (4, 5, 6))
+        return jax.lax.dot_general(x, w, MULTI)
+
+
+class NnxMultiOutput(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (4, 5, 6)))
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, self.w[...], MULTI)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_multi_output_dot_general_gets_adapters(framework):
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    if framework == "linen":
+        model = qwix.apply_lora_to_model(LinenMultiOutput(), qwix.LoraProvider(ONES))
+        params = model.init(jax.random.key(0), x)["params"]
+        w, a, b = params["w"], params["w_lora_a"], params["w_lora_b"]
+        out = model.apply({"params": params}, x)
+    else:
+        model = qwix.apply_lora_to_model(
+            NnxMultiOutput(), qwix.LoraProvider(ONES), x, rngs=nnx.Rngs(1)
+        )
+        w, a, b = model.w[...], model.w_lora_a[...], model.w_lora_b[...]
+        out = model(x)
+    # Deliberate difference (docs/api-differences.md, LoRA adapters on dot_general): the output
+    # axes stay apart in lora_b, (rank, 5, 6), where the reference flattens them, (rank, 30).
+    assert a.shape == (4, 2) and b.shape == (2, 5, 6)
+    expected = jnp.einsum("bi,ijk->bjk", x, w) + jnp.einsum("bi,ir,rjk->bjk", x, a, b)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

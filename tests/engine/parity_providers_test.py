@@ -99,3 +99,24 @@ def test_mx_dot_on_the_reference_inputs():
     np.testing.assert_array_equal(out, jnp.full((2, 2), 32.0))
     one_side = mxfp_dot.mxfp_dot_general(ones, jnp.ones((2, 32)), (((1,), (1,)), ((), ())))
     assert one_side is None
+
+
+def test_asarray_of_a_qarray_inside_a_ptq_model_stays_a_qarray():
+    # Model code that takes the QArray out of its quantized weight and calls jnp.asarray on it.
+    seen = []
+
+    class QArrayAsarray(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(jax.random.normal(jax.random.key(0), (4, 3)))
+
+        def __call__(self, x):
+            inner = getattr(self.kernel, "array", None)
+            w = jnp.asarray(inner if isinstance(inner, qarray.QArray) else self.kernel)
+            seen.append(type(w).__name__)
+            return jax.lax.dot_general(x, w, DN)
+
+    spy = Spy(RULES)
+    model = qwix.quantize_model(QArrayAsarray(), spy, X)
+    out = model(X)
+    assert seen[-1] == "QArray" and spy.seen[-1] == "QArray"
+    np.testing.assert_allclose(out, X @ qwix.dequantize(model.kernel.array), rtol=1e-6)
