@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from qmill.engine.core import calibration, qarray
+from qmill.engine.modeling import interception, provenance
 from qmill.engine.modeling import rules as rules_mod
 
 MODEL_OUTPUT = "model_output"
@@ -133,3 +134,20 @@ def variables_allowed(module: Any) -> Iterator[None]:
         yield
     finally:
         state.in_compact_method = before
+
+
+def layered_interceptors(provider: Any) -> list[Callable[[], interception.Interceptor]]:
+    """The ODML providers' interceptors as the reference stacks them: a structural layer (the
+    view handlers that follow weights through reshapes and casts), then the numerical one (the
+    ops and everything else). quantize_model runs the two as one map, as it did before."""
+    structural = set(provenance.view_handlers())
+
+    def layer(index: int, keep: Callable[[str], bool]) -> interception.Interceptor:
+        handlers = provider.get_intercept_map()
+        mapping = {k: h for k, h in handlers.items() if keep(k)}
+        return interception.Interceptor(mapping=mapping, id=(id(provider), index))
+
+    return [
+        lambda: layer(0, lambda k: k in structural),
+        lambda: layer(1, lambda k: k not in structural),
+    ]
