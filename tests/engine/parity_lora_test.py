@@ -130,3 +130,17 @@ def test_multi_output_dot_general_gets_adapters(framework):
     assert a.shape == (4, 2) and b.shape == (2, 5, 6)
     expected = jnp.einsum("bi,ijk->bjk", x, w) + jnp.einsum("bi,ir,rjk->bjk", x, a, b)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_einsum_with_two_output_axes_as_the_reference():
+    # The reference's case: "btd,dnh->btnh" adapts as "btd,dr,rnh->btnh".
+    base = nnx.Einsum("btd,dnh->btnh", (12, 8, 10), (8, 10), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (16, 4, 12))
+    expected_base = base(x)
+    rule = qwix.LoraRule(rank=3, alpha=1.0, lora_b_initializer=nnx.initializers.ones)
+    model = qwix.apply_lora_to_model(base, qwix.LoraProvider([rule]), x, rngs=nnx.Rngs(1))
+    assert model.kernel_lora_einsum_str == "btd,dr,rnh->btnh"
+    a, b = model.kernel_lora_a[...], model.kernel_lora_b[...]
+    assert a.shape == (12, 3) and b.shape == (3, 8, 10)
+    expected = expected_base + jnp.einsum("btd,dr,rnh->btnh", x, a, b) / 3  # alpha / rank
+    np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
