@@ -144,3 +144,20 @@ def test_nnx_einsum_with_two_output_axes_as_the_reference():
     assert a.shape == (12, 3) and b.shape == (3, 8, 10)
     expected = expected_base + jnp.einsum("btd,dr,rnh->btnh", x, a, b) / 3  # alpha / rank
     np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [None, "int8"])
+def test_conv_adapter_sharding_metadata_as_the_reference(qtype):
+    mesh = jax.make_mesh((1, 1), ("in", "out"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jnp.ones((1, 8, 8, 16))
+    init = nnx.with_partitioning(nnx.initializers.zeros, (None, None, "in", "out"))
+    provider = qwix.LoraProvider(weight_qtype=qtype, act_qtype=qtype, rank=3, alpha=1.0)
+    with jax.set_mesh(mesh):
+        conv = nnx.Conv(16, 32, (3, 3), kernel_init=init, rngs=nnx.Rngs(0))
+        model = qwix.apply_lora_to_model(conv, provider, x)
+    a, b = model.kernel_lora_a, model.kernel_lora_b
+    assert isinstance(a, nnx.LoRAParam) and a.shape == (3, 3, 16, 3) and b.shape == (3, 32)
+    assert a.get_metadata()["out_sharding"] == (None, None, "in", None)
+    assert a[...].sharding.spec == P(None, None, "in", None)
+    assert b.get_metadata()["out_sharding"] == (None, "out")
+    assert b[...].sharding.spec == P(None, "out")
