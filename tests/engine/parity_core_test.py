@@ -319,3 +319,20 @@ def test_prequantized_params_place_abstract_mesh_shardings_on_the_active_mesh():
         out = checkpoint_utils.process_prequantized_params(payload, Abstract())
     for placed in (out["bias"], out["kernel"]["array"]["qvalue"]):
         assert placed.sharding.mesh == mesh and placed.sharding.spec == spec
+
+
+def test_prequantized_params_requantize_an_entry_without_the_models_zero_point():
+    # Deliberate difference (docs/api-differences.md, process_prequantized_params): the
+    # reference refuses a missing zero point; here the symmetric codes are requantized.
+    rule = qwix.QuantizationRule(weight_qtype="int8", weight_calibration_method="minmax")
+    model = _abstract([rule])
+    sym = qwix.quantize(jax.random.normal(jax.random.key(3), (16, 4)), "int8", channelwise_axes=[1])
+    out = checkpoint_utils.process_prequantized_params(
+        {"head": {"kernel": {"qvalue": sym.qvalue, "scale": sym.scale}}}, model
+    )
+    stored = out["head"]["kernel"]["array"]
+    assert stored["zero_point"] is not None
+    requantized = qwix.QArray(stored["qvalue"], stored["scale"], stored["zero_point"], qtype="int8")
+    np.testing.assert_allclose(
+        qwix.dequantize(requantized), qwix.dequantize(sym), atol=float(sym.scale.max())
+    )
