@@ -82,9 +82,7 @@ def lookup(array: Any) -> WeightRef | None:
     return entry[1]
 
 
-def next_op_index(
-    call_frame: Any, op_name: str, namespace: Any = None, member: Any = None
-) -> int:
+def next_op_index(call_frame: Any, op_name: str, namespace: Any = None, member: Any = None) -> int:
     """Returns 0, 1, ... for successive ops of one kind within one module call.
 
     With a ``namespace`` (where the module's variables live) shared by several members (Linen
