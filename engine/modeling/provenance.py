@@ -157,6 +157,11 @@ _VIEW_TARGETS: dict[str, tuple[str, ...]] = {
 }
 
 
+def is_view_target(target: str) -> bool:
+    """Whether ``target`` is one of the view entry points view_handlers() handles."""
+    return any(target in targets for targets in _VIEW_TARGETS.values())
+
+
 def view_handlers() -> dict[str, Callable[..., Any]]:
     """Handlers for the view entry points, wrapping each target's original function."""
     handlers: dict[str, Callable[..., Any]] = {}

@@ -140,14 +140,10 @@ def layered_interceptors(provider: Any) -> list[Callable[[], interception.Interc
     """The ODML providers' interceptors as the reference stacks them: a structural layer (the
     view handlers that follow weights through reshapes and casts), then the numerical one (the
     ops and everything else). quantize_model runs the two as one map, as it did before."""
-    structural = set(provenance.view_handlers())
-
-    def layer(index: int, keep: Callable[[str], bool]) -> interception.Interceptor:
-        handlers = provider.get_intercept_map()
-        mapping = {k: h for k, h in handlers.items() if keep(k)}
-        return interception.Interceptor(mapping=mapping, id=(id(provider), index))
-
+    handlers = provider.get_intercept_map()
+    structural = {k: h for k, h in handlers.items() if provenance.is_view_target(k)}
+    numerical = {k: h for k, h in handlers.items() if k not in structural}
     return [
-        lambda: layer(0, lambda k: k in structural),
-        lambda: layer(1, lambda k: k not in structural),
+        lambda: interception.Interceptor(mapping=structural, id=(id(provider), 0)),
+        lambda: interception.Interceptor(mapping=numerical, id=(id(provider), 1)),
     ]
