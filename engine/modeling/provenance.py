@@ -49,6 +49,9 @@ class _State(threading.local):
         self.table: dict[int, tuple[Any, WeightRef]] = {}
         # Per module call: op counters, keyed by id of the call's outermost frame (kept alive).
         self.calls: dict[int, tuple[Any, dict[str, int]]] = {}
+        # Per variable namespace (a Linen scope, kept alive): the next free index per op kind,
+        # and the index given to each (member, op kind, index within the member's call).
+        self.spaces: dict[int, tuple[Any, dict[str, int], dict[tuple[Any, str, int], int]]] = {}
 
 
 _state = _State()
@@ -64,6 +67,7 @@ def tracking() -> Iterator[None]:
         if _state.depth == 0:
             _state.table.clear()
             _state.calls.clear()
+            _state.spaces.clear()
 
 
 def track(array: Any, ref: WeightRef) -> None:
@@ -78,12 +82,24 @@ def lookup(array: Any) -> WeightRef | None:
     return entry[1]
 
 
-def next_op_index(call_frame: Any, op_name: str) -> int:
-    """Returns 0, 1, ... for successive ops of one kind within one module call."""
+def next_op_index(call_frame: Any, op_name: str, namespace: Any = None, member: Any = None) -> int:
+    """Returns 0, 1, ... for successive ops of one kind within one module call.
+
+    With a ``namespace`` (where the module's variables live) shared by several members (Linen
+    modules given one scope by ``nn.share_scope``), each member's ops get indices of their own
+    there, so their variables don't collide; a member called again reuses its indices.
+    """
     _, counters = _state.calls.setdefault(id(call_frame), (call_frame, {}))
-    index = counters.get(op_name, 0)
-    counters[op_name] = index + 1
-    return index
+    local = counters.get(op_name, 0)
+    counters[op_name] = local + 1
+    if namespace is None:
+        return local
+    _, free, given = _state.spaces.setdefault(id(namespace), (namespace, {}, {}))
+    key = (member, op_name, local)
+    if key not in given:
+        given[key] = free.get(op_name, 0)
+        free[op_name] = given[key] + 1
+    return given[key]
 
 
 def _view_handler(view_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -139,6 +155,11 @@ _VIEW_TARGETS: dict[str, tuple[str, ...]] = {
         "jax._src.core.Tracer.squeeze",
     ),
 }
+
+
+def is_view_target(target: str) -> bool:
+    """Whether ``target`` is one of the view entry points view_handlers() handles."""
+    return any(target in targets for targets in _VIEW_TARGETS.values())
 
 
 def view_handlers() -> dict[str, Callable[..., Any]]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from flax import linen as nn
 from flax.linen import dtypes as linen_dtypes
 
 from qmill.engine.core import qarray
@@ -83,7 +84,12 @@ class QuantizationProvider:
                 self._used.add(index)
         op_id = None
         if call is not None:
-            op_id = f"{op_name}{provenance.next_op_index(call, op_name)}"
+            # Linen: variables live in the module's scope, which nn.share_scope gives to several
+            # modules; they are told apart by name (clones of one module keep its name).
+            scope = getattr(module, "scope", None) if isinstance(module, nn.Module) else None
+            name = getattr(module, "name", None)
+            index = provenance.next_op_index(call, op_name, scope, name)
+            op_id = f"{op_name}{index}"
         return rule, op_id, module
 
     # Seeds' spelling, kept for subclasses written against it.

@@ -156,6 +156,11 @@ def _same_scheme(entry: Mapping[str, Any], template: qarray.QArray) -> bool:
 
 def _quantized(entry: Mapping[str, Any], template: Any, path: str) -> qarray.QArray:
     target = _quantized_template(template)
+    if entry.get("zero_point") is not None and target.zero_point is None:
+        # As the reference: requantizing would silently drop the offset the codes were made with.
+        raise ValueError(
+            f'{path} provided an unexpected "zero_point" for a symmetric quantized param.'
+        )
     if _same_scheme(entry, target):
         zp = entry.get("zero_point")
         return qarray.QArray(

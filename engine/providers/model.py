@@ -75,7 +75,9 @@ def _handlers(provider: base.QuantizationProvider) -> dict[str, Callable[..., An
     """
     merged: dict[str, Callable[..., Any]] = {}
     for get_map in provider.get_interceptors():
-        merged.update(get_map())
+        handlers = get_map()
+        # A factory may return an interception.Interceptor (the reference's form) or a map.
+        merged.update(getattr(handlers, "mapping", handlers))
     return merged
 
 

@@ -168,6 +168,10 @@ class OdmlQatProvider(qt.QtProvider):
         # Raise on rules LiteRT can't store (else they are trained as asked, export will refuse).
         self._strict = strict
 
+    def get_interceptors(self) -> list[Any]:
+        """Two layers, as the reference's: structural (views), then numerical (ops)."""
+        return boundary.layered_interceptors(self)
+
     def _run(self, rule, op_id, module, lhs, rhs, how, compute) -> jax.Array:
         where = "/".join(flax_util.module_path(module)) + f" {op_id}"
         operands = []
@@ -249,6 +253,10 @@ class OdmlConversionProvider(qt.QtProvider):
         self.records: dict[str, FakeQuantRecord] = {}
 
     # ---- ops --------------------------------------------------------------------------------
+
+    def get_interceptors(self) -> list[Any]:
+        """Two layers, as the reference's: structural (views), then numerical (ops)."""
+        return boundary.layered_interceptors(self)
 
     def _run(self, rule, op_id, module, lhs, rhs, how, compute) -> jax.Array:
         path = "/".join(flax_util.module_path(module))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from qmill.engine.core import calibration, qarray
+from qmill.engine.modeling import interception, provenance
 from qmill.engine.modeling import rules as rules_mod
 
 MODEL_OUTPUT = "model_output"
@@ -133,3 +134,16 @@ def variables_allowed(module: Any) -> Iterator[None]:
         yield
     finally:
         state.in_compact_method = before
+
+
+def layered_interceptors(provider: Any) -> list[Callable[[], interception.Interceptor]]:
+    """The ODML providers' interceptors as the reference stacks them: a structural layer (the
+    view handlers that follow weights through reshapes and casts), then the numerical one (the
+    ops and everything else). quantize_model runs the two as one map, as it did before."""
+    handlers = provider.get_intercept_map()
+    structural = {k: h for k, h in handlers.items() if provenance.is_view_target(k)}
+    numerical = {k: h for k, h in handlers.items() if k not in structural}
+    return [
+        lambda: interception.Interceptor(mapping=structural, id=(id(provider), 0)),
+        lambda: interception.Interceptor(mapping=numerical, id=(id(provider), 1)),
+    ]

@@ -276,3 +276,63 @@ def test_flax_util_as_the_reference_in_user_code():
 
     nnx.jit(Nnx())()
     assert found == ["w"] * 8
+
+
+def test_prequantized_params_refuse_an_unexpected_zero_point():
+    model = _abstract([qwix.QuantizationRule(weight_qtype="int8")])  # symmetric: no zero point
+    asym = qwix.quantize(
+        jax.random.normal(jax.random.key(2), (16, 4)),
+        "int8",
+        channelwise_axes=[1],
+        calibration_method="minmax",
+    )
+    entry = {"qvalue": asym.qvalue, "scale": asym.scale, "zero_point": asym.zero_point}
+    with pytest.raises(ValueError, match=r'head/kernel provided an unexpected "zero_point"'):
+        checkpoint_utils.process_prequantized_params({"head": {"kernel": entry}}, model)
+
+
+def test_prequantized_params_place_abstract_mesh_shardings_on_the_active_mesh():
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = jax.sharding.PartitionSpec("x", None)
+    abstract = jax.sharding.NamedSharding(mesh.abstract_mesh, spec)
+
+    class Abstract(nnx.Module):
+        def __init__(self):
+            self.bias = nnx.Param(jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=abstract))
+            qvalue = jax.ShapeDtypeStruct((4, 6), jnp.int8, sharding=abstract)
+            self.kernel = nnx.data(
+                {
+                    "array": {
+                        "qvalue": nnx.Param(qvalue),
+                        "scale": nnx.Param(jax.ShapeDtypeStruct((1, 6), jnp.float32)),
+                    }
+                }
+            )
+
+    payload = {
+        "bias": jnp.ones((4, 2)),
+        "kernel": {"array": {"qvalue": jnp.ones((4, 6), jnp.int8), "scale": jnp.ones((1, 6))}},
+    }
+    with pytest.raises(ValueError, match="requires an active mesh"):
+        checkpoint_utils.process_prequantized_params(payload, Abstract())
+    with jax.set_mesh(mesh):
+        out = checkpoint_utils.process_prequantized_params(payload, Abstract())
+    for placed in (out["bias"], out["kernel"]["array"]["qvalue"]):
+        assert placed.sharding.mesh == mesh and placed.sharding.spec == spec
+
+
+def test_prequantized_params_requantize_an_entry_without_the_models_zero_point():
+    # Deliberate difference (docs/api-differences.md, process_prequantized_params): the
+    # reference refuses a missing zero point; here the symmetric codes are requantized.
+    rule = qwix.QuantizationRule(weight_qtype="int8", weight_calibration_method="minmax")
+    model = _abstract([rule])
+    sym = qwix.quantize(jax.random.normal(jax.random.key(3), (16, 4)), "int8", channelwise_axes=[1])
+    out = checkpoint_utils.process_prequantized_params(
+        {"head": {"kernel": {"qvalue": sym.qvalue, "scale": sym.scale}}}, model
+    )
+    stored = out["head"]["kernel"]["array"]
+    assert stored["zero_point"] is not None
+    requantized = qwix.QArray(stored["qvalue"], stored["scale"], stored["zero_point"], qtype="int8")
+    np.testing.assert_allclose(
+        qwix.dequantize(requantized), qwix.dequantize(sym), atol=float(sym.scale.max())
+    )

@@ -91,3 +91,73 @@ def test_batched_einsum_gets_adapters_as_the_reference():
         model.w_lora_einsum_str, x, a, b
     )
     np.testing.assert_allclose(model(x), expected, rtol=1e-4, atol=1e-4)
+
+
+MULTI = (((1,), (0,)), ((), ()))  # x (3, 4) · w (4, 5, 6): two output axes
+
+
+class LinenMultiOutput(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (4, 5, 6))
+        return jax.lax.dot_general(x, w, MULTI)
+
+
+class NnxMultiOutput(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (4, 5, 6)))
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, self.w[...], MULTI)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_multi_output_dot_general_gets_adapters(framework):
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    if framework == "linen":
+        model = qwix.apply_lora_to_model(LinenMultiOutput(), qwix.LoraProvider(ONES))
+        params = model.init(jax.random.key(0), x)["params"]
+        w, a, b = params["w"], params["w_lora_a"], params["w_lora_b"]
+        out = model.apply({"params": params}, x)
+    else:
+        model = qwix.apply_lora_to_model(
+            NnxMultiOutput(), qwix.LoraProvider(ONES), x, rngs=nnx.Rngs(1)
+        )
+        w, a, b = model.w[...], model.w_lora_a[...], model.w_lora_b[...]
+        out = model(x)
+    # Deliberate difference (docs/api-differences.md, LoRA adapters on dot_general): the output
+    # axes stay apart in lora_b, (rank, 5, 6), where the reference flattens them, (rank, 30).
+    assert a.shape == (4, 2) and b.shape == (2, 5, 6)
+    expected = jnp.einsum("bi,ijk->bjk", x, w) + jnp.einsum("bi,ir,rjk->bjk", x, a, b)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_einsum_with_two_output_axes_as_the_reference():
+    # The reference's case: "btd,dnh->btnh" adapts as "btd,dr,rnh->btnh".
+    base = nnx.Einsum("btd,dnh->btnh", (12, 8, 10), (8, 10), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (16, 4, 12))
+    expected_base = base(x)
+    rule = qwix.LoraRule(rank=3, alpha=1.0, lora_b_initializer=nnx.initializers.ones)
+    model = qwix.apply_lora_to_model(base, qwix.LoraProvider([rule]), x, rngs=nnx.Rngs(1))
+    assert model.kernel_lora_einsum_str == "btd,dr,rnh->btnh"
+    a, b = model.kernel_lora_a[...], model.kernel_lora_b[...]
+    assert a.shape == (12, 3) and b.shape == (3, 8, 10)
+    expected = expected_base + jnp.einsum("btd,dr,rnh->btnh", x, a, b) / 3  # alpha / rank
+    np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [None, "int8"])
+def test_conv_adapter_sharding_metadata_as_the_reference(qtype):
+    mesh = jax.make_mesh((1, 1), ("in", "out"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jnp.ones((1, 8, 8, 16))
+    init = nnx.with_partitioning(nnx.initializers.zeros, (None, None, "in", "out"))
+    provider = qwix.LoraProvider(weight_qtype=qtype, act_qtype=qtype, rank=3, alpha=1.0)
+    with jax.set_mesh(mesh):
+        conv = nnx.Conv(16, 32, (3, 3), kernel_init=init, rngs=nnx.Rngs(0))
+        model = qwix.apply_lora_to_model(conv, provider, x)
+    a, b = model.kernel_lora_a, model.kernel_lora_b
+    assert isinstance(a, nnx.LoRAParam) and a.shape == (3, 3, 16, 3) and b.shape == (3, 32)
+    assert a.get_metadata()["out_sharding"] == (None, None, "in", None)
+    assert a[...].sharding.spec == P(None, None, "in", None)
+    assert b.get_metadata()["out_sharding"] == (None, "out")
+    assert b[...].sharding.spec == P(None, "out")

@@ -99,3 +99,43 @@ def test_mx_dot_on_the_reference_inputs():
     np.testing.assert_array_equal(out, jnp.full((2, 2), 32.0))
     one_side = mxfp_dot.mxfp_dot_general(ones, jnp.ones((2, 32)), (((1,), (1,)), ((), ())))
     assert one_side is None
+
+
+def test_asarray_of_a_qarray_inside_a_ptq_model_stays_a_qarray():
+    # Model code that takes the QArray out of its quantized weight and calls jnp.asarray on it.
+    seen = []
+
+    class QArrayAsarray(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(jax.random.normal(jax.random.key(0), (4, 3)))
+
+        def __call__(self, x):
+            inner = getattr(self.kernel, "array", None)
+            w = jnp.asarray(inner if isinstance(inner, qarray.QArray) else self.kernel)
+            seen.append(type(w).__name__)
+            return jax.lax.dot_general(x, w, DN)
+
+    spy = Spy(RULES)
+    model = qwix.quantize_model(QArrayAsarray(), spy, X)
+    out = model(X)
+    assert seen[-1] == "QArray" and spy.seen[-1] == "QArray"
+    np.testing.assert_allclose(out, X @ qwix.dequantize(model.kernel.array), rtol=1e-6)
+
+
+def test_mx_dot_on_the_reference_batched_and_broadcast_shapes():
+    def mx(shape, scale_shape, scale):
+        qvalue = jnp.ones(shape, jnp.float8_e4m3fn)
+        return qarray.QArray(qvalue=qvalue, scale=jnp.full(scale_shape, scale), qtype="mxfp8")
+
+    # Two batch axes, flattened and restored: (2, 3, 4, 32) · (2, 3, 6, 32) -> (2, 3, 4, 6).
+    dims = (((3,), (3,)), ((0, 1), (0, 1)))
+    out = mxfp_dot.mxfp_dot_general(
+        mx((2, 3, 4, 32), (2, 3, 4, 1), 2.0), mx((2, 3, 6, 32), (2, 3, 6, 1), 0.5), dims
+    )
+    np.testing.assert_array_equal(out, jnp.full((2, 3, 4, 6), 32.0))
+    # A scale broadcast along the batch axis ((1, 4, 1) for (2, 4, 32)).
+    dims = (((2,), (2,)), ((0,), (0,)))
+    out = mxfp_dot.mxfp_dot_general(
+        mx((2, 4, 32), (1, 4, 1), 2.0), mx((2, 6, 32), (2, 6, 1), 1.0), dims
+    )
+    np.testing.assert_array_equal(out, jnp.full((2, 4, 6), 64.0))
