@@ -29,6 +29,20 @@ def _quantize(source, dest, scheme: str, backend=None, **kwargs) -> list[pipelin
         )
 
 
+def _causal_lm_logits(*folders) -> list:
+    """transformers' logits of each folder's model on the same token ids (bf16, CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
+    logits = []
+    for folder in folders:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    return logits
+
+
 @pytest.mark.parametrize(
     "scheme",
     ["W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block", "mxfp4a16", "nvfp4a16"],
@@ -61,15 +75,9 @@ def test_config_validates_in_compressed_tensors(tmp_path, llama):
 )
 def test_transformers_runs_ours_as_it_runs_llm_compressors(tmp_path, llama, peer, scheme):
     import torch
-    from transformers import AutoModelForCausalLM
 
     _quantize(llama, tmp_path / "out", scheme)
-    ids = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
-    logits = []
-    for folder in (tmp_path / "out", peer(llama, scheme, LLAMA_IGNORE), llama):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-        with torch.no_grad():
-            logits.append(model(ids).logits)
+    logits = _causal_lm_logits(tmp_path / "out", peer(llama, scheme, LLAMA_IGNORE), llama)
     assert torch.equal(logits[0], logits[1])
     assert not torch.equal(logits[0], logits[2])  # the quantized weights are what ran
 
@@ -80,19 +88,13 @@ def test_a_tied_head_is_ignored_and_the_model_loads(tmp_path, tied_llama, peer, 
     (as a user of llm-compressor passes it); without that transformers builds a quantized
     lm_head with nothing to load into it."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
     _quantize(tied_llama, out, scheme)
     theirs = peer(tied_llama, scheme, LLAMA_IGNORE)
     assert quantization_config(out)["ignore"] == LLAMA_IGNORE
     assert_same_checkpoint(out, theirs)
-    ids = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
-    logits = []
-    for folder in (out, theirs):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-        with torch.no_grad():
-            logits.append(model(ids).logits)
+    logits = _causal_lm_logits(out, theirs)
     assert torch.equal(logits[0], logits[1])
 
 
@@ -116,18 +118,12 @@ def test_fp8_block_ragged_blocks_load_in_transformers(tmp_path, one_kv_head_llam
     """(transformers 5 cannot load block-fp8 MoE experts from llm-compressor's output either,
     so the model run is a dense one with (64, 256) k/v projections.)"""
     import torch
-    from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
     _quantize(one_kv_head_llama, out, "FP8_BLOCK")
     theirs = peer(one_kv_head_llama, "FP8_BLOCK", LLAMA_IGNORE)
     assert_same_checkpoint(out, theirs)
-    ids = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
-    logits = []
-    for folder in (out, theirs):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-        with torch.no_grad():
-            logits.append(model(ids).logits)
+    logits = _causal_lm_logits(out, theirs)
     assert torch.equal(logits[0], logits[1])
 
 
