@@ -8,7 +8,7 @@ import numpy as np
 
 from qmill.checkpoints import model_fn
 
-MODEL = '''
+MODEL = """
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +25,7 @@ class Scaled(nn.Module):
 
 def build():
     return {"model": Scaled(), "inputs": np.zeros((1, 3), np.float32)}
-'''
+"""
 
 
 def test_a_file_whose_linen_module_has_fields_loads(tmp_path: pathlib.Path) -> None:
