@@ -122,7 +122,12 @@ def serve(platform: str, work: pathlib.Path, log) -> tuple[subprocess.Popen, str
         stdout=log, stderr=log, env=env,
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
-    e2e_bench._wait_until_up(address)
+    try:
+        e2e_bench._wait_until_up(address, proc)
+    except RuntimeError:
+        proc.terminate()
+        proc.wait()
+        raise
     return proc, address, time.perf_counter() - start
 
 

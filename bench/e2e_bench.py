@@ -171,8 +171,11 @@ def _own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _wait_until_up(address: str) -> None:
+def _wait_until_up(address: str, server: subprocess.Popen | None = None) -> None:
+    """Waits until `qmill capabilities` answers; fails at once if `server` has exited."""
     for _ in range(240):
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"qmill serve for {address} exited with code {server.returncode}")
         caps = [*QMILL, "capabilities", "--server", address]
         if subprocess.run(caps, capture_output=True).returncode == 0:
             return
@@ -208,8 +211,8 @@ def qmill_servers(
                 env=server_env(platform),
             )
             started.append((server, f"127.0.0.1:{port}"))
-        for _, address in started:
-            _wait_until_up(address)
+        for server, address in started:
+            _wait_until_up(address, server)
         yield [(server.pid, address) for server, address in started]
     finally:
         for server, _ in started:

@@ -25,7 +25,7 @@ DRY=${QMILL_GPU_DRY:-0}
 if [ "$DRY" = 1 ]; then
     OUT=${OUT:-$(mktemp -d /tmp/qmill-gpu-dry.XXXXXX)}
     export PY=${PY:-.venv/bin/python} JAX_PLATFORMS=cpu
-    export QMILL_GPU_TMP=$OUT/tmp QMILL_WHEELS=".whl/qwix-0.1.8-py3-none-any.whl"
+    export QMILL_GPU_TMP=$OUT/tmp QMILL_WHEELS=${QMILL_WHEELS:-.whl/qwix-0.1.8-py3-none-any.whl}
     ENGINE=(--size 1024 --repeats 2)
     E2E=(--gib 0.047 --tensor-mib 4 --recipes int8,int4 --repeat 1)
     FLOW=(--examples 64 --repeat 1)
@@ -63,7 +63,7 @@ uname -a
 nproc
 timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
 # shellcheck source=bench/gpu/setup.sh
-source bench/gpu/setup.sh || echo "=== setup FAILED (pip install of .whl): steps run on the image"
+source bench/gpu/setup.sh
 timeout 60 "$PY" -c "
 import grpc, google.protobuf, jax, numpy, flax
 print('python', __import__('sys').version.split()[0], 'jax', jax.__version__, 'flax',
