@@ -74,7 +74,7 @@ import qmill.engine, qmill.server, qmill.cli, qmill.checkpoints, qmill.client, q
 print('qmill from', qmill.engine.__file__)
 "
 
-step parity 95 "$PY" tests/engine/device_parity.py --max-seconds 75 --json "$OUT/parity.json"
+step parity 95 "$PY" tests/engine/device_parity.py --max-seconds 75 --spread 7 --json "$OUT/parity.json"
 step engine 90 "$PY" bench/engine_bench.py "${ENGINE[@]}" --json "$OUT/engine.json"
 step e2e 120 "$PY" bench/e2e_bench.py "${E2E[@]}" --server-platforms default,cpu \
     --server-log "$OUT/servers.log" --json "$OUT/e2e.json"

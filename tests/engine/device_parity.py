@@ -10,7 +10,7 @@ on every backend": ÷ and √ go through float64 on GPUs), so "qmill-vs-cpu" is 
 watch; "qmill-vs-ref" on a GPU only shows where the reference itself drifts. Run by hand where
 qwix is importable:
 
-    python tests/engine/device_parity.py [--json PATH] [--max-seconds S]
+    python tests/engine/device_parity.py [--json PATH] [--max-seconds S] [--spread N]
 
 `--json` also writes every case's differing element counts (0 = same bits) per comparison;
 `--max-seconds` starts no case after S seconds (the summary then says how many ran): on a GPU
@@ -79,13 +79,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write per-case counts here")
     parser.add_argument("--max-seconds", type=float, help="start no case after this many seconds")
+    parser.add_argument(
+        "--spread", type=int, default=1,
+        help="run every N-th case first, then the next N-th...: a run cut short by --max-seconds "
+        "still covers every kind of case (the golden cases are grouped by qtype)",
+    )  # fmt: skip
     args = parser.parse_args()
     start = time.perf_counter()
     device = jax.devices()[0]
     print(f"device {device.device_kind}, jax {jax.__version__}")
     bad_vs_ref = bad_ref_vs_cpu = bad_vs_cpu = 0
     rows = []
-    for case in _META:
+    order = [c for k in range(args.spread) for c in _META[k :: args.spread]]
+    for case in order:
         if args.max_seconds and time.perf_counter() - start > args.max_seconds:
             print(f"stopped after {len(rows)} cases: --max-seconds {args.max_seconds:g}")
             break
