@@ -84,3 +84,4 @@ timeout 20 "$PY" bench/gpu/summarize.py "$OUT" >/dev/null
 echo "=== done in $(($(date +%s) - START))s; results in $OUT:"
 ls -la "$OUT"
 cat "$OUT/summary.json" 2>/dev/null
+sleep 1  # lets tee write the last lines into run_all.log
