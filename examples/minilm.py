@@ -162,3 +162,12 @@ def build() -> dict:
     folder = shipped_folder()
     ids, mask = Tokenizer(folder).batch(["An example sentence."], 32)
     return {"model": MiniLM(), "inputs": (ids, mask), "params": load_params(folder)}
+
+
+def build_untrained() -> dict:
+    """`--model-fn` entry that needs no weights package: the model and one example batch of 64
+    tokens; the params come from `--params` (e.g. random ones of MiniLM's exact shapes, as
+    bench/calibrated_flow_bench.py --weights random writes where the real ones cannot travel)."""
+    ids = np.zeros((1, 64), np.int32)
+    ids[0, :2] = 101, 102  # [CLS] [SEP]
+    return {"model": MiniLM(), "inputs": (ids, (ids > 0).astype(np.int32))}

@@ -10,13 +10,19 @@ on every backend": ÷ and √ go through float64 on GPUs), so "qmill-vs-cpu" is 
 watch; "qmill-vs-ref" on a GPU only shows where the reference itself drifts. Run by hand where
 qwix is importable:
 
-    python tests/engine/device_parity.py
+    python tests/engine/device_parity.py [--json PATH] [--max-seconds S] [--spread N]
+
+`--json` also writes every case's differing element counts (0 = same bits) per comparison;
+`--max-seconds` starts no case after S seconds (the summary then says how many ran): on a GPU
+every op of both libraries compiles on first use, which takes far longer than on the CPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,15 +63,38 @@ def _diff(a: dict, b: dict) -> str:
         if k not in b or a[k].shape != b[k].shape:
             out.append(f"{k}:structure")
         elif not np.array_equal(a[k], b[k], equal_nan=True):
-            n = int(np.sum(a[k] != b[k]))
+            n = int(np.sum(~((a[k] == b[k]) | (np.isnan(a[k]) & np.isnan(b[k])))))
             out.append(f"{k}:{n}/{a[k].size}")
     return " ".join(out)
 
 
+def _count(diff: str) -> int:
+    """Differing elements in a _diff string (-1 for a structure difference)."""
+    if "structure" in diff:
+        return -1
+    return sum(int(part.split(":")[1].split("/")[0]) for part in diff.split())
+
+
 def main() -> None:
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="also write per-case counts here")
+    parser.add_argument("--max-seconds", type=float, help="start no case after this many seconds")
+    parser.add_argument(
+        "--spread", type=int, default=1,
+        help="run every N-th case first, then the next N-th...: a run cut short by --max-seconds "
+        "still covers every kind of case (the golden cases are grouped by qtype)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    start = time.perf_counter()
+    device = jax.devices()[0]
+    print(f"device {device.device_kind}, jax {jax.__version__}")
     bad_vs_ref = bad_ref_vs_cpu = bad_vs_cpu = 0
-    for case in _META:
+    rows = []
+    order = [c for k in range(args.spread) for c in _META[k :: args.spread]]
+    for case in order:
+        if args.max_seconds and time.perf_counter() - start > args.max_seconds:
+            print(f"stopped after {len(rows)} cases: --max-seconds {args.max_seconds:g}")
+            break
         p = f"c{case['id']}/"
         x = jnp.asarray(_DATA[p + "x"].view(jnp.dtype(case["dtype"])))
         tiled = {a: t for a, t in case["tiled_axes"]}
@@ -91,6 +120,11 @@ def main() -> None:
         bad_vs_ref += bool(d_ref)
         bad_ref_vs_cpu += bool(d_cpu)
         bad_vs_cpu += bool(d_ours_cpu)
+        rows.append(
+            dict(id=case["id"], qtype=case["qtype"], dtype=case["dtype"], method=method,
+                 qmill_vs_cpu=_count(d_ours_cpu), qmill_vs_ref=_count(d_ref),
+                 ref_vs_cpu=_count(d_cpu), detail=d_ours_cpu)
+        )  # fmt: skip
         if d_ref or d_cpu or d_ours_cpu:
             print(
                 f"case {case['id']:3d} {case['qtype']:>16} {case['dtype']:>8} {method:>12} "
@@ -98,10 +132,17 @@ def main() -> None:
                 f"qmill-vs-ref[{d_ref or 'same'}] ref-vs-cpu[{d_cpu or 'same'}]"
             )
     print(
-        f"{len(_META)} cases: qmill differs from the CPU fixtures in {bad_vs_cpu} and from the "
-        f"reference on this device in {bad_vs_ref}; the reference differs from its CPU fixtures "
-        f"in {bad_ref_vs_cpu}"
+        f"{len(rows)} of {len(_META)} cases: qmill differs from the CPU fixtures in {bad_vs_cpu} "
+        f"and from the reference on this device in {bad_vs_ref}; the reference differs from its "
+        f"CPU fixtures in {bad_ref_vs_cpu}"
     )
+    if args.json:
+        summary = dict(cases=len(_META), cases_run=len(rows),
+                       seconds=round(time.perf_counter() - start, 1), qmill_vs_cpu=bad_vs_cpu,
+                       qmill_vs_ref=bad_vs_ref, ref_vs_cpu=bad_ref_vs_cpu)  # fmt: skip
+        doc = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,
+                   summary=summary, cases=rows)  # fmt: skip
+        pathlib.Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":
