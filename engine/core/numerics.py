@@ -50,8 +50,9 @@ _NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
 # floats). All of it stays inside the same fused elementwise loop.
 #
 # Division off the CPU (the aim: the CPU's bits on every backend; on an H200, 2026-11-26, 12 of
-# the 167 golden cases still differ in a few codes, bench/README.md). XLA:GPU lowers float32 division to `div.full.f32` (within 2 ulp,
-# not correctly rounded) where XLA:CPU, on which the reference was measured, divides exactly. So
+# the 167 golden cases still differ in a few codes, bench/README.md). XLA:GPU lowers float32
+# division to `div.full.f32` (within 2 ulp, not correctly rounded) where XLA:CPU, on which the
+# reference was measured, divides exactly. So
 # on a GPU every array division and square root is done in float64 and rounded to float32
 # (`_correctly_rounded`): float64's are IEEE on every backend, and rounding a float64 quotient or
 # root of float32 operands to float32 gives the correctly rounded float32 result (double rounding

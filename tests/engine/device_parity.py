@@ -7,8 +7,8 @@ oracle, never a dependency) and qmill side by side on the default device, for ev
 and prints where qmill differs from the reference on that device and where either differs from
 the CPU fixtures. qmill aims at the CPU fixtures' bits on every device (numerics, "Division off
 the CPU": ÷ and √ go through float64 on GPUs; on an H200 12 of 167 cases still differ), so
-"qmill-vs-cpu" is the column to watch; "qmill-vs-ref" on a GPU only shows where the reference itself drifts. Run by hand where
-qwix is importable:
+"qmill-vs-cpu" is the column to watch; "qmill-vs-ref" on a GPU only shows where the reference
+itself drifts. Run by hand where qwix is importable:
 
     python tests/engine/device_parity.py [--json PATH] [--max-seconds S] [--spread N]
 
