@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.core import numerics, qarray, qtypes
+from qmill.engine.core import numerics, qarray_parts, qtypes
 from qmill.engine.modelfree import layout, packing
 
 
@@ -68,8 +68,8 @@ class LeafResult:
         return packing.unpack_nibbles(self.qvalue, *self.packed_as)
 
 
-def _how(plan: layout.LeafPlan) -> qarray.HowToQuantize:
-    return qarray.HowToQuantize(
+def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
+    return qarray_parts.HowToQuantize(
         qtype=plan.qtype,
         channelwise_axes=plan.channelwise_axes,
         tiled_axes=dict(plan.tiled_axes),
@@ -117,7 +117,7 @@ def _quality_sums(x, codes, scale, zero_point, qtype: str, axis: int, stride: in
         if zero_point is not None:
             zero_point = jax.lax.slice_in_dim(zero_point, 0, blocks, stride, axis)
     x32 = x.astype(jnp.float32)
-    deq = qarray.dequantize_bytes(codes, qtype, scale, zero_point)
+    deq = qarray_parts.dequantize_bytes(codes, qtype, scale, zero_point)
     err = deq.astype(jnp.float32) - x32
     return (
         jnp.sum(x32 * x32),
@@ -133,16 +133,16 @@ def _quality_sums(x, codes, scale, zero_point, qtype: str, axis: int, stride: in
 @functools.partial(jax.jit, static_argnames=("how", "scale_dtype", "axis", "stride"))
 def _quantize_and_measure(
     x: jax.Array,
-    how: qarray.HowToQuantize,
+    how: qarray_parts.HowToQuantize,
     scale_dtype: str | None,
     axis: int,
     stride: int,
     global_scale: jax.Array | None = None,
 ):
-    # 4-bit codes come as bytes (qarray.quantize_bytes) and leave packed two per byte, as they
-    # are stored: packing fuses with the quantizing loop, where XLA:CPU writes int4/uint4 arrays
-    # element by element and numpy on the host took ~20 % of a whole int4 checkpoint run.
-    codes, scale, zero_point = qarray.quantize_bytes(
+    # 4-bit codes come as bytes (qarray_parts.quantize_bytes) and leave packed two per byte, as
+    # they are stored: packing fuses with the quantizing loop, where XLA:CPU writes int4/uint4
+    # arrays element by element and numpy on the host took ~20 % of a whole int4 checkpoint run.
+    codes, scale, zero_point = qarray_parts.quantize_bytes(
         x, how, scale_dtype=scale_dtype, global_scale=global_scale
     )
     # A global scale divides the stored (E4M3) scale: the values are codes × scale / global.
@@ -206,7 +206,7 @@ def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafR
     axis, stride = quality_stride(x.shape, scale_shape)
     # The NaN/Inf check reads the whole tensor in its own jit: fused here, XLA wrote a whole f32
     # copy of a bf16 tensor for it.
-    finite = qarray.all_finite(x)
+    finite = qarray_parts.all_finite(x)
     outputs = jax.device_get(
         _quantize_and_measure(x, how, plan.scale_dtype, axis, stride, global_scale)
     )
