@@ -46,10 +46,14 @@ class EmbeddedClient:
         """As a server's QuantizeParams; `calibration_stats` (a calibrated method's flat
         statistics, as `qmill calibrate --stats-output` writes them) quantize the weights they
         name by that method, as a server does for a calibration id."""
-        from qmill.engine.contrib import leaf as contrib_leaf  # lazy: pulls in jax
-        from qmill.engine.modelfree import recipes
+        from qmill.engine.modelfree import leaf, recipes  # lazy: pulls in jax
 
-        quantize = contrib_leaf.quantizer(contrib_leaf.method_stats(calibration_stats or {}))
+        quantize = leaf.quantize_leaf
+        if calibration_stats:
+            # Only then: engine.contrib imports the providers (flax.nnx, optax: ~0.3 s).
+            from qmill.engine.contrib import leaf as contrib_leaf
+
+            quantize = contrib_leaf.quantizer(contrib_leaf.method_stats(calibration_stats))
 
         try:
             engine_recipe = recipes.recipe_from_mapping(recipe)

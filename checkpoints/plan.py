@@ -70,9 +70,9 @@ def _output_bytes(entry: Any, plan: Any) -> int:
     """Bytes of qvalue, scale and zero point as stored (4-bit codes two to a byte)."""
     import jax
 
-    from qmill.engine.core import qarray, qtypes
+    from qmill.engine.core import qarray_parts, qtypes
 
-    how = qarray.HowToQuantize(
+    how = qarray_parts.HowToQuantize(
         qtype=plan.qtype,
         channelwise_axes=plan.channelwise_axes,
         tiled_axes=dict(plan.tiled_axes),
@@ -80,7 +80,7 @@ def _output_bytes(entry: Any, plan: Any) -> int:
     )
     spec = jax.ShapeDtypeStruct(entry.shape, entry.dtype)
     qvalue, scale, zero_point = jax.eval_shape(
-        lambda x: qarray.quantize_bytes(x, how, scale_dtype=plan.scale_dtype), spec
+        lambda x: qarray_parts.quantize_bytes(x, how, scale_dtype=plan.scale_dtype), spec
     )
     storage = qtypes.get(plan.qtype).storage
     total = dtypes.packed_nbytes(np.dtype(storage), tuple(qvalue.shape))

@@ -15,6 +15,8 @@ User errors print one line and exit 1; tracebacks are kept for bugs.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -60,6 +62,12 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # At exit the interpreter's last garbage collections walk every object jax, orbax and the
+    # engine made: ~0.3 s of a 2 s quick start. Frozen (gc.freeze), they are skipped; nothing of
+    # ours waits on them (outputs are closed and committed before a command returns). Once per
+    # process, however often main runs in it.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in COMMANDS else ""
     args = _parser(command).parse_args(argv)

@@ -5,6 +5,7 @@ tensors is part of the contract and client and server must share one implementat
 """
 
 import ast
+import json
 import pathlib
 import subprocess
 import sys
@@ -129,6 +130,23 @@ def test_importing_the_client_does_not_import_jax():
         "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_in_process_quantize_imports_no_flax(tmp_path):
+    # Quantizing a checkpoint needs engine.modelfree and engine.core only: flax and what the
+    # providers pull in (flax.nnx, optax, treescope) were ~0.4 s of the quick start (issue 28).
+    code = (
+        "import json, sys; from qmill.cli import main; "
+        f"rc = main.main(['quantize', {str(ROOT / 'examples' / 'tiny-mlp')!r}, "
+        f"'-o', {str(tmp_path / 'out')!r}, '--recipe', 'int8', '-q']); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('flax', 'optax', 'treescope') or m.startswith('qmill.engine.providers')))); "
+        "sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+    assert (tmp_path / "out").is_dir()
 
 
 # The engine's rooms, each allowed to import only itself and the rooms listed for it

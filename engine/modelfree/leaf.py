@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.core import numerics, qarray, qtypes
+from qmill.engine.core import numerics, qarray_parts, qtypes
 from qmill.engine.modelfree import layout, packing
 
 
@@ -68,8 +68,8 @@ class LeafResult:
         return packing.unpack_nibbles(self.qvalue, *self.packed_as)
 
 
-def _how(plan: layout.LeafPlan) -> qarray.HowToQuantize:
-    return qarray.HowToQuantize(
+def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
+    return qarray_parts.HowToQuantize(
         qtype=plan.qtype,
         channelwise_axes=plan.channelwise_axes,
         tiled_axes=dict(plan.tiled_axes),
@@ -117,7 +117,7 @@ def _quality_sums(x, codes, scale, zero_point, qtype: str, axis: int, stride: in
         if zero_point is not None:
             zero_point = jax.lax.slice_in_dim(zero_point, 0, blocks, stride, axis)
     x32 = x.astype(jnp.float32)
-    deq = qarray.dequantize_bytes(codes, qtype, scale, zero_point)
+    deq = qarray_parts.dequantize_bytes(codes, qtype, scale, zero_point)
     err = deq.astype(jnp.float32) - x32
     return (
         jnp.sum(x32 * x32),
@@ -133,16 +133,16 @@ def _quality_sums(x, codes, scale, zero_point, qtype: str, axis: int, stride: in
 @functools.partial(jax.jit, static_argnames=("how", "scale_dtype", "axis", "stride"))
 def _quantize_and_measure(
     x: jax.Array,
-    how: qarray.HowToQuantize,
+    how: qarray_parts.HowToQuantize,
     scale_dtype: str | None,
     axis: int,
     stride: int,
     global_scale: jax.Array | None = None,
 ):
-    # 4-bit codes come as bytes (qarray.quantize_bytes) and leave packed two per byte, as they
-    # are stored: packing fuses with the quantizing loop, where XLA:CPU writes int4/uint4 arrays
-    # element by element and numpy on the host took ~20 % of a whole int4 checkpoint run.
-    codes, scale, zero_point = qarray.quantize_bytes(
+    # 4-bit codes come as bytes (qarray_parts.quantize_bytes) and leave packed two per byte, as
+    # they are stored: packing fuses with the quantizing loop, where XLA:CPU writes int4/uint4
+    # arrays element by element and numpy on the host took ~20 % of a whole int4 checkpoint run.
+    codes, scale, zero_point = qarray_parts.quantize_bytes(
         x, how, scale_dtype=scale_dtype, global_scale=global_scale
     )
     # A global scale divides the stored (E4M3) scale: the values are codes × scale / global.
@@ -185,6 +185,24 @@ def _on_device(array: np.ndarray | jax.Array) -> jax.Array:
     return jax.device_put(array)
 
 
+# Host tensors of at most this many values are checked for NaN/Inf by numpy (<= 0.1 ms for
+# 2^16 bfloat16 values here), not by a jit compiled for their shape (~40 ms of CPU each, the
+# price of each distinct small shape in a checkpoint: a quarter of the quick start's compiling).
+HOST_CHECK_MAX = 1 << 16
+
+
+def _all_finite(array: np.ndarray | jax.Array, x: jax.Array) -> bool | jax.Array:
+    """Whether the tensor (`array`, on the device as `x`) has no NaN/Inf.
+
+    Large ones are checked on the device, in their own jit: fused with the quantization, XLA
+    wrote a whole f32 copy of a bf16 tensor for it. The answer is read only after the
+    quantization is dispatched.
+    """
+    if not isinstance(array, jax.Array) and x.size <= HOST_CHECK_MAX:
+        return bool(np.isfinite(np.asarray(array)).all())
+    return qarray_parts.all_finite(x)
+
+
 def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafResult:
     """Quantizes `array` as `plan` says (plan.quantize must be true).
 
@@ -204,9 +222,7 @@ def quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> LeafR
     # The scale's shape, without tracing (jax.eval_shape costs ~4 ms): one per tile.
     scale_shape = tuple(n // t for n, t in zip(x.shape, how.tiles(x.shape), strict=True))
     axis, stride = quality_stride(x.shape, scale_shape)
-    # The NaN/Inf check reads the whole tensor in its own jit: fused here, XLA wrote a whole f32
-    # copy of a bf16 tensor for it.
-    finite = qarray.all_finite(x)
+    finite = _all_finite(array, x)
     outputs = jax.device_get(
         _quantize_and_measure(x, how, plan.scale_dtype, axis, stride, global_scale)
     )

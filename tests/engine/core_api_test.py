@@ -3,11 +3,17 @@ mx/nv tile refusals."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import qmill.engine
 from qmill.engine import averaging, numerics, qarray
 
 X = jax.random.normal(jax.random.key(0), (4, 64), jnp.float32)
@@ -151,6 +157,42 @@ def test_top_level_names() -> None:
     assert qe.contrib.gptq.GptqRule and qe.sparsity.get_sparsity_mask
     out = qe.einsum("...ab,...bc->...ac", jnp.ones((2, 3, 4)), jnp.ones((4, 5)))
     assert out.shape == (2, 3, 5)
+
+
+def _type_checking_imports() -> dict[str, tuple[str, str]]:
+    """{public name: (module, attribute)} of engine/__init__.py's `if TYPE_CHECKING:` block."""
+    tree = ast.parse(pathlib.Path(qmill.engine.__file__).read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If))
+    return {alias.asname: (node.module, alias.name) for node in block.body for alias in node.names}
+
+
+def test_every_public_name_is_the_object_its_module_defines() -> None:
+    # The lazy surface (PEP 562) gives what the eager `from M import N as A` lines gave; the
+    # TYPE_CHECKING block (for type checkers), _PUBLIC (for __getattr__) and __all__ agree.
+    eager = _type_checking_imports()
+    assert set(eager) == set(qmill.engine.__all__) == set(qmill.engine._PUBLIC)
+    for name, (module, attribute) in eager.items():
+        found: dict = {}
+        exec(f"from {module} import {attribute} as expected", found)
+        expected = found["expected"]
+        assert getattr(qmill.engine, name) is expected, name
+    assert set(qmill.engine.__all__) <= set(dir(qmill.engine))
+    namespace: dict = {}
+    exec("from qmill.engine import *", namespace)
+    assert {n for n in namespace if not n.startswith("__")} == set(qmill.engine.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        qmill.engine.nothing  # noqa: B018
+
+
+def test_importing_the_engine_imports_no_room() -> None:
+    # Each name is imported on first use; the rooms stay attributes (qwix.ops, qwix.providers).
+    code = (
+        "import sys, qmill.engine as qwix; "
+        "assert 'jax' not in sys.modules and 'qmill.engine.core' not in sys.modules; "
+        "assert qwix.PtqProvider is qwix.providers.ptq.PtqProvider and 'flax.nnx' in sys.modules; "
+        "assert qwix.dot is qwix.ops.dot.dot"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_broadcast_to_repeats_entries_over_dividing_axes() -> None:

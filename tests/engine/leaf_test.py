@@ -87,6 +87,26 @@ def test_leaf_refuses_nan() -> None:
         leaf.quantize_leaf(x, _plan("w", qtype="int8"))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("rows", [16, 16 + leaf.HOST_CHECK_MAX // 16])  # host and device check
+def test_leaf_refuses_nan_and_inf_on_either_side_of_the_host_check(bad, dtype, rows) -> None:
+    x = np.ones((rows, 16), dtype)
+    x[rows - 1, 15] = bad
+    with pytest.raises(ValueError, match="w: tensor contains NaN or Inf"):
+        leaf.quantize_leaf(x, _plan("w", qtype="int8"))
+    x[rows - 1, 15] = 2
+    assert leaf.quantize_leaf(x, _plan("w", qtype="int8")).scale.shape == (rows // 16, 16)
+
+
+def test_small_host_tensors_compile_one_function_per_shape() -> None:
+    # Their NaN/Inf check runs in numpy: no second compilation for it.
+    x = np.random.default_rng(1).standard_normal((48, 24)).astype(np.float32)
+    with _Compilations() as compiled:
+        leaf.quantize_leaf(x, _plan("w", qtype="int8"))
+    assert compiled.count == 1
+
+
 @pytest.mark.parametrize(
     ("sums", "sqnr_db", "relative_error"),
     [
