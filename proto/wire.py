@@ -423,14 +423,29 @@ def send(message: Callable[..., M], header_field: str, path: str, array: np.ndar
         yield message(chunk=chunk)
 
 
+def part_bytes(
+    parts: Mapping[str, np.ndarray],
+) -> tuple[list[pb.TensorHeader], list[np.ndarray]]:
+    """Several tensors announced at once (a result's parts): their headers, and the bytes of
+    each (as to_bytes gives them), to send in this order as chunks or encoded_chunks."""
+    encoded = [(name, array, to_bytes(array)) for name, array in parts.items()]
+    headers = [header_for(name, array, data) for name, array, data in encoded]
+    return headers, [data for _, _, data in encoded]
+
+
 def encode_parts(
     parts: Mapping[str, np.ndarray],
 ) -> tuple[list[pb.TensorHeader], Iterator[pb.TensorChunk]]:
     """Several tensors announced at once (a result's parts): their headers, and every chunk of
     the first, then of the second, and so on."""
-    encoded = [(name, array, to_bytes(array)) for name, array in parts.items()]
-    headers = [header_for(name, array, data) for name, array, data in encoded]
-    return headers, (chunk for _, _, data in encoded for chunk in chunks(data))
+    headers, data = part_bytes(parts)
+    return headers, (chunk for piece in data for chunk in chunks(piece))
+
+
+def serialized(message: Any) -> bytes:
+    """A message's bytes; bytes (a message encoded already, as by encoded_chunks) as they are.
+    The serializer of a stream whose messages may be either."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class Receiver:

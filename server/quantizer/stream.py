@@ -147,9 +147,14 @@ async def quantize_stream(
     limiter: limits.ByteLimiter | None = None,
     metrics: metrics_lib.Metrics | None = None,
     upload_tensors: UploadTensors | None = None,
-) -> AsyncIterator[pb.QuantizeParamsResponse]:
+    encode_chunks: bool = False,
+) -> AsyncIterator[pb.QuantizeParamsResponse | bytes]:
     """Responses for one QuantizeParams call, in the order the tensors arrived (or, with an
-    upload_id, in the upload's order)."""
+    upload_id, in the upload's order).
+
+    With `encode_chunks`, a result's chunks come as serialized responses (bytes, for a
+    serializer that passes them through: wire.serialized), one copy of their data each instead
+    of four (tobytes, the chunk, the response, serializing it)."""
     first = await codec.first_item(requests, "recipe", "the recipe")
     recipe = codec.recipe_from_proto(first)
     tenant = auth.current_principal().tenant
@@ -178,9 +183,16 @@ async def quantize_stream(
                 yield pb.QuantizeParamsResponse(result=codec.kept_result(plan, header.byte_length))
                 _answered(account, metrics, header, "kept")
                 continue
-            message, chunks = codec.quantized_result(plan, result, header.byte_length)
+            message, data = codec.quantized_parts(plan, result, header.byte_length)
             del result
-            for response in codec.messages(pb.QuantizeParamsResponse, "result", message, chunks):
+            response_type = pb.QuantizeParamsResponse
+            if encode_chunks:
+                responses = codec.encoded_messages(response_type, "result", message, data)
+            else:
+                chunks = (chunk for piece in data for chunk in wire.chunks(piece))
+                responses = codec.messages(response_type, "result", message, chunks)
+            del data  # the responses hold the parts until they are sent
+            for response in responses:
                 yield response
             # From the parts' headers: reading response.chunk.data would copy every chunk again.
             stats.bytes_sent += sum(part.byte_length for part in message.parts)

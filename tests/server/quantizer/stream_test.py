@@ -78,3 +78,26 @@ def test_an_engine_error_ends_the_stream_with_it():
 
     with pytest.raises(ValueError, match=r"the engine refuses layers\.0\.weight"):
         asyncio.run(run())
+
+
+def test_encoded_chunks_are_the_bytes_of_the_chunk_responses():
+    async def run(encode_chunks: bool) -> list:
+        with futures.ThreadPoolExecutor(1) as executor:
+            responses = stream.quantize_stream(
+                _aiter(_requests(2)),
+                executor,
+                1 << 20,
+                stream.CallStats(),
+                encode_chunks=encode_chunks,
+            )
+            return [r async for r in responses]
+
+    plain, encoded = asyncio.run(run(False)), asyncio.run(run(True))
+    assert len(plain) == len(encoded)
+    for message, item in zip(plain, encoded, strict=True):
+        if message.WhichOneof("item") == "chunk":
+            assert item == message.SerializeToString()  # serialized, byte for byte
+        else:
+            assert item.WhichOneof("item") == message.WhichOneof("item")  # results, summary
+            if message.HasField("result"):
+                assert item.result == message.result
