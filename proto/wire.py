@@ -234,8 +234,8 @@ def chunk_of(message: pb.TensorChunk | Chunk) -> Chunk:
 
 
 class ChunkRequest(NamedTuple):
-    """A request that carries one chunk, decoded by `chunk_decoder` without protobuf: answers
-    WhichOneof and `.chunk` as the message would."""
+    """A request (or response) that carries one chunk, decoded by `chunk_decoder` without
+    protobuf: answers WhichOneof and `.chunk` as the message would."""
 
     chunk: Chunk
 
@@ -289,14 +289,15 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
 
 
 def chunk_decoder(message: type) -> Callable[[bytes], Any]:
-    """A deserializer for `message` requests that returns a chunk request as a ChunkRequest
-    whose data is a view of the received bytes, any other request parsed as `message`.
+    """A deserializer for `message` requests (or responses) that returns a chunk message as a
+    ChunkRequest whose data is a view of the received bytes, any other message parsed as
+    `message`.
 
-    grpc hands the server each message as bytes; parsing a 4 MiB chunk with protobuf copies its
-    data, and reading the field copies it again (upb), before the assembler copies it a third
-    time. A request that is exactly `chunk {offset data}` (the fields in any order, as encoded
-    by `encoded_chunks` or SerializeToString) skips both; anything else, malformed bytes
-    included, goes to protobuf, which decides.
+    grpc hands the server (the client) each message as bytes; parsing a 4 MiB chunk with
+    protobuf copies its data, and reading the field copies it again (upb), before the assembler
+    copies it a third time. A message that is exactly `chunk {offset data}` (the fields in any
+    order, as encoded by `encoded_chunks` or SerializeToString) skips both; anything else,
+    malformed bytes included, goes to protobuf, which decides.
     """
     field = message.DESCRIPTOR.fields_by_name["chunk"].number
     parse = message.FromString
