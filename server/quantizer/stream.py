@@ -1,8 +1,10 @@
 """One QuantizeParams call: assemble tensors from the request stream, quantize, stream results.
 
 Receiving overlaps with quantizing: a reader task assembles the next tensor while the previous one
-is quantized, with at most one finished tensor waiting between them. Memory per call is therefore
-about three tensors (one arriving, one waiting, one being quantized) plus its result. Each tensor's
+is quantized, and starts on the one after only once the engine has taken it (_hand_over). Memory
+per call is therefore about two tensors (one arriving, one being quantized or waiting for the
+engine) plus results on their way out; with a finished tensor allowed to wait as well it was three,
+for no gain in throughput (bench/README.md, issue 27). Each tensor's
 bytes are reserved with the server's ByteLimiter before its buffer is allocated and released once
 its answer is sent (or the call ends), so all calls together stay within the in-flight limit.
 """
@@ -71,7 +73,7 @@ async def _read_tensors(
                     raise ValueError("send upload_id right after the recipe, instead of tensors")
                 from_upload = True
                 async for item in upload(request.upload_id):
-                    await queue.put(item)
+                    await _hand_over(queue, item)
                 continue
             if kind == "header":
                 await inbox.announce(request.header)
@@ -85,7 +87,7 @@ async def _read_tensors(
                 raise ValueError("empty request: set one of recipe, header or chunk")
             for item in inbox.take():
                 stats.tensors_received += 1
-                await queue.put(item)
+                await _hand_over(queue, item)
         inbox.close()  # the stream ended mid-tensor: DATA_LOSS
         await queue.put(_END)
     except asyncio.CancelledError:
@@ -93,6 +95,13 @@ async def _read_tensors(
         raise
     except BaseException as exc:  # handed to the responder, which owns the call's status
         await queue.put(exc)
+
+
+async def _hand_over(queue: asyncio.Queue, item: tuple[pb.TensorHeader, np.ndarray]) -> None:
+    """Puts a tensor on the queue and returns once the engine has taken it (task_done): the
+    next tensor is assembled while this one is quantized, not while it waits for the engine."""
+    await queue.put(item)
+    await queue.join()
 
 
 async def _upload_tensors(
@@ -235,6 +244,7 @@ class _Engine:
         loop = asyncio.get_running_loop()
         try:
             while (item := await tensors.get()) is not _END:
+                tensors.task_done()  # the reader may assemble the next one (_hand_over)
                 if isinstance(item, BaseException):
                     raise item
                 header, array = item

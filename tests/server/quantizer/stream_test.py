@@ -101,3 +101,33 @@ def test_encoded_chunks_are_the_bytes_of_the_chunk_responses():
             assert item.WhichOneof("item") == message.WhichOneof("item")  # results, summary
             if message.HasField("result"):
                 assert item.result == message.result
+
+
+def test_a_call_holds_two_tensors_while_the_engine_works():
+    # One being quantized, the next assembled; the one after waits in the request stream until
+    # the engine takes that one (a third would cost a tensor of server memory, no throughput).
+    busy, release = threading.Event(), threading.Event()
+
+    def quantize(array, plan):
+        busy.set()
+        assert release.wait(30)
+        return leaf.quantize_leaf(array, plan)
+
+    async def run() -> int:
+        with futures.ThreadPoolExecutor(1) as executor:
+            stats = stream.CallStats()
+            responses = stream.quantize_stream(
+                _aiter(_requests(4)), executor, 1 << 20, stats, quantize
+            )
+            first = asyncio.ensure_future(anext(responses))
+            assert await asyncio.to_thread(busy.wait, 30)
+            for _ in range(50):  # the reader runs as far as it may
+                await asyncio.sleep(0.01)
+            held = stats.tensors_received
+            release.set()
+            await first
+            rest = [r async for r in responses]
+            assert rest[-1].summary.tensors_quantized == 4
+            return held
+
+    assert asyncio.run(run()) == 2
