@@ -62,6 +62,7 @@ def quantize_checkpoint(
     restart: bool = False,
     check: Callable[[], None] | None = None,
     max_tensor_bytes: int | None = None,
+    mapped_reads: bool = False,
 ) -> list[ReportRow]:
     """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
 
@@ -79,6 +80,10 @@ def quantize_checkpoint(
     `max_tensor_bytes`, when given, refuses the checkpoint before any tensor is read if one
     tensor is larger (a server's jobs obey its --max-tensor-bytes as its streams do).
 
+    `mapped_reads`: a safetensors source hands out read-only views of the file's pages
+    (SafetensorsSource.mapped) instead of copies, for a backend that only sends the bytes on (a
+    server); the engine in this process wants buffers of its own.
+
     Raises:
         FileExistsError: `destination` exists and `overwrite` is False.
         staging.FingerprintMismatch: a partial output made with another recipe, source or
@@ -90,6 +95,8 @@ def quantize_checkpoint(
     dest = pathlib.Path(destination)
     formats.check_destination(source_path, dest, overwrite=overwrite, output_format=output_format)
     with formats.open_source(source_path) as checkpoint:
+        if mapped_reads and hasattr(checkpoint, "mapped"):
+            checkpoint.mapped = True  # a safetensors source maps its tensors instead of reading
         _check_sizes(checkpoint.entries(), max_tensor_bytes)
         fingerprint = _fingerprint(
             source_path, checkpoint, checkpoint.entries(), dest, recipe, output_format

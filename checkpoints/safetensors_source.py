@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pathlib
 import threading
@@ -37,6 +38,14 @@ class SafetensorsSource(source_base.SourceBase):
     # How the source's own names nest, by convention ("model.layers.0.mlp.up_proj.weight"). The
     # parts qmill adds to a quantized leaf are always '/'-joined: P/array/qvalue.
     separator = "."
+    # Whether read() maps tensors of MAP_MIN_BYTES or more (read-only views of the file's pages
+    # in the page cache) instead of reading them into pooled buffers. For a caller that only
+    # reads their bytes: the client sending them to a server skips the read's copy and, for a
+    # buffer not yet in the pool, the kernel zeroing it (~0.3-0.7 of 1.5-2 CPU-s of a 805 MB
+    # client run on the 2-core dev VM, bench/README.md issue 27). The engine in this process
+    # wants a writable 64-byte aligned buffer of its own (XLA:CPU uses one in place; the data
+    # in a file is 8-byte aligned), hence off by default. pipeline.quantize_checkpoint sets it.
+    mapped = False
 
     def __init__(self, files: list[pathlib.Path], *, index: pathlib.Path | None = None) -> None:
         self.files = list(files)
@@ -86,13 +95,17 @@ class SafetensorsSource(source_base.SourceBase):
         except KeyError:
             raise KeyError(f"no tensor {path!r} in {self.files[0].parent}") from None
         nbytes = where.stored.itemsize * math.prod(where.shape)
-        array = self._buffers.take(nbytes).view(where.stored).reshape(where.shape)
-        # Straight into the array's buffer: one copy of the tensor in memory, not two.
-        # Safetensors data is little-endian, as is every host qmill runs on (x86-64, arm64).
-        buffer = memoryview(array.reshape(-1).view(np.uint8))
         fd = self._handle(where.shard).fileno()
-        if _read_at(fd, buffer, where.data_start + where.begin) != array.nbytes:
-            raise ValueError(f"{self.files[where.shard]}: truncated data for tensor {path}")
+        offset = where.data_start + where.begin
+        # Safetensors data is little-endian, as is every host qmill runs on (x86-64, arm64).
+        if self.mapped and nbytes >= MAP_MIN_BYTES and offset + nbytes <= os.fstat(fd).st_size:
+            array = _mapped(fd, offset, nbytes).view(where.stored).reshape(where.shape)
+        else:
+            array = self._buffers.take(nbytes).view(where.stored).reshape(where.shape)
+            # Straight into the array's buffer: one copy of the tensor in memory, not two.
+            buffer = memoryview(array.reshape(-1).view(np.uint8))
+            if _read_at(fd, buffer, offset) != array.nbytes:
+                raise ValueError(f"{self.files[where.shard]}: truncated data for tensor {path}")
         try:
             return self._record.restore(path, array)
         except ValueError as e:
@@ -109,6 +122,20 @@ class SafetensorsSource(source_base.SourceBase):
             f.close()
         self._handles.clear()
         self._buffers.release()
+
+
+# Smaller tensors are read: a mapping costs a system call and a page-table entry per page.
+MAP_MIN_BYTES = 1 << 20
+
+
+def _mapped(fd: int, offset: int, nbytes: int) -> np.ndarray:
+    """A read-only uint8 view of `nbytes` of the file at `offset`, mapped (the caller checked
+    the file is that long). The mapping lives as long as the array and its views; the file must
+    not shrink meanwhile (a page past its end would kill the process with SIGBUS)."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, offset + nbytes - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+    mapping.madvise(mmap.MADV_WILLNEED)  # read ahead now if the pages are not cached
+    return np.frombuffer(mapping, np.uint8, nbytes, offset - start)
 
 
 def _read_at(fd: int, buffer: memoryview, offset: int) -> int:

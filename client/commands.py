@@ -166,6 +166,8 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
                 overwrite=args.overwrite,
                 progress=bar,
                 restart=restart,
+                # The tensors only go out on the wire: read-only views of the file will do.
+                mapped_reads=bool(args.server),
             )
 
     # Only the first attempt may discard a partial output; retries resume it. A server that

@@ -234,8 +234,8 @@ def chunk_of(message: pb.TensorChunk | Chunk) -> Chunk:
 
 
 class ChunkRequest(NamedTuple):
-    """A request that carries one chunk, decoded by `chunk_decoder` without protobuf: answers
-    WhichOneof and `.chunk` as the message would."""
+    """A request (or response) that carries one chunk, decoded by `chunk_decoder` without
+    protobuf: answers WhichOneof and `.chunk` as the message would."""
 
     chunk: Chunk
 
@@ -289,14 +289,15 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
 
 
 def chunk_decoder(message: type) -> Callable[[bytes], Any]:
-    """A deserializer for `message` requests that returns a chunk request as a ChunkRequest
-    whose data is a view of the received bytes, any other request parsed as `message`.
+    """A deserializer for `message` requests (or responses) that returns a chunk message as a
+    ChunkRequest whose data is a view of the received bytes, any other message parsed as
+    `message`.
 
-    grpc hands the server each message as bytes; parsing a 4 MiB chunk with protobuf copies its
-    data, and reading the field copies it again (upb), before the assembler copies it a third
-    time. A request that is exactly `chunk {offset data}` (the fields in any order, as encoded
-    by `encoded_chunks` or SerializeToString) skips both; anything else, malformed bytes
-    included, goes to protobuf, which decides.
+    grpc hands the server (the client) each message as bytes; parsing a 4 MiB chunk with
+    protobuf copies its data, and reading the field copies it again (upb), before the assembler
+    copies it a third time. A message that is exactly `chunk {offset data}` (the fields in any
+    order, as encoded by `encoded_chunks` or SerializeToString) skips both; anything else,
+    malformed bytes included, goes to protobuf, which decides.
     """
     field = message.DESCRIPTOR.fields_by_name["chunk"].number
     parse = message.FromString
@@ -423,14 +424,29 @@ def send(message: Callable[..., M], header_field: str, path: str, array: np.ndar
         yield message(chunk=chunk)
 
 
+def part_bytes(
+    parts: Mapping[str, np.ndarray],
+) -> tuple[list[pb.TensorHeader], list[np.ndarray]]:
+    """Several tensors announced at once (a result's parts): their headers, and the bytes of
+    each (as to_bytes gives them), to send in this order as chunks or encoded_chunks."""
+    encoded = [(name, array, to_bytes(array)) for name, array in parts.items()]
+    headers = [header_for(name, array, data) for name, array, data in encoded]
+    return headers, [data for _, _, data in encoded]
+
+
 def encode_parts(
     parts: Mapping[str, np.ndarray],
 ) -> tuple[list[pb.TensorHeader], Iterator[pb.TensorChunk]]:
     """Several tensors announced at once (a result's parts): their headers, and every chunk of
     the first, then of the second, and so on."""
-    encoded = [(name, array, to_bytes(array)) for name, array in parts.items()]
-    headers = [header_for(name, array, data) for name, array, data in encoded]
-    return headers, (chunk for _, _, data in encoded for chunk in chunks(data))
+    headers, data = part_bytes(parts)
+    return headers, (chunk for piece in data for chunk in chunks(piece))
+
+
+def serialized(message: Any) -> bytes:
+    """A message's bytes; bytes (a message encoded already, as by encoded_chunks) as they are.
+    The serializer of a stream whose messages may be either."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class Receiver:

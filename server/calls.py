@@ -71,7 +71,14 @@ class CallContext:
             self._trailers[key] = value
         # An empty tuple makes grpc send the trailers set above.
         self._inner.set_trailing_metadata(tuple(self._trailers.items()))
-        await self._inner.abort(code, details)
+        try:
+            await self._inner.abort(code, details)
+        except grpc.aio.InternalError as e:
+            # The status could not be sent: the client is gone. A client killed mid-upload can
+            # end its request stream (here: mid-tensor, DATA_LOSS) before grpc marks the call
+            # cancelled; as with a failed write (_write), the call ends CANCELLED, not UNKNOWN.
+            self.code, self.details = None, ""
+            raise asyncio.CancelledError(f"the client went away before the status ({e})") from e
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code

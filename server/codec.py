@@ -99,13 +99,22 @@ def quantized_result(
     plan: layout.LeafPlan, result: leaf.LeafResult, input_bytes: int
 ) -> tuple[pb.TensorResult, Iterator[pb.TensorChunk]]:
     """The TensorResult of a quantized tensor and the chunks of its parts, in part order."""
+    message, data = quantized_parts(plan, result, input_bytes)
+    return message, (chunk for piece in data for chunk in wire.chunks(piece))
+
+
+def quantized_parts(
+    plan: layout.LeafPlan, result: leaf.LeafResult, input_bytes: int
+) -> tuple[pb.TensorResult, list[np.ndarray]]:
+    """The TensorResult of a quantized tensor and the bytes of its parts, in part order (for
+    encoded_messages)."""
     qvalue = result.qvalue
     if result.packed_as is not None:  # 4-bit codes the engine packed as the wire carries them
         qvalue = checkpoint_dtypes.Packed4(qvalue, *result.packed_as)
     parts = {"qvalue": qvalue, "scale": result.scale}
     if result.zero_point is not None:
         parts["zero_point"] = result.zero_point
-    headers, chunks = wire.encode_parts(parts)
+    headers, data = wire.part_bytes(parts)
     message = pb.TensorResult(
         path=plan.path,
         kind=pb.RESULT_KIND_QUANTIZED,
@@ -114,7 +123,7 @@ def quantized_result(
         parts=headers,
         input_bytes=input_bytes,
     )
-    return message, chunks
+    return message, data
 
 
 def float_result(
@@ -143,6 +152,17 @@ def messages(
     yield message(**{field: result})
     for chunk in chunks:
         yield message(chunk=chunk)
+
+
+def encoded_messages(
+    message: type, field: str, result: pb.TensorResult, data: Iterable[np.ndarray]
+) -> Iterator[Any]:
+    """messages(message, field, result, chunks of `data`) with the chunks as serialized
+    `message(chunk=...)` (wire.encoded_chunks: one copy of their bytes instead of four), for a
+    stream whose serializer passes bytes through (wire.serialized)."""
+    yield message(**{field: result})
+    for piece in data:
+        yield from wire.encoded_chunks(message, piece)
 
 
 def odml_info(tflite: bytes, ops: Sequence[str], quantized_weights: Any) -> pb.OdmlModelInfo:

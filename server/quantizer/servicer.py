@@ -71,9 +71,12 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
                 limiter=self._limiter,
                 metrics=self._metrics,
                 upload_tensors=self._upload_tensors,
+                encode_chunks=True,
                 **extra,
             ):
-                if scales and response.WhichOneof("item") == "summary":
+                # Chunks come serialized already (bytes); the summary is a message.
+                last = not isinstance(response, bytes) and response.WhichOneof("item") == "summary"
+                if scales and last:
                     for result in static_ranges.results(scales):
                         yield result  # after the tensors, before the summary
                 yield response
@@ -90,12 +93,14 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
 def add_to_server(servicer: QuantizerServicer, server: grpc.aio.Server) -> None:
     """Registers the Quantizer service as pb_grpc.add_QuantizerServicer_to_server does, but
     QuantizeParams' chunk requests are decoded without protobuf (wire.chunk_decoder): their 4 MiB
-    of data reach the assembler as a view of grpc's bytes, not two copies."""
+    of data reach the assembler as a view of grpc's bytes, not two copies; its result chunks go
+    out as the bytes wire.encoded_chunks made (wire.serialized passes them through)."""
     handlers = {
         "QuantizeParams": grpc.stream_stream_rpc_method_handler(
             servicer.QuantizeParams,
             request_deserializer=wire.chunk_decoder(pb.QuantizeParamsRequest),
-            response_serializer=pb.QuantizeParamsResponse.SerializeToString,
+            # Result chunks come serialized (stream.quantize_stream's encode_chunks).
+            response_serializer=wire.serialized,
         ),
         "GetCapabilities": grpc.unary_unary_rpc_method_handler(
             servicer.GetCapabilities,

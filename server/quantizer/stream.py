@@ -1,8 +1,10 @@
 """One QuantizeParams call: assemble tensors from the request stream, quantize, stream results.
 
 Receiving overlaps with quantizing: a reader task assembles the next tensor while the previous one
-is quantized, with at most one finished tensor waiting between them. Memory per call is therefore
-about three tensors (one arriving, one waiting, one being quantized) plus its result. Each tensor's
+is quantized, and starts on the one after only once the engine has taken it (_hand_over). Memory
+per call is therefore about two tensors (one arriving, one being quantized or waiting for the
+engine) plus results on their way out; with a finished tensor allowed to wait as well it was three,
+for no gain in throughput (bench/README.md, issue 27). Each tensor's
 bytes are reserved with the server's ByteLimiter before its buffer is allocated and released once
 its answer is sent (or the call ends), so all calls together stay within the in-flight limit.
 """
@@ -71,7 +73,7 @@ async def _read_tensors(
                     raise ValueError("send upload_id right after the recipe, instead of tensors")
                 from_upload = True
                 async for item in upload(request.upload_id):
-                    await queue.put(item)
+                    await _hand_over(queue, item)
                 continue
             if kind == "header":
                 await inbox.announce(request.header)
@@ -85,7 +87,7 @@ async def _read_tensors(
                 raise ValueError("empty request: set one of recipe, header or chunk")
             for item in inbox.take():
                 stats.tensors_received += 1
-                await queue.put(item)
+                await _hand_over(queue, item)
         inbox.close()  # the stream ended mid-tensor: DATA_LOSS
         await queue.put(_END)
     except asyncio.CancelledError:
@@ -93,6 +95,13 @@ async def _read_tensors(
         raise
     except BaseException as exc:  # handed to the responder, which owns the call's status
         await queue.put(exc)
+
+
+async def _hand_over(queue: asyncio.Queue, item: tuple[pb.TensorHeader, np.ndarray]) -> None:
+    """Puts a tensor on the queue and returns once the engine has taken it (task_done): the
+    next tensor is assembled while this one is quantized, not while it waits for the engine."""
+    await queue.put(item)
+    await queue.join()
 
 
 async def _upload_tensors(
@@ -147,9 +156,14 @@ async def quantize_stream(
     limiter: limits.ByteLimiter | None = None,
     metrics: metrics_lib.Metrics | None = None,
     upload_tensors: UploadTensors | None = None,
-) -> AsyncIterator[pb.QuantizeParamsResponse]:
+    encode_chunks: bool = False,
+) -> AsyncIterator[pb.QuantizeParamsResponse | bytes]:
     """Responses for one QuantizeParams call, in the order the tensors arrived (or, with an
-    upload_id, in the upload's order)."""
+    upload_id, in the upload's order).
+
+    With `encode_chunks`, a result's chunks come as serialized responses (bytes, for a
+    serializer that passes them through: wire.serialized), one copy of their data each instead
+    of four (tobytes, the chunk, the response, serializing it)."""
     first = await codec.first_item(requests, "recipe", "the recipe")
     recipe = codec.recipe_from_proto(first)
     tenant = auth.current_principal().tenant
@@ -178,9 +192,16 @@ async def quantize_stream(
                 yield pb.QuantizeParamsResponse(result=codec.kept_result(plan, header.byte_length))
                 _answered(account, metrics, header, "kept")
                 continue
-            message, chunks = codec.quantized_result(plan, result, header.byte_length)
+            message, data = codec.quantized_parts(plan, result, header.byte_length)
             del result
-            for response in codec.messages(pb.QuantizeParamsResponse, "result", message, chunks):
+            response_type = pb.QuantizeParamsResponse
+            if encode_chunks:
+                responses = codec.encoded_messages(response_type, "result", message, data)
+            else:
+                chunks = (chunk for piece in data for chunk in wire.chunks(piece))
+                responses = codec.messages(response_type, "result", message, chunks)
+            del data  # the responses hold the parts until they are sent
+            for response in responses:
                 yield response
             # From the parts' headers: reading response.chunk.data would copy every chunk again.
             stats.bytes_sent += sum(part.byte_length for part in message.parts)
@@ -223,6 +244,7 @@ class _Engine:
         loop = asyncio.get_running_loop()
         try:
             while (item := await tensors.get()) is not _END:
+                tensors.task_done()  # the reader may assemble the next one (_hand_over)
                 if isinstance(item, BaseException):
                     raise item
                 header, array = item

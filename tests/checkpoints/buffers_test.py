@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import safetensors.numpy
 
 from qmill.checkpoints import buffers
@@ -47,5 +48,41 @@ def test_source_reads_stay_correct_while_earlier_tensors_are_held(tmp_path):
         address = source.read("t2").ctypes.data  # dropped at once: free for the next read
         assert address % buffers.ALIGNMENT == 0
         assert source.read("t3").ctypes.data == address
+    finally:
+        source.close()
+
+
+def test_mapped_reads_view_the_file_and_small_or_truncated_tensors_are_read(tmp_path):
+    rng = np.random.default_rng(1)
+    tensors = {
+        "big": rng.standard_normal((512, 1024), np.float32),  # 2 MiB: mapped
+        "small": rng.standard_normal((16, 16), np.float32),  # read into a buffer
+        "half": rng.standard_normal((1024, 512)).astype(np.float16),  # 1 MiB: mapped
+    }
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    source = source_lib.SafetensorsSource([path])
+    source.mapped = True
+    try:
+        read = {name: source.read(name) for name in tensors}
+        for name, array in tensors.items():
+            assert read[name].dtype == array.dtype and read[name].shape == array.shape
+            np.testing.assert_array_equal(read[name], array)
+        assert not read["big"].flags.writeable and not read["half"].flags.writeable
+        assert read["small"].flags.writeable
+    finally:
+        source.close()
+    np.testing.assert_array_equal(read["big"], tensors["big"])  # the mapping outlives close()
+    # A file cut short after it was opened is never mapped past its end (that would be SIGBUS):
+    # the read says it is truncated.
+    source = source_lib.SafetensorsSource([path])
+    source.mapped = True
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    try:
+        last = max(tensors, key=lambda n: source._where[n].begin)
+        assert last != "small"  # a tensor the source maps
+        with pytest.raises(ValueError, match="truncated"):
+            source.read(last)
     finally:
         source.close()

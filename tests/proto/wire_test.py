@@ -198,3 +198,24 @@ def test_chunk_decoder_views_chunk_requests_and_parses_the_rest() -> None:
     assert isinstance(parsed, pb.QuantizeParamsRequest) and parsed.chunk.data == b"abc"
     with pytest.raises(DecodeError):
         decode(b"\x1a\x05\x08")
+
+
+def test_chunk_decoder_reads_response_chunks_as_the_client_receives_them() -> None:
+    # The client decodes QuantizeParams responses so (client/connection.py); their chunk field
+    # has another number (2) than the request's (3).
+    decode = wire.chunk_decoder(pb.QuantizeParamsResponse)
+    data = np.arange(5_000, dtype=np.uint16).view(np.uint8)
+    result = pb.QuantizeParamsResponse(result=pb.TensorResult(path="w", input_bytes=40))
+    summary = pb.QuantizeParamsResponse(summary=pb.Summary(tensors_received=1))
+    chunks = [decode(r) for r in wire.encoded_chunks(pb.QuantizeParamsResponse, data, 4096)]
+    assert all(isinstance(c, wire.ChunkRequest) and c.WhichOneof("item") == "chunk" for c in chunks)
+    assert b"".join(bytes(c.chunk.data) for c in chunks) == data.tobytes()
+    assert decode(result.SerializeToString()) == result
+    assert decode(summary.SerializeToString()) == summary
+    receiver = wire.Receiver()
+    array = np.linspace(-1, 1, 2_500, dtype=np.float32)
+    receiver.announce(wire.header_for("w", array))
+    for encoded in wire.encoded_chunks(pb.QuantizeParamsResponse, wire.to_bytes(array), 4096):
+        receiver.add(decode(encoded).chunk)
+    [(path, received)] = receiver.take()
+    assert path == "w" and received.tobytes() == array.tobytes()

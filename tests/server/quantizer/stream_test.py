@@ -78,3 +78,56 @@ def test_an_engine_error_ends_the_stream_with_it():
 
     with pytest.raises(ValueError, match=r"the engine refuses layers\.0\.weight"):
         asyncio.run(run())
+
+
+def test_encoded_chunks_are_the_bytes_of_the_chunk_responses():
+    async def run(encode_chunks: bool) -> list:
+        with futures.ThreadPoolExecutor(1) as executor:
+            responses = stream.quantize_stream(
+                _aiter(_requests(2)),
+                executor,
+                1 << 20,
+                stream.CallStats(),
+                encode_chunks=encode_chunks,
+            )
+            return [r async for r in responses]
+
+    plain, encoded = asyncio.run(run(False)), asyncio.run(run(True))
+    assert len(plain) == len(encoded)
+    for message, item in zip(plain, encoded, strict=True):
+        if message.WhichOneof("item") == "chunk":
+            assert item == message.SerializeToString()  # serialized, byte for byte
+        else:
+            assert item.WhichOneof("item") == message.WhichOneof("item")  # results, summary
+            if message.HasField("result"):
+                assert item.result == message.result
+
+
+def test_a_call_holds_two_tensors_while_the_engine_works():
+    # One being quantized, the next assembled; the one after waits in the request stream until
+    # the engine takes that one (a third would cost a tensor of server memory, no throughput).
+    busy, release = threading.Event(), threading.Event()
+
+    def quantize(array, plan):
+        busy.set()
+        assert release.wait(30)
+        return leaf.quantize_leaf(array, plan)
+
+    async def run() -> int:
+        with futures.ThreadPoolExecutor(1) as executor:
+            stats = stream.CallStats()
+            responses = stream.quantize_stream(
+                _aiter(_requests(4)), executor, 1 << 20, stats, quantize
+            )
+            first = asyncio.ensure_future(anext(responses))
+            assert await asyncio.to_thread(busy.wait, 30)
+            for _ in range(50):  # the reader runs as far as it may
+                await asyncio.sleep(0.01)
+            held = stats.tensors_received
+            release.set()
+            await first
+            rest = [r async for r in responses]
+            assert rest[-1].summary.tensors_quantized == 4
+            return held
+
+    assert asyncio.run(run()) == 2
