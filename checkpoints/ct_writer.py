@@ -140,12 +140,16 @@ class _Layout:
         shape = self._shapes.get(path)
         return array if shape is None else ct_blocks.unpad(array, shape)
 
-    def _compress(self, path: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # A calibration id's method is known only on the server: its first AWQ / SmoothQuant
-        # tensor stops the run here, before anything is committed.
+    def check_parts(self, path: str, parts: dict[str, Any]) -> None:
+        """Refuses an AWQ / SmoothQuant result. A calibration id's method is known only on the
+        server: its first such tensor stops the run here (the pipeline asks before it keeps the
+        tensor for resuming; _compress asks again), and nothing is committed."""
         for name, method in (("awq_scale", "awq"), ("inv_sq_scale", "smoothquant")):
             if name in parts:
                 raise ValueError(per_channel_scale_refusal(path, method))
+
+    def _compress(self, path: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.check_parts(path, parts)
         parts = {**parts, "qvalue": self._unpadded(path, parts["qvalue"])}
         return ct_layout.compress(self._scheme, path, parts, self._global_scales.get(path))
 

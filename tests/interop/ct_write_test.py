@@ -306,5 +306,5 @@ def test_awq_and_smoothquant_params_are_refused_with_the_reason(tmp_path):
         reason = f"a.proj.weight: {method} params carry a per-input-channel scale"
         with pytest.raises(ValueError, match=rf"{reason}.*llm-compressor folds AWQ scales"):
             _quantize(folder, tmp_path / method, "W8A8", backend=WithStats())
-        # Nothing committed (the partial output stays, as after any failed run).
-        assert not (tmp_path / method).exists()
+        # Nothing committed, nothing kept for resuming.
+        assert not list(tmp_path.glob(f"{method}*")), list(tmp_path.iterdir())
