@@ -83,6 +83,34 @@ def check_source(source: Any, recipe: dict[str, Any]) -> ct_schemes.Scheme:
     return scheme
 
 
+# Statistic suffixes of the calibrated methods whose params carry a per-input-channel scale
+# beside the codes (engine/contrib/leaf.py SUFFIXES; the client does not import the engine).
+PER_CHANNEL_SCALE_SUFFIXES = {"_awq": "awq", "_sq": "smoothquant"}
+
+
+def per_channel_scale_refusal(what: str, method: str) -> str:
+    """Why `what` (a calibration, a tensor) quantized by `method` has no compressed-tensors
+    output, and what to do instead."""
+    return (
+        f"{what}: {method} params carry a per-input-channel scale beside the codes (awq_scale / "
+        "inv_sq_scale), which compressed-tensors cannot hold: its pack-quantized format has no "
+        "per-input-channel scale, and llm-compressor folds AWQ scales into the previous layer, "
+        "which a model-free service cannot do (it never sees the model's graph). Write qmill's "
+        "layout instead (--format safetensors, npz or orbax; a Hugging Face folder stays one), "
+        "or calibrate with --method gptq"
+    )
+
+
+def check_calibration(stat_keys: Any, what: str) -> None:
+    """Refuses, before any work, statistics (flat '/'-joined keys, as `qmill calibrate
+    --stats-output` writes them) of a method whose params compressed-tensors cannot hold."""
+    for key in stat_keys:
+        stat = str(key).rpartition("/")[0]
+        for suffix, method in PER_CHANNEL_SCALE_SUFFIXES.items():
+            if stat.endswith(suffix):
+                raise ValueError(per_channel_scale_refusal(what, method))
+
+
 LM_HEAD = "lm_head"
 # transformers' PretrainedConfig ties the head to the input embedding unless a config says not.
 _LANGUAGE_MODEL_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
@@ -112,7 +140,16 @@ class _Layout:
         shape = self._shapes.get(path)
         return array if shape is None else ct_blocks.unpad(array, shape)
 
+    def check_parts(self, path: str, parts: dict[str, Any]) -> None:
+        """Refuses an AWQ / SmoothQuant result. A calibration id's method is known only on the
+        server: its first such tensor stops the run here (the pipeline asks before it keeps the
+        tensor for resuming; _compress asks again), and nothing is committed."""
+        for name, method in (("awq_scale", "awq"), ("inv_sq_scale", "smoothquant")):
+            if name in parts:
+                raise ValueError(per_channel_scale_refusal(path, method))
+
     def _compress(self, path: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.check_parts(path, parts)
         parts = {**parts, "qvalue": self._unpadded(path, parts["qvalue"])}
         return ct_layout.compress(self._scheme, path, parts, self._global_scales.get(path))
 

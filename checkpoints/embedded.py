@@ -93,6 +93,7 @@ def _quantize_one(
     parts = {"qvalue": qvalue, "scale": result.scale}
     if result.zero_point is not None:
         parts["zero_point"] = result.zero_point
+    parts.update(result.beside)  # AWQ's awq_scale, SmoothQuant's inv_sq_scale (P/<name>)
     return outcome.TensorOutcome(
         path=path,
         quantized=True,

@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import quantization_config, safetensors_source, safetensors_writer, staging
+from qmill.checkpoints import (
+    quantization_config,
+    safetensors_source,
+    safetensors_writer,
+    staging,
+    writer_base,
+)
 
 CONFIG = "config.json"
 _SKIPPED_DIRS = frozenset({".git", ".cache"})
@@ -131,6 +137,7 @@ class HfFolderWriter:
         self._out.staging.mkdir()
         self._state = "open"
         self._quantized: dict[str, str] = {}  # path -> stored qvalue dtype
+        self._beside: dict[str, int] = {}  # awq_scale / inv_sq_scale -> tensors that have one
         self._kept: list[str] = []  # float tensors of rank >= 2 written as they were
         files = source.weights.files
         # One unsharded file keeps its name; a sharded set is written to a directory first and
@@ -153,6 +160,9 @@ class HfFolderWriter:
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
         self._quantized[path] = np.dtype(parts["qvalue"].dtype).name
+        for name in writer_base.BESIDE_PARTS:
+            if name in parts:
+                self._beside[name] = self._beside.get(name, 0) + 1
         self._weights.write_quantized(path, parts)
 
     def commit(self) -> None:
@@ -186,6 +196,7 @@ class HfFolderWriter:
             quantized=self._quantized,
             kept=self._kept,
             not_copied=[str(p) for p in left_out],
+            beside=self._beside,
         )
 
     def _place_weights(self) -> None:

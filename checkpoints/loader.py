@@ -1,8 +1,10 @@
 """Reading a quantized checkpoint back as the param tree a PtqProvider model takes.
 
 Any output qmill writes -- Orbax, safetensors (one file or a sharded set) or npz -- holds a
-quantized leaf P as P/array/qvalue, P/array/scale (and P/array/zero_point), a static activation
-scale as P/array, float leaves as themselves. `load` splits every path at '/' into a nested dict:
+quantized leaf P as P/array/qvalue, P/array/scale (and P/array/zero_point), an AWQ / SmoothQuant
+one also P/awq_scale / P/inv_sq_scale (the reference's WithAwqScale / WithSqScale), a static
+activation scale as P/array, float leaves as themselves. `load` splits every path at '/' into a
+nested dict:
 
     {"Dense_0": {"kernel": {"array": {"qvalue": int4[16, 64], "scale": float32[1, 64]}}}}
 

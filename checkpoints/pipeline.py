@@ -172,6 +172,7 @@ def _run(
         if outcome.quantized:
             row = _quantized_row(entry, outcome)
             parts = outcome.parts
+            ordered.check_parts(entry.path, parts)  # before it is kept for resuming
         else:
             # A kept tensor is the source's own: the checkpoint is written from the source.
             row = _kept_row(entry, outcome.reason)
@@ -218,6 +219,13 @@ class _InOrder:
         # A write that failed while tensors were still coming (a full disk): raised at the end,
         # once every result is in the partial output, as when the checkpoint was written last.
         self._failed: OSError | None = None
+
+    def check_parts(self, path: str, parts: dict[str, Any]) -> None:
+        """Raises the writer's ValueError for parts its format cannot hold (compressed-tensors:
+        an AWQ / SmoothQuant scale), before the tensor is recorded in the partial output."""
+        check = getattr(self._writer, "check_parts", None)
+        if check is not None:
+            check(path, parts)
 
     def advance(
         self, *, fresh: tuple[str, dict[str, np.ndarray]] | None = None, final: bool = False

@@ -64,7 +64,8 @@ class CheckpointWriter(Protocol):
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
         """Leaf `path` quantized: parts "qvalue", "scale" and optionally "zero_point" land at
-        path/array/qvalue etc. (the Qwix PTQ param layout), '/' in every format."""
+        path/array/qvalue etc. (the Qwix PTQ param layout), '/' in every format; an AWQ /
+        SmoothQuant per-channel part ("awq_scale" / "inv_sq_scale") at path/awq_scale etc."""
         ...
 
     def commit(self) -> None: ...

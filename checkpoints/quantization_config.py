@@ -61,6 +61,7 @@ def build(
     quantized: dict[str, str],
     kept: list[str],
     not_copied: list[str],
+    beside: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The quantization_config of an output made with `recipe`.
 
@@ -69,6 +70,8 @@ def build(
         quantized: path -> stored qvalue dtype of every quantized tensor.
         kept: float tensors of rank >= 2 written unquantized (the schema's `ignore`).
         not_copied: files of the source left out of the output (other-format weights).
+        beside: per-channel part name -> how many tensors have one (AWQ's awq_scale at
+            P/awq_scale, SmoothQuant's inv_sq_scale); the field is left out when there are none.
     """
     groups = {}
     for i, rule in enumerate(r for r in recipe.get("rules", ()) if not r.get("skip")):
@@ -78,7 +81,7 @@ def build(
             "input_activations": None,
             "output_activations": None,
         }
-    return {
+    config = {
         "quant_method": "qmill",
         "format": "qmill-ptq",
         "quantization_status": "compressed",
@@ -93,6 +96,10 @@ def build(
             "not_copied": not_copied,
         },
     }
+    if beside:
+        # P/<name> beside P/array: the reference's WithAwqScale / WithSqScale params.
+        config["qmill"]["beside_array"] = dict(sorted(beside.items()))
+    return config
 
 
 def _strategy(weights: dict[str, Any]) -> str:

@@ -6,7 +6,8 @@ writer uses to keep every output tensor in the shard of its input.
 
 One key layout in every format: a quantized leaf P becomes P/array/qvalue, P/array/scale and
 P/array/zero_point, '/'-joined whatever the format, P being the source's own path verbatim
-(a safetensors name keeps its dots: "model.layers.0.mlp.up_proj.weight/array/qvalue").
+(a safetensors name keeps its dots: "model.layers.0.mlp.up_proj.weight/array/qvalue"); an AWQ or
+SmoothQuant leaf also P/awq_scale or P/inv_sq_scale, beside P/array.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from qmill.checkpoints import dtypes
 
 # The parts of a quantized leaf, in the order they are written (Qwix's QArray fields).
 QUANTIZED_PARTS = ("qvalue", "scale", "zero_point")
+# Per-channel parts a calibrated method keeps beside the QArray, at P/<name> (not in P/array),
+# where the reference's param tree has them: AWQ's WithAwqScale.awq_scale, SmoothQuant's
+# WithSqScale.inv_sq_scale (docs/calibrated-methods.md). At most one per leaf.
+BESIDE_PARTS = ("awq_scale", "inv_sq_scale")
 
 
 # Joins a quantized leaf's path to the parts qmill adds, in every format.
@@ -53,17 +58,20 @@ class WriterBase:
         self._add(key, np.asarray(array), origin)
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
-        unknown = set(parts) - set(QUANTIZED_PARTS)
-        if unknown or not {"qvalue", "scale"} <= set(parts):
+        unknown = set(parts) - set(QUANTIZED_PARTS) - set(BESIDE_PARTS)
+        beside = [name for name in BESIDE_PARTS if name in parts]
+        if unknown or not {"qvalue", "scale"} <= set(parts) or len(beside) > 1:
             raise ValueError(
-                f"{path}: quantized parts are qvalue, scale and optionally zero_point; "
-                f"got {sorted(parts)}"
+                f"{path}: quantized parts are qvalue, scale and optionally zero_point, and at "
+                f"most one of {', '.join(BESIDE_PARTS)}; got {sorted(parts)}"
             )
         for name in QUANTIZED_PARTS:
             if name in parts:
                 key = quantized_key(path, name)
                 # Packed 4-bit codes (dtypes.Packed4) go to the format as they are.
                 self._add(key, dtypes.packed_or_array(parts[name]), path)
+        for name in beside:
+            self._add(SEPARATOR.join((path, name)), np.asarray(parts[name]), path)
 
     def commit(self) -> None:
         self._check_open()

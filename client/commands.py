@@ -20,9 +20,9 @@ from rich import box
 from rich.console import Console
 
 from qmill import checkpoints
+from qmill.checkpoints import ct_writer, formats, hf_folder, pipeline, quantization_config
 from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import errors as checkpoint_errors
-from qmill.checkpoints import formats, hf_folder, pipeline, quantization_config
 from qmill.client import credentials, recipes, report, report_table, retry
 
 if TYPE_CHECKING:
@@ -153,6 +153,10 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
+    if args.format == formats.COMPRESSED_TENSORS and "calibration_stats" in calibration:
+        # Statistics in hand: an AWQ / SmoothQuant calibration is refused before any work.
+        what = f"--calibration {args.calibration}"
+        ct_writer.check_calibration(calibration["calibration_stats"], what)
 
     def attempt(restart: bool) -> list[pipeline.ReportRow]:
         backend = _backend(args)

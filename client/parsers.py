@@ -162,9 +162,9 @@ def _add_quantize(sub: Any, name: str) -> None:
     q.add_argument(
         "--calibration",
         metavar="ID|STATS.npz",
-        help="apply a calibrated method (GPTQ, from `qmill calibrate --method gptq`) to the "
-        "weights it has statistics for: with --server the calibration id, in-process the "
-        "statistics file `qmill calibrate --stats-output` wrote",
+        help="apply a calibrated method (GPTQ, AWQ or SmoothQuant, from `qmill calibrate "
+        "--method ...`) to the weights it has statistics for: with --server the calibration "
+        "id, in-process the statistics file `qmill calibrate --stats-output` wrote",
     )
     q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")

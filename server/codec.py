@@ -114,6 +114,7 @@ def quantized_parts(
     parts = {"qvalue": qvalue, "scale": result.scale}
     if result.zero_point is not None:
         parts["zero_point"] = result.zero_point
+    parts.update(result.beside)  # AWQ's awq_scale, SmoothQuant's inv_sq_scale (P/<name>)
     headers, data = wire.part_bytes(parts)
     message = pb.TensorResult(
         path=plan.path,

@@ -6,10 +6,12 @@ A calibration made by a method's program holds, for a weight at path P, the stat
 averaged as engine/core/averaging.py keeps them. `method_stats` finds them; `quantize_leaf`
 quantizes P with its method, on the tensor's LeafPlan (qtype, channel axes, group size), and
 returns the same LeafResult (codes, scales, quality) as modelfree.leaf.quantize_leaf, so every
-writer and the wire take it. Only GPTQ is served here: its output is ordinary codes and scales.
-AWQ and SmoothQuant params carry a per-channel scale no checkpoint format of the service holds
-yet, so they are refused with that reason (their statistics are collected all the same, and
-awq.quantize_params / smooth_quant.quantize_params apply them in-process).
+writer and the wire take it. GPTQ's output is ordinary codes and scales. AWQ and SmoothQuant
+params also carry a per-channel scale along the contracted axis, the reference's `awq_scale` /
+`inv_sq_scale` (contrib/awq.py, contrib/smooth_quant.py): it travels as LeafResult.beside under
+that name, and the writers store it at P/<name>, beside P/array, where the reference's param
+tree has it. Each method computes exactly what its quantize_params computes for the weight
+(the same functions, called the same way), so the parts are the model path's bits.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.contrib import calibration, gptq_core
+from qmill.engine.contrib import awq_core, calibration, gptq_core
 from qmill.engine.core import averaging, numerics, qarray, qtypes
 from qmill.engine.modelfree import layout, packing
 from qmill.engine.modelfree import leaf as leaf_lib
 
 SUFFIXES = {"_gptq": "gptq", "_awq": "awq", "_sq": "smoothquant"}
-SERVED = ("gptq",)
+SERVED = ("gptq", "awq", "smoothquant")
+# The per-channel part each method stores beside the QArray, as the reference's param tree
+# names it (WithAwqScale.awq_scale, WithSqScale.inv_sq_scale).
+BESIDE = {"awq": "awq_scale", "smoothquant": "inv_sq_scale"}
+# How messages name each method.
+NAMES = {"gptq": "GPTQ", "awq": "AWQ", "smoothquant": "SmoothQuant"}
 
 
 def method_of(stat_path: str) -> str | None:
@@ -53,12 +60,12 @@ def method_stats(flat_stats: Mapping[str, Any]) -> dict[str, tuple[str, dict[str
     return out
 
 
-def _contracting_axis(plan: layout.LeafPlan, ndim: int) -> int:
+def _contracting_axis(plan: layout.LeafPlan, ndim: int, method: str) -> int:
     axes = sorted(set(range(ndim)) - set(plan.channelwise_axes))
     if len(axes) != 1:
         raise ValueError(
-            f"{plan.path}: GPTQ needs exactly one contracted axis, the plan has {axes}; quantize "
-            "this path without the calibration (skip it in the method's rules)"
+            f"{plan.path}: {NAMES[method]} needs exactly one contracted axis, the plan has "
+            f"{axes}; quantize this path without the calibration (skip it in the method's rules)"
         )
     return axes[0]
 
@@ -71,30 +78,26 @@ def quantize_leaf(
     *,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    n_grid: int = 20,
 ) -> leaf_lib.LeafResult:
     """Quantizes one tensor by `method` with its averaged statistic (see the module docstring).
 
+    blocksize, percdamp: GPTQ's (gptq.quantize_params' defaults); n_grid: AWQ's (AwqRule's).
+
     Raises:
-      ValueError: a method the service cannot write, statistics that don't fit the tensor, or a
-        tensor without exactly one contracted axis.
+      ValueError: an unknown method, statistics that don't fit the tensor, or a tensor without
+        exactly one contracted axis.
     """
     if method not in SERVED:
-        raise ValueError(
-            f"{plan.path}: {method} params carry a per-channel scale beside the codes "
-            "(the reference's awq_scale / inv_sq_scale), which the service's checkpoint formats "
-            f"cannot hold; apply {method} in-process (qmill.engine.contrib) or use gptq"
-        )
+        raise ValueError(f"{plan.path}: unknown calibrated method {method!r}; one of {SERVED}")
     if int(stat["count"]) == 0:
         raise ValueError(f"{plan.path}: its {method} statistics hold no batches (count 0)")
     x = jax.numpy.asarray(array)
-    axis = _contracting_axis(plan, x.ndim)
+    axis = _contracting_axis(plan, x.ndim, method)
+    # The weight as the model path's CalibratedQuantContext has it: (rows, columns), the
+    # contracted axis last, rows channelwise and columns tiled as the plan tiles that axis.
     w, restore = calibration.normalize_weight(x, axis)
-    hessian = averaging.calibration({k: jax.numpy.asarray(v) for k, v in stat.items()})["hessian"]
-    if hessian.shape != (w.shape[1], w.shape[1]):
-        raise ValueError(
-            f"{plan.path}: GPTQ statistics of shape {hessian.shape} do not match the tensor's "
-            f"{w.shape[1]} input features (axis {axis}); was the calibration made for this model?"
-        )
+    averaged = averaging.calibration({k: jax.numpy.asarray(v) for k, v in stat.items()})
     tile = dict(plan.tiled_axes).get(axis)
     how = qarray.HowToQuantize(
         qtype=plan.qtype,
@@ -102,12 +105,45 @@ def quantize_leaf(
         tiled_axes={1: tile} if tile else {},
         calibration_method=plan.calibration_method,
     )
-    # gptq_core compiles quantize_weight as one function: the model path's bits, not just close.
-    q, _ = gptq_core.quantize_weight(w, hessian, how, blocksize=blocksize, percdamp=percdamp)
-    q = restore(q)
+    key = {"gptq": "hessian", "awq": "act_scale", "smoothquant": "sq_scale"}[method]
+    want = (w.shape[1],) * (2 if method == "gptq" else 1)
+    if averaged[key].shape != want:
+        raise ValueError(
+            f"{plan.path}: {NAMES[method]} statistics of shape {averaged[key].shape} do not "
+            f"match the tensor's {w.shape[1]} input features (axis {axis}); was the calibration "
+            "made for this model?"
+        )
+    beside = {}
+    if method == "gptq":
+        # gptq_core compiles quantize_weight as one function: the model path's bits.
+        q, _ = gptq_core.quantize_weight(
+            w, averaged[key], how, blocksize=blocksize, percdamp=percdamp
+        )
+        deq = qarray.dequantize(restore(q))
+    elif method == "awq":
+        # As awq.quantize_params: eagerly, op by op, as the model path runs it.
+        q, scales = awq_core.quantize_weight(w, averaged[key], how, n_grid=n_grid)
+        beside[BESIDE[method]] = scales.reshape(-1)
+        deq = restore(qarray.dequantize(q) / scales)  # the weight it stands for
+    else:
+        # As smooth_quant.quantize_params: Q(W · s), and 1/s averaged on its own beside it;
+        # inference multiplies the activation by it, i.e. the weight it stands for is Q · 1/s.
+        q = qarray.quantize(w * averaged[key], how)
+        beside[BESIDE[method]] = averaged["inv_sq_scale"]
+        deq = restore(qarray.dequantize(q) * averaged["inv_sq_scale"])
+    return _result(x, restore(q), plan, deq, beside)
+
+
+def _result(
+    x: jax.Array,
+    q: qarray.QArray,
+    plan: layout.LeafPlan,
+    deq: jax.Array,
+    beside: dict[str, jax.Array],
+) -> leaf_lib.LeafResult:
+    """The LeafResult of `q` (in the tensor's layout), measured against `deq`, the float weight
+    it stands for."""
     scale = q.scale if plan.scale_dtype is None else q.scale.astype(plan.scale_dtype)
-    host = np.asarray(x, np.float32)
-    deq = np.asarray(qarray.dequantize(q), np.float32)
     qvalue, packed_as = np.asarray(q.qvalue), None
     storage = np.dtype(qtypes.get(plan.qtype).storage)
     if numerics.byte_dtype(plan.qtype) != storage:  # 4-bit: packed as the plain path packs them
@@ -117,8 +153,9 @@ def quantize_leaf(
         qvalue=qvalue,
         scale=np.asarray(scale),
         zero_point=None if q.zero_point is None else np.asarray(q.zero_point),
-        quality=leaf_lib.measure(host, deq),
+        quality=leaf_lib.measure(np.asarray(x, np.float32), np.asarray(deq, np.float32)),
         packed_as=packed_as,
+        beside={name: np.asarray(v) for name, v in beside.items()},
     )
 
 

@@ -60,6 +60,10 @@ class LeafResult:
     zero_point: np.ndarray | None
     quality: Quality
     packed_as: tuple[np.dtype, tuple[int, ...]] | None = None
+    # Per-channel parts a calibrated method stores beside the QArray, under the reference's
+    # param names (AWQ's "awq_scale", SmoothQuant's "inv_sq_scale"; contrib/leaf.py): written
+    # at P/<name>, beside P/array. Empty for every other method.
+    beside: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def codes(self) -> np.ndarray:
         """The codes as an array of their dtype and shape (unpacked: a copy when packed)."""

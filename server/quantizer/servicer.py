@@ -60,7 +60,8 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
             methods = await loop.run_in_executor(
                 self._executor, static_ranges.method_stats, ranges, tenant, self._calibrations
             )
-        # Weights with a method's statistics (GPTQ) are quantized by it, the rest as usual.
+        # Weights with a method's statistics (GPTQ, AWQ, SmoothQuant) are quantized by it (AWQ and
+        # SmoothQuant add their per-channel scale to the result's parts), the rest as usual.
         extra = {"quantize": contrib_leaf.quantizer(methods)} if methods else {}
         try:
             async for response in stream.quantize_stream(

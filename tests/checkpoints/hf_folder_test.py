@@ -137,6 +137,48 @@ def test_a_folder_written_as_one_file_or_npz_is_just_the_weights(tmp_path):
         }
 
 
+class _WithStats:
+    """The embedded backend with a calibration's statistics, as `qmill quantize --calibration
+    STATS.npz` gives them."""
+
+    def __init__(self, stats):
+        self._backend, self._stats = embedded.EmbeddedClient(), stats
+
+    def quantize(self, recipe, tensors, **kw):
+        return self._backend.quantize(recipe, tensors, calibration_stats=self._stats, **kw)
+
+
+def test_an_awq_folder_keeps_the_awq_scale_beside_the_codes(tmp_path):
+    from qmill import checkpoints
+    from qmill.engine.contrib import leaf as contrib_leaf
+    from qmill.engine.modelfree import layout, recipes
+
+    source = _hf_folder(tmp_path, sharded=True)
+    weight = "encoder.layer.0.attention.self.query.weight"  # (out, in): 32 input channels
+    act = np.abs(np.random.default_rng(1).normal(size=32)).astype(np.float32) + 0.1
+    stats = {f"{weight}_awq/count": np.int32(2), f"{weight}_awq/sum_of_act_scale": 2 * act}
+    recipe = {"rules": [{"path_regex": ".*", "qtype": "int8"}]}
+    out = tmp_path / "awq-bert"
+    pipeline.quantize_checkpoint(source, out, recipe, backend=_WithStats(stats))
+    tree = checkpoints.load(out)
+    assert set(tree[weight]) == {"array", "awq_scale"}
+    shard = safetensors.numpy.load_file(out / "model-00002-of-00002.safetensors")
+    assert f"{weight}/awq_scale" in shard  # in its weight's own shard
+    # The same bits as the engine's leaf for that tensor and statistic.
+    array = np.asarray(
+        safetensors.numpy.load_file(source / "model-00002-of-00002.safetensors")[weight]
+    )
+    plan = layout.plan_leaf(weight, array.shape, array.dtype, recipes.recipe_from_mapping(recipe))
+    expected = contrib_leaf.quantizer(contrib_leaf.method_stats(stats))(array, plan)
+    np.testing.assert_array_equal(tree[weight]["awq_scale"], expected.beside["awq_scale"])
+    np.testing.assert_array_equal(tree[weight]["array"]["qvalue"], expected.codes())
+    np.testing.assert_array_equal(tree[weight]["array"]["scale"], expected.scale)
+    # The other weights had no statistics: plain PTQ, nothing beside.
+    assert set(tree["embeddings.word_embeddings.weight"]) == {"array"}
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["qmill"]["beside_array"] == {"awq_scale": 1}
+
+
 @pytest.mark.parametrize("where", ["same", "inside"])
 def test_an_output_that_is_the_source_or_inside_it_is_refused(tmp_path, where):
     source = _hf_folder(tmp_path, sharded=False)

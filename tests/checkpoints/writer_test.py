@@ -108,3 +108,32 @@ def test_callers_may_reuse_their_buffers(tmp_path, dest, fmt):
             writer.write(f"t/{i}", buffer)
     with checkpoints.open_source(dest) as source:
         assert [source.read(f"t/{i}")[0] for i in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("name", ["awq_scale", "inv_sq_scale"])
+def test_a_per_channel_scale_lies_beside_the_qarray(tmp_path, dest, fmt, name):
+    # AWQ / SmoothQuant params: P/awq_scale (or P/inv_sq_scale) beside P/array/{qvalue,scale},
+    # as the reference's WithAwqScale / WithSqScale nest, in every format.
+    parts = {
+        "qvalue": np.arange(-4, 4, dtype=np.int8).reshape(2, 4),
+        "scale": np.full((1, 4), 0.5, np.float32),
+        name: np.array([1.0, 0.25], np.float32),
+    }
+    with checkpoints.create_writer(dest, fmt) as writer:
+        writer.write_quantized("params/k", parts)
+    kernel = checkpoints.load(dest)["params"]["k"]
+    assert set(kernel) == {"array", name} and set(kernel["array"]) == {"qvalue", "scale"}
+    for part in ("qvalue", "scale"):
+        np.testing.assert_array_equal(kernel["array"][part], parts[part])
+    np.testing.assert_array_equal(kernel[name], parts[name])
+    assert kernel[name].dtype == np.float32
+
+
+def test_two_per_channel_scales_are_refused(tmp_path, dest, fmt):
+    writer = checkpoints.create_writer(dest, fmt)
+    both = {"awq_scale": np.ones(2, np.float32), "inv_sq_scale": np.ones(2, np.float32)}
+    with pytest.raises(ValueError, match="at most one of awq_scale, inv_sq_scale"):
+        writer.write_quantized(
+            "params/k", {"qvalue": np.ones(2, np.int8), "scale": np.ones(1), **both}
+        )
+    writer.abort()

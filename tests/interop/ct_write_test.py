@@ -275,3 +275,36 @@ def test_unsuitable_sources_are_refused_before_any_work(tmp_path, llama):
     assert (
         formats.FORMATS[-1] == CT and ct_schemes.scheme_named("fp8_dynamic").name == "FP8_DYNAMIC"
     )
+
+
+def test_awq_and_smoothquant_params_are_refused_with_the_reason(tmp_path):
+    # A calibration id's method is known only to the server: its first AWQ / SmoothQuant tensor
+    # stops the run at the writer, and nothing is committed. (A statistics file is refused
+    # before any work: tests/e2e/awq_sq_cli_test.py.)
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    w = np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32)
+    save_file({"a.proj.weight": w}, folder / "model.safetensors")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    ones = np.ones(256, np.float32)
+    statistics = {
+        "awq": {"a.proj.weight_awq/count": np.int32(1), "a.proj.weight_awq/sum_of_act_scale": ones},
+        "smoothquant": {
+            "a.proj.weight_sq/count": np.int32(1),
+            "a.proj.weight_sq/sum_of_sq_scale": ones,
+            "a.proj.weight_sq/sum_of_inv_sq_scale": ones,
+        },
+    }
+    for method, stats in statistics.items():
+
+        class WithStats(embedded.EmbeddedClient):
+            def quantize(self, recipe, tensors, stats=stats, **kw):
+                return super().quantize(recipe, tensors, calibration_stats=stats, **kw)
+
+        reason = f"a.proj.weight: {method} params carry a per-input-channel scale"
+        with pytest.raises(ValueError, match=rf"{reason}.*llm-compressor folds AWQ scales"):
+            _quantize(folder, tmp_path / method, "W8A8", backend=WithStats())
+        # Nothing committed, nothing kept for resuming.
+        assert not list(tmp_path.glob(f"{method}*")), list(tmp_path.iterdir())

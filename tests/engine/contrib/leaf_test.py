@@ -1,5 +1,6 @@
 """Calibrated methods on the model-free path: a method program's statistics, applied tensor by
-tensor (contrib/leaf.py), give exactly the params gptq.quantize_params gives in the model."""
+tensor (contrib/leaf.py), give exactly the params gptq / awq / smooth_quant.quantize_params give
+in the model (AWQ's awq_scale and SmoothQuant's inv_sq_scale included)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from flax import linen as nn
 
 import qmill.engine as qe
-from qmill.engine.contrib import gptq
+from qmill.engine.contrib import awq, gptq, smooth_quant
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.modelfree import layout, recipes
 from qmill.engine.programs import build, program
@@ -60,16 +61,44 @@ def test_gptq_leaf_matches_the_model_path() -> None:
     assert not np.array_equal(rtn.codes(), result.codes())
 
 
-def test_awq_statistics_are_collected_but_not_served_model_free() -> None:
-    rules = [qe.QuantizationRule(module_path="hidden", weight_qtype="int4", tile_size=128)]
-    params, stats = _stats("awq", rules)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "module", "rule", "entry", "recipe_rule"),
+    [
+        ("awq", awq, awq.AwqRule, "awq_scale", {"qtype": "int4", "tile_size": 128}),
+        ("awq", awq, awq.AwqRule, "awq_scale", {"qtype": "int8"}),
+        ("smoothquant", smooth_quant, smooth_quant.SqRule, "inv_sq_scale", {"qtype": "int8"}),
+    ],
+    ids=["awq-int4-g128", "awq-int8", "smoothquant-w8a8"],
+)
+def test_awq_and_smoothquant_leaves_match_the_model_path(
+    method, module, rule, entry, recipe_rule
+) -> None:
+    tile = recipe_rule.get("tile_size")
+    qtype = recipe_rule["qtype"]
+    # SmoothQuant needs an act_qtype (it balances both ranges); AWQ is weight-only.
+    act = {"act_qtype": "int8"} if method == "smoothquant" else {}
+    rules = [rule(module_path="hidden", weight_qtype=qtype, tile_size=tile, **act)]
+    params, stats = _stats(method, rules)
     found = contrib_leaf.method_stats(program.flat_paths(stats))
-    assert found["hidden/kernel"][0] == "awq"
-    recipe = recipes.recipe_from_mapping({"rules": [{"path_regex": ".*", "qtype": "int4"}]})
+    assert set(found) == {"hidden/kernel"} and found["hidden/kernel"][0] == method
+    ptq_model = qe.quantize_model(Mlp(), qe.PtqProvider(rules))
+    abstract = jax.eval_shape(ptq_model.init, KEYS[2], BATCHES[0])["params"]
+    expected = module.quantize_params(params, abstract, stats)["hidden"]["kernel"]
+    recipe = recipes.recipe_from_mapping({"rules": [{"path_regex": ".*", **recipe_rule}]})
     kernel = np.asarray(params["hidden"]["kernel"])
     plan = layout.plan_leaf("hidden/kernel", kernel.shape, kernel.dtype, recipe)
-    with pytest.raises(ValueError, match="awq_scale"):
-        contrib_leaf.quantizer(found)(kernel, plan)
+    result = contrib_leaf.quantizer(found)(kernel, plan)
+    # Bit for bit: codes, scales and the per-channel part, under the reference's param name.
+    np.testing.assert_array_equal(result.codes(), np.asarray(expected.array.qvalue))
+    np.testing.assert_array_equal(result.scale, np.asarray(expected.array.scale))
+    assert result.zero_point is None and expected.array.zero_point is None
+    assert set(result.beside) == {entry}
+    got, want = result.beside[entry], np.asarray(getattr(expected, entry))
+    assert got.dtype == want.dtype and got.shape == want.shape == (256,)
+    np.testing.assert_array_equal(got, want)
+    rtn = contrib_leaf.quantizer({})(kernel, plan)  # no statistics: plain RTN, nothing beside
+    assert rtn.beside == {} and not np.array_equal(rtn.codes(), result.codes())
 
 
 def test_statistics_of_another_shape_are_refused() -> None:
