@@ -106,6 +106,7 @@ def _rules(rules: Sequence[Mapping[str, Any]]) -> list[Any]:
             weight_calibration_method=r.get("weight_calibration_method") or "absmax",
             act_calibration_method=r.get("act_calibration_method") or None,
             act_static_scale=r.get("act_static_scale") or None,
+            act_batch_axes=tuple(r.get("act_batch_axes") or ()) or (0,),
         )
         for r in rules
     ]

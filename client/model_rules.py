@@ -17,6 +17,14 @@ from qmill.proto.v1 import qmill_pb2 as pb
 PRESETS: dict[str, tuple[pb.ModelRule, ...]] = {
     "w8a8-static": (pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True),),
     "w4a8-static": (pb.ModelRule(weight_qtype="int4", act_qtype="int8", act_static_scale=True),),
+    # The same with one activation scale per tensor for (batch, sequence, features) inputs: what
+    # LiteRT stores, so `export-odml` takes a sequence model's calibration (w8a8-static keeps a
+    # scale per token there).
+    "w8a8-static-seq": (
+        pb.ModelRule(
+            weight_qtype="int8", act_qtype="int8", act_static_scale=True, act_batch_axes=[0, 1]
+        ),
+    ),
     # Weight-only, groups of 128 along the input features: what `--method gptq|awq` calibrates.
     "w4-g128": (pb.ModelRule(weight_qtype="int4", tile_size=128),),
     "w3-g128": (pb.ModelRule(weight_qtype="int3", tile_size=128),),
@@ -31,7 +39,10 @@ RULE_FIELDS: dict[str, type] = {
     "weight_calibration_method": str,
     "act_calibration_method": str,
     "act_static_scale": bool,
+    "act_batch_axes": list,
 }
+# What the items of a list field are.
+_ITEMS: dict[str, type] = {"op_names": str, "act_batch_axes": int}
 
 
 def rules_from_mapping(data: Mapping[str, Any]) -> list[pb.ModelRule]:
@@ -58,7 +69,8 @@ def rules_from_mapping(data: Mapping[str, Any]) -> list[pb.ModelRule]:
             # bool is an int in Python: keep true/false out of tile_size and vice versa.
             ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
             if want is list:
-                ok = ok and all(isinstance(v, str) for v in value)
+                item = _ITEMS[key]
+                ok = ok and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
             if not ok:
                 raise ValueError(f"rules[{i}].{key} must be {want.__name__}, got {value!r}")
         out.append(pb.ModelRule(**table))

@@ -60,6 +60,7 @@ def rules_from_proto(messages: Sequence[pb.ModelRule]) -> list[rules_lib.Quantiz
                     weight_calibration_method=r.weight_calibration_method or "absmax",
                     act_calibration_method=r.act_calibration_method or None,
                     act_static_scale=r.act_static_scale or None,
+                    act_batch_axes=tuple(r.act_batch_axes) or (0,),
                 )
             )
         except (ValueError, TypeError) as exc:

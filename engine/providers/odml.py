@@ -371,7 +371,8 @@ class OdmlConversionProvider(qt.QtProvider):
         if scale.size != 1:
             raise LiteRtUnsupported(
                 f"{name}: the statistics give {scale.size} activation scales; LiteRT stores one "
-                "per activation tensor. Set act_batch_axes to every axis but the channel one."
+                "per activation tensor. Set act_batch_axes to every axis but the channel one "
+                "(calibrate with --rules w8a8-static-seq for (batch, sequence, features) inputs)."
             )
         zp_int = None if zp is None else int(zp[0])
         self.records[name] = FakeQuantRecord(

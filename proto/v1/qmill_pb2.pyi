@@ -342,7 +342,7 @@ class ModelSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class ModelRule(_message.Message):
-    __slots__ = ("module_path", "op_names", "weight_qtype", "act_qtype", "tile_size", "weight_calibration_method", "act_calibration_method", "act_static_scale")
+    __slots__ = ("module_path", "op_names", "weight_qtype", "act_qtype", "tile_size", "weight_calibration_method", "act_calibration_method", "act_static_scale", "act_batch_axes")
     MODULE_PATH_FIELD_NUMBER: _ClassVar[int]
     OP_NAMES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_QTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class ModelRule(_message.Message):
     WEIGHT_CALIBRATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     ACT_CALIBRATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     ACT_STATIC_SCALE_FIELD_NUMBER: _ClassVar[int]
+    ACT_BATCH_AXES_FIELD_NUMBER: _ClassVar[int]
     module_path: str
     op_names: _containers.RepeatedScalarFieldContainer[str]
     weight_qtype: str
@@ -359,7 +360,8 @@ class ModelRule(_message.Message):
     weight_calibration_method: str
     act_calibration_method: str
     act_static_scale: bool
-    def __init__(self, module_path: _Optional[str] = ..., op_names: _Optional[_Iterable[str]] = ..., weight_qtype: _Optional[str] = ..., act_qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., weight_calibration_method: _Optional[str] = ..., act_calibration_method: _Optional[str] = ..., act_static_scale: _Optional[bool] = ...) -> None: ...
+    act_batch_axes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, module_path: _Optional[str] = ..., op_names: _Optional[_Iterable[str]] = ..., weight_qtype: _Optional[str] = ..., act_qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., weight_calibration_method: _Optional[str] = ..., act_calibration_method: _Optional[str] = ..., act_static_scale: _Optional[bool] = ..., act_batch_axes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartUploadRequest(_message.Message):
     __slots__ = ("total_bytes", "sha256", "format", "name")
