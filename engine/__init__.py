@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from qmill.engine.core.qarray import HowToQuantize as HowToQuantize
     from qmill.engine.core.qarray import QArray as QArray
     from qmill.engine.core.qarray import dequantize as dequantize
-    from qmill.engine.core.qarray import quantize_api as quantize
+    from qmill.engine.core.qarray import quantize_api as quantize  # noqa: F401 (in _PUBLIC)
     from qmill.engine.modeling import flax_util as flax_util
     from qmill.engine.modeling import interception as interception
     from qmill.engine.modeling.flax_util import QuantStat as QuantStat
@@ -113,49 +113,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "QtProvider": ("qmill.engine.providers.qt", "QtProvider"),
 }
 
-__all__ = [
-    "HowToQuantize",
-    "LoRAParam",
-    "LoraProvider",
-    "LoraRule",
-    "OdmlConversionProvider",
-    "OdmlQatProvider",
-    "PtqProvider",
-    "QArray",
-    "QtProvider",
-    "QtRule",
-    "QuantStat",
-    "QuantizationProvider",
-    "QuantizationRule",
-    "SimpleMovingAverage",
-    "WithAux",
-    "apply_lora_to_model",
-    "averaging",
-    "calibration",
-    "checkpoint_utils",
-    "contrib",
-    "conv_general_dilated",
-    "dequantize",
-    "dot",
-    "dot_general",
-    "einsum",
-    "flax_util",
-    "interception",
-    "numerics",
-    "process_prequantized_params",
-    "qarray",
-    "qconfig",
-    "qtypes",
-    "quantize",
-    "quantize_model",
-    "quantize_params",
-    "ragged_dot",
-    "ragged_dot_general",
-    "restore_quantization_rules",
-    "sparsity",
-    "tiling",
-    "zoo",
-]
+__all__ = sorted(_PUBLIC)
 
 
 # The rooms, attributes once imported (as every one was when this module imported them all).
