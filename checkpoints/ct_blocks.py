@@ -66,6 +66,7 @@ class PaddedSource:
     def __init__(self, source: Any, padded: dict[str, protocols.TensorEntry]) -> None:
         self._source = source
         self._padded = padded
+        self._own = {e.path: e for e in source.entries() if e.path in padded}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)
@@ -85,10 +86,9 @@ class PaddedSource:
     def as_stored(self, path: str, row: Any) -> Any:
         """A report row of the padded weight, as the stored one: its own shape and bytes (the
         padding's codes, one byte each in fp8, are not written)."""
-        entry = self._padded.get(path)
-        if entry is None:
+        entry, own = self._padded.get(path), self._own.get(path)
+        if entry is None or own is None:
             return row
-        own = next(e for e in self._source.entries() if e.path == path)
         padding = math.prod(entry.shape) - math.prod(own.shape)
         return dataclasses.replace(
             row,

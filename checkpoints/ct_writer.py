@@ -26,6 +26,7 @@ from qmill.checkpoints import (
     ct_schemes,
     hf_folder,
     safetensors_writer,
+    writer_base,
 )
 
 METADATA_KEY = "quantization_config"
@@ -132,9 +133,9 @@ class _Layout:
         self._scheme = ct_schemes.scheme_of_recipe(recipe or {})
         self._global_scales = ct_global.global_scales(recipe or {})
         self._ignored: list[str] = []
-        # Weights the engine saw zero-padded to whole blocks (ct_blocks): their own shapes.
-        padded = ct_blocks.padded_entries(source.entries(), recipe or {})
-        self._shapes = {e.path: e.shape for e in source.entries() if e.path in padded}
+        # Every tensor is stored at its source shape: what the engine saw zero-padded to whole
+        # blocks (ct_blocks) is cut back to it, anything else is already that shape.
+        self._shapes = {e.path: e.shape for e in source.entries()}
 
     def _unpadded(self, path: str, array: Any) -> Any:
         shape = self._shapes.get(path)
@@ -144,7 +145,7 @@ class _Layout:
         """Refuses an AWQ / SmoothQuant result. A calibration id's method is known only on the
         server: its first such tensor stops the run here (the pipeline asks before it keeps the
         tensor for resuming; _compress asks again), and nothing is committed."""
-        for name, method in (("awq_scale", "awq"), ("inv_sq_scale", "smoothquant")):
+        for name, method in writer_base.BESIDE_PARTS.items():
             if name in parts:
                 raise ValueError(per_channel_scale_refusal(path, method))
 

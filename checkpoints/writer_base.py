@@ -20,8 +20,9 @@ from qmill.checkpoints import dtypes
 QUANTIZED_PARTS = ("qvalue", "scale", "zero_point")
 # Per-channel parts a calibrated method keeps beside the QArray, at P/<name> (not in P/array),
 # where the reference's param tree has them: AWQ's WithAwqScale.awq_scale, SmoothQuant's
-# WithSqScale.inv_sq_scale (docs/calibrated-methods.md). At most one per leaf.
-BESIDE_PARTS = ("awq_scale", "inv_sq_scale")
+# WithSqScale.inv_sq_scale (docs/calibrated-methods.md). At most one per leaf. By part: the
+# calibrated method that makes it.
+BESIDE_PARTS = {"awq_scale": "awq", "inv_sq_scale": "smoothquant"}
 
 
 # Joins a quantized leaf's path to the parts qmill adds, in every format.
