@@ -3,7 +3,7 @@
     python bench/calibrated_digits_bench.py [--seeds 3] [--bits 4,3] [--json PATH]
 
 The CNN of tests/engine/providers/digits_test.py (Conv 16, Conv 32, Dense 2048→64, Dense 64→10)
-trained as there (Adam, 8 epochs) on scikit-learn's bundled 8x8 digits: 1,400 training images,
+trained the same way (a copy of that test's loop: Adam, 8 epochs) on scikit-learn's bundled 8x8 digits: 1,400 training images,
 397 held out (the same split). Quantized: both Dense kernels, weights only; Dense_0 in groups
 of 128 along its 2,048 input features, Dense_1 (64 inputs, fewer than a group) per output
 channel, i.e. one group of 64 (GPTQ refuses a group size that does not divide the columns). The
@@ -32,14 +32,10 @@ from qmill.engine.contrib import awq, gptq
 CALIB, BATCH = 512, 64
 
 
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Conv(16, (3, 3))(x))
-        x = nn.relu(nn.Conv(32, (3, 3))(x))
-        x = x.reshape(x.shape[0], -1)  # 8 * 8 * 32 = 2048 features
-        x = nn.relu(nn.Dense(64)(x))
-        return nn.Dense(10)(x)
+def CNN() -> nn.Module:
+    """The digits CNN the library ships (zoo.Cnn's defaults: the same names and shapes as
+    tests/engine/providers/digits_test.py's)."""
+    return qe.zoo.Cnn(qe.zoo.CnnConfig())
 
 
 def data():

@@ -110,10 +110,7 @@ def _sha(path: pathlib.Path) -> str:
 
 def serve(platform: str, work: pathlib.Path, log) -> tuple[subprocess.Popen, str, float]:
     """A `qmill serve` on `platform`; (process, address, seconds until it answered)."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # as deploy/ runs GPU pods
-    env.pop("JAX_PLATFORMS", None)
-    if platform != "default":
-        env["JAX_PLATFORMS"] = platform
+    env = e2e_bench.server_env(platform)
     port = e2e_bench._free_port()
     data = work / f"data-{platform}"
     start = time.perf_counter()
