@@ -3,7 +3,8 @@
     python bench/calibrated_digits_bench.py [--seeds 3] [--bits 4,3] [--json PATH]
 
 The CNN of tests/engine/providers/digits_test.py (Conv 16, Conv 32, Dense 2048→64, Dense 64→10)
-trained the same way (a copy of that test's loop: Adam, 8 epochs) on scikit-learn's bundled 8x8 digits: 1,400 training images,
+trained the same way (a copy of that test's loop: Adam, 8 epochs) on scikit-learn's bundled 8x8
+digits: 1,400 training images,
 397 held out (the same split). Quantized: both Dense kernels, weights only; Dense_0 in groups
 of 128 along its 2,048 input features, Dense_1 (64 inputs, fewer than a group) per output
 channel, i.e. one group of 64 (GPTQ refuses a group size that does not divide the columns). The
