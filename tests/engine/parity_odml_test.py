@@ -166,4 +166,9 @@ def test_sibling_ops_keep_equal_statistics_of_their_own():
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
     op_stats = {k: v for k, v in stats.items() if k != odml.MODEL_OUTPUT}
     params = qwix.quantize_params(variables["params"], abstract, op_stats)
+    # Equal statistics give the siblings equal static scales (their own, under their own names).
+    np.testing.assert_array_equal(
+        params["sibling1"]["dot_general0_lhs_scale"].array,
+        params["sibling2"]["dot_general0_lhs_scale"].array,
+    )
     assert ptq.apply({"params": params}, x).shape == (4, 8)

@@ -94,6 +94,7 @@ def test_encoded_chunks_are_the_bytes_of_the_chunk_responses():
 
     plain, encoded = asyncio.run(run(False)), asyncio.run(run(True))
     assert len(plain) == len(encoded)
+    assert any(m.WhichOneof("item") == "chunk" for m in plain)  # the case the test is about
     for message, item in zip(plain, encoded, strict=True):
         if message.WhichOneof("item") == "chunk":
             assert item == message.SerializeToString()  # serialized, byte for byte
