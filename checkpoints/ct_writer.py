@@ -26,6 +26,7 @@ from qmill.checkpoints import (
     ct_schemes,
     hf_folder,
     safetensors_writer,
+    staging,
     writer_base,
 )
 
@@ -157,9 +158,17 @@ class _Layout:
     def _note_kept(self, path: str, array: np.ndarray) -> np.ndarray:
         """The kept weight as stored (its own shape), noted in `ignore`."""
         array = self._unpadded(path, array)
-        if array.ndim == 2 and path.endswith(".weight"):
-            self._ignored.append(ct_layout.module_of(path))
+        self._ignore_if_weight(path, array.ndim)
         return array
+
+    def _ignore_if_weight(self, path: str, ndim: int) -> None:
+        if ndim == 2 and path.endswith(".weight"):
+            self._ignored.append(ct_layout.module_of(path))
+
+    def _replay_kept(self, note: dict[str, Any]) -> None:
+        """`_note_kept` of an entry an interrupted run wrote in place (staging.InPlace)."""
+        if note["call"] == "source":
+            self._ignore_if_weight(note["path"], len(note["shape"]))
 
     def _config(self) -> dict[str, Any]:
         return ct_schemes.quantization_config(self._scheme, sorted(self._ignored))
@@ -175,9 +184,10 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
         recipe: dict[str, Any] | None,
         *,
         overwrite: bool = False,
+        in_place: staging.InPlace | None = None,
     ) -> None:
         self._setup(recipe, source)
-        super().__init__(destination, source, recipe, overwrite=overwrite)
+        super().__init__(destination, source, recipe, overwrite=overwrite, in_place=in_place)
         # NVFP4: fused partners are stored in their primary's shard, as model_free_ptq does.
         self._homes: dict[str, str] = {}
         paths = [e.path for e in source.entries()]
@@ -187,6 +197,10 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
             # The head is the float embedding under another name: compressed-tensors would
             # otherwise make the model's lm_head Linear a quantized one with no weights to load.
             self._ignored.append(LM_HEAD)
+
+    def _replay(self, note: dict[str, Any]) -> None:
+        self._replay_kept(note)
+        super()._replay(note)
 
     def write(self, path: str, array: np.ndarray) -> None:
         super().write(path, self._note_kept(path, np.asarray(array)))
@@ -210,11 +224,17 @@ class FileWriter(_Layout):
         recipe: dict[str, Any] | None,
         *,
         overwrite: bool = False,
+        in_place: staging.InPlace | None = None,
     ) -> None:
         self._setup(recipe, like)
         self._weights = safetensors_writer.SafetensorsWriter(
-            destination, like=like, overwrite=overwrite
+            destination, like=like, overwrite=overwrite, in_place=in_place
         )
+        for note in in_place.written if in_place is not None else ():
+            self._replay_kept(note)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        return self._weights.take_events()
 
     def write(self, path: str, array: np.ndarray) -> None:
         self._weights.write(path, self._note_kept(path, np.asarray(array)))
@@ -246,10 +266,11 @@ def create(
     recipe: dict[str, Any] | None,
     *,
     overwrite: bool = False,
+    in_place: staging.InPlace | None = None,
 ) -> FolderWriter | FileWriter:
     """The writer for a compressed-tensors output of source `like` (see the module doc)."""
     if isinstance(like, hf_folder.HfFolderSource):
         if not str(destination).endswith(".safetensors"):
-            return FolderWriter(destination, like, recipe, overwrite=overwrite)
+            return FolderWriter(destination, like, recipe, overwrite=overwrite, in_place=in_place)
         like = like.weights
-    return FileWriter(destination, like, recipe, overwrite=overwrite)
+    return FileWriter(destination, like, recipe, overwrite=overwrite, in_place=in_place)

@@ -22,6 +22,7 @@ from qmill.checkpoints import (
     safetensors_header,
     safetensors_source,
     safetensors_writer,
+    staging,
 )
 
 FORMATS = ("orbax", "safetensors", "npz", "compressed-tensors")
@@ -138,6 +139,13 @@ def prepare_recipe(
     return recipe
 
 
+def writes_in_place(format: str) -> bool:
+    """Whether `format`'s writer can write its data once, resumably (create_writer's
+    `in_place`): safetensors files can, as their header's room is known ahead; npz members are
+    compressed into one archive and Orbax commits its own directory."""
+    return format in ("safetensors", COMPRESSED_TENSORS)
+
+
 def engine_view(
     format: str, source: protocols.TensorSource, recipe: dict[str, Any]
 ) -> protocols.TensorSource:
@@ -190,6 +198,7 @@ def create_writer(
     overwrite: bool = False,
     max_shard_bytes: int | None = None,
     recipe: dict[str, Any] | None = None,
+    in_place: staging.InPlace | None = None,
 ) -> protocols.CheckpointWriter:
     """A writer that stages the output beside `destination` and renames it into place on commit.
 
@@ -205,6 +214,8 @@ def create_writer(
             a tensor that would make the current one larger than this.
         recipe: the recipe the tensors were quantized with; a Hugging Face folder output
             records it in its config.json.
+        in_place: for a format that `writes_in_place`: write the data once, there, taking back
+            what an interrupted run wrote (staging.InPlace); the writer then has `take_events`.
 
     Raises:
         ValueError: unknown format, or options the format does not take.
@@ -212,10 +223,12 @@ def create_writer(
     """
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; qmill writes {', '.join(FORMATS)}")
+    if in_place is not None and not writes_in_place(format):
+        raise ValueError(f"{format} output is not written in place")
     if format == COMPRESSED_TENSORS:
         if max_shard_bytes is not None:
             raise ValueError("compressed-tensors output shards as its source: no max_shard_bytes")
-        return ct_writer.create(destination, like, recipe, overwrite=overwrite)
+        return ct_writer.create(destination, like, recipe, overwrite=overwrite, in_place=in_place)
     if max_shard_bytes is not None and (format != "safetensors" or max_shard_bytes <= 0):
         raise ValueError("max_shard_bytes is a positive byte count for safetensors output only")
     if isinstance(like, hf_folder.HfFolderSource):
@@ -225,11 +238,17 @@ def create_writer(
             and max_shard_bytes is None
         ):
             # A folder in, the same folder out: config, tokenizer and other files included.
-            return hf_folder.HfFolderWriter(destination, like, recipe, overwrite=overwrite)
+            return hf_folder.HfFolderWriter(
+                destination, like, recipe, overwrite=overwrite, in_place=in_place
+            )
         like = like.weights
     if format == "safetensors":
         return safetensors_writer.SafetensorsWriter(
-            destination, like=like, overwrite=overwrite, max_shard_bytes=max_shard_bytes
+            destination,
+            like=like,
+            overwrite=overwrite,
+            max_shard_bytes=max_shard_bytes,
+            in_place=in_place,
         )
     if format == "npz":
         return npz_writer.NpzWriter(destination, overwrite=overwrite)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from qmill.checkpoints import (
+    dtypes,
     quantization_config,
     safetensors_source,
     safetensors_writer,
@@ -114,6 +115,11 @@ class HfFolderSource:
         return copied, left_out
 
 
+def _is_kept_float(dtype: np.dtype, shape: Any) -> bool:
+    """A float tensor of rank >= 2 written as it was (quantization_config's `ignore`)."""
+    return len(shape) >= 2 and np.issubdtype(dtype, np.floating)
+
+
 class HfFolderWriter:
     """Writes a quantized HfFolderSource as a folder of the same shape (see the module doc)."""
 
@@ -124,6 +130,7 @@ class HfFolderWriter:
         recipe: dict[str, Any] | None,
         *,
         overwrite: bool = False,
+        in_place: staging.InPlace | None = None,
     ) -> None:
         if "quantization_config" in source.config:
             method = source.config["quantization_config"].get("quant_method", "unknown")
@@ -146,23 +153,38 @@ class HfFolderWriter:
         self._weights_at = self._out.staging / (files[0].name if single else ".qmill-weights")
         try:
             self._weights = safetensors_writer.SafetensorsWriter(
-                self._weights_at, like=source.weights
+                self._weights_at, like=source.weights, in_place=in_place
             )
         except BaseException:
             self._out.abort()
             raise
+        for note in in_place.written if in_place is not None else ():
+            self._replay(note)
+
+    def _replay(self, note: dict[str, Any]) -> None:
+        """What write / write_quantized noted of an entry an interrupted run wrote in place."""
+        if note["call"] == "quantized":
+            self._note_quantized(note["path"], note["parts"])
+        elif _is_kept_float(dtypes.logical_dtype(note["dtype"]), note["shape"]):
+            self._kept.append(note["path"])
+
+    def _note_quantized(self, path: str, dtypes_by_part: dict[str, str]) -> None:
+        self._quantized[path] = dtypes_by_part["qvalue"]
+        for name in writer_base.BESIDE_PARTS:
+            if name in dtypes_by_part:
+                self._beside[name] = self._beside.get(name, 0) + 1
+
+    def take_events(self) -> list[dict[str, Any]]:
+        return self._weights.take_events()
 
     def write(self, path: str, array: np.ndarray) -> None:
         array = np.asarray(array)
-        if array.ndim >= 2 and np.issubdtype(array.dtype, np.floating):
+        if _is_kept_float(array.dtype, array.shape):
             self._kept.append(path)
         self._weights.write(path, array)
 
     def write_quantized(self, path: str, parts: dict[str, np.ndarray]) -> None:
-        self._quantized[path] = np.dtype(parts["qvalue"].dtype).name
-        for name in writer_base.BESIDE_PARTS:
-            if name in parts:
-                self._beside[name] = self._beside.get(name, 0) + 1
+        self._note_quantized(path, {k: np.dtype(v.dtype).name for k, v in parts.items()})
         self._weights.write_quantized(path, parts)
 
     def commit(self) -> None:

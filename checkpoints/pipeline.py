@@ -63,6 +63,7 @@ def quantize_checkpoint(
     check: Callable[[], None] | None = None,
     max_tensor_bytes: int | None = None,
     mapped_reads: bool = False,
+    in_place: bool = True,
 ) -> list[ReportRow]:
     """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
 
@@ -71,7 +72,9 @@ def quantize_checkpoint(
     sends only the tensors not yet finished. The checkpoint is written in checkpoint order (as
     tensors finish, _InOrder) from the results, the partial output and the source, so it is
     byte for byte the one an uninterrupted run writes, and appears under its final name only
-    when complete.
+    when complete. Where the format allows (formats.writes_in_place) and `in_place` is left on,
+    a result whose turn has come is written once, into the output's data kept in the partial
+    output; a job whose partial output is copied elsewhere part by part turns it off.
 
     `check`, when given, is called before each tensor is read, while sending and while writing;
     whatever it raises stops the job (a server's job runner cancels this way: raised before the
@@ -117,14 +120,29 @@ def quantize_checkpoint(
             opened.append(partial)
             try:
                 # The recipe goes into a Hugging Face folder's config.json (quantization_config).
+                in_place = in_place and formats.writes_in_place(fmt)
+                if not in_place and partial.written:
+                    raise ValueError(
+                        f"{kept} was written in place, which this run does not do; pass "
+                        "--restart to discard it"
+                    )
                 writer = formats.create_writer(
-                    dest, fmt, like=checkpoint, overwrite=overwrite, recipe=recipe
+                    dest,
+                    fmt,
+                    like=checkpoint,
+                    overwrite=overwrite,
+                    recipe=recipe,
+                    in_place=partial.in_place() if in_place else None,
                 )
                 with writer:
-                    ordered = _InOrder(source, entries, partial, writer, check)
+                    ordered = _InOrder(source, entries, partial, writer, check, in_place)
                     rows = _run(source, entries, recipe, backend, partial, progress, ordered)
                     if isinstance(source, ct_blocks.PaddedSource):
                         rows = {path: source.as_stored(path, row) for path, row in rows.items()}
+            except BaseException:
+                if not partial.completed:
+                    partial.discard()  # nothing finished: nothing to keep (an in-place start)
+                raise
             finally:
                 partial.close()
         partial.discard()
@@ -177,8 +195,7 @@ def _run(
             # A kept tensor is the source's own: the checkpoint is written from the source.
             row = _kept_row(entry, outcome.reason)
             parts = {}
-        partial.record(index[entry.path], entry.path, parts, dataclasses.asdict(row))
-        ordered.advance(fresh=(entry.path, parts))
+        ordered.take(index[entry.path], entry.path, parts, dataclasses.asdict(row))
         rows[entry.path] = row
         if progress is not None:
             progress.advance(entry.nbytes)
@@ -193,12 +210,17 @@ class _InOrder:
     """Writes the checkpoint in entry order while tensors finish, not after the last one.
 
     A tensor is written once every entry before it is: in a single stream results come in
-    order, so each is written as it arrives, from the parts in memory (not read back from the
-    partial output), while the backend works on the next ones. Results that come early (several
-    replicas or streams) wait in the partial output until their turn. Kept and never-sent
-    tensors are read from the source here, from the caller's thread: only when the source allows
-    reads from several threads (the backend's request thread reads it too), else at the end.
-    The order, and so the checkpoint's bytes, are those of writing everything at the end.
+    order, so each is written as it arrives, from the parts in memory, while the backend works
+    on the next ones. Results that come early (several replicas or streams) wait in the partial
+    output until their turn. Kept and never-sent tensors are read from the source here, from
+    the caller's thread: only when the source allows reads from several threads (the backend's
+    request thread reads it too), else at the end. The order, and so the checkpoint's bytes,
+    are those of writing everything at the end.
+
+    In place (the writer was given staging.InPlace): a result written on arrival is kept for
+    resuming by the writer's own data, noted in its log line with every entry written since the
+    last line (`take`), instead of as parts written a second time. A resumed run starts after
+    the entries those notes name.
     """
 
     def __init__(
@@ -208,13 +230,22 @@ class _InOrder:
         partial: staging.PartialOutput,
         writer: Any,
         check: Callable[[], None] | None,
+        in_place: bool = False,
     ) -> None:
         self._source = source
         self._entries = entries
         self._partial = partial
         self._writer = writer
         self.check = check
-        self._next = 0
+        self._in_place = in_place
+        self._next = len(partial.written) if self._in_place else 0
+        written = [note["path"] for note in partial.written]
+        if written != [e.path for e in entries[: len(written)]]:
+            raise ValueError(
+                f"{partial.directory}: the log's entries written in place are not the "
+                "checkpoint's first ones; pass --restart to discard the partial output"
+            )
+        self._notes: list[dict[str, Any]] = []  # entries written in place, not yet in the log
         self._source_reads = getattr(source, "concurrent_reads", False)
         # A write that failed while tensors were still coming (a full disk): raised at the end,
         # once every result is in the partial output, as when the checkpoint was written last.
@@ -226,6 +257,22 @@ class _InOrder:
         check = getattr(self._writer, "check_parts", None)
         if check is not None:
             check(path, parts)
+
+    def take(self, index: int, path: str, parts: dict[str, Any], info: dict[str, Any]) -> None:
+        """Keeps the result for entry `index` (`parts`, empty when the source's own tensor is
+        kept) for resuming, and writes what its arrival lets through."""
+        turn = self._next == index and self._failed is None
+        if self._in_place and turn:
+            try:
+                self._write((path, parts), final=False)
+            except OSError as e:
+                self._failed = e  # kept as parts below; the rest of the run writes no more
+            if self._failed is None and self._next > index:
+                self._partial.record_written(path, info, self._notes)
+                self._notes = []
+                return
+        self._partial.record(index, path, parts, info)
+        self.advance(fresh=(path, parts))
 
     def advance(
         self, *, fresh: tuple[str, dict[str, np.ndarray]] | None = None, final: bool = False
@@ -246,24 +293,39 @@ class _InOrder:
     def _write(self, fresh: tuple[str, dict[str, np.ndarray]] | None, final: bool) -> None:
         while self._next < len(self._entries):
             entry = self._entries[self._next]
-            done = self._partial.completed.get(entry.path)
-            if done is None and _sendable(entry.dtype) and not final:
+            parts = self._parts(entry.path, fresh)
+            if parts is None and _sendable(entry.dtype) and not final:
                 return  # not answered yet
-            if done is not None and done["parts"]:
+            if parts:
                 if self.check is not None:
                     self.check()
-                if fresh is not None and fresh[0] == entry.path:
-                    parts = fresh[1]
-                else:
-                    parts = self._partial.load(entry.path)
                 self._writer.write_quantized(entry.path, parts)
+                names = {k: np.dtype(v.dtype).name for k, v in parts.items()}
+                note = {"call": "quantized", "parts": names}
             elif final or self._source_reads:
                 if self.check is not None:
                     self.check()
-                self._writer.write(entry.path, self._source.read(entry.path))
+                array = self._source.read(entry.path)
+                self._writer.write(entry.path, array)
+                note = {"call": "source", "dtype": array.dtype.name, "shape": list(array.shape)}
             else:
                 return
+            if self._in_place:
+                self._notes.append(
+                    {"path": entry.path, **note, "events": self._writer.take_events()}
+                )
             self._next += 1
+
+    def _parts(
+        self, path: str, fresh: tuple[str, dict[str, np.ndarray]] | None
+    ) -> dict[str, Any] | None:
+        """The result for `path`: its parts, {} for the source's own tensor, None if none yet."""
+        if fresh is not None and fresh[0] == path:
+            return fresh[1]
+        done = self._partial.completed.get(path)
+        if done is None:
+            return None
+        return self._partial.load(path) if done["parts"] else {}
 
 
 def _check_sizes(entries: list[protocols.TensorEntry], max_tensor_bytes: int | None) -> None:

@@ -8,6 +8,7 @@ final rename never crosses a filesystem and the destination never shows a half-w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -74,6 +75,20 @@ PARTIAL_SUFFIX = ".qmill-partial"
 MANIFEST = "manifest.json"  # fingerprints, written once (atomically) when the area is created
 LOG = "tensors.jsonl"  # one JSON line per finished tensor, appended after its parts are written
 PARTS = "parts"  # the finished tensors' parts, one file each, named in the log
+DATA = "data"  # a writer's output data, written once in place (InPlace), moved out on commit
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """Where a writer that writes its output only once keeps the data of its unfinished files
+    (inside the partial output, so an interrupted run's data survives), and what the log says
+    an interrupted run wrote there: one note per entry, in entry order (pipeline._InOrder).
+
+    A note: {"path", "call": "quantized", "parts": {part: dtype}} or {"path", "call": "source",
+    "dtype", "shape"}, plus "events", the writer's own record of where the bytes went."""
+
+    directory: pathlib.Path
+    written: tuple[dict[str, Any], ...] = ()
 
 
 def write_manifest(directory: pathlib.Path, fingerprint: dict[str, Any]) -> None:
@@ -95,13 +110,19 @@ class PartialOutput:
     """`<destination>.qmill-partial/`: the finished tensors of an interrupted run.
 
     The directory's name is a function of the destination alone, so re-running the same command
-    finds it. Each finished tensor's parts are written to `parts/<index>-<name>.bin`, and only then
-    is one line appended to `tensors.jsonl` (path, parts with dtype, shape and crc32c of the
-    bytes written, plus whatever the caller records). A run killed mid-tensor leaves at most a
-    torn last line, which is ignored, and part files that the next run overwrites: a tensor is
-    either complete in the manifest or absent. Parts are not fsynced: resuming guards against the
-    process dying (kill, crash, lost server), not the machine; after a power loss the crc32c check
-    on reading catches what the page cache lost.
+    finds it. A finished tensor is kept one of two ways, and only then is one line appended to
+    `tensors.jsonl` (its path and whatever the caller records):
+    - written in place (`record_written`): a writer given `in_place()` wrote it straight into
+      the output's data under `data/`; the line carries the writer's notes ("written") of what
+      it wrote since the last line, with a crc32c per tensor. Nothing is written twice.
+    - as parts (`record`): its parts go to `parts/<index>-<name>.bin` (dtype, shape and crc32c
+      in the line), for a result that arrives before its turn in the output, a writer that
+      cannot write in place, or an output whose write failed.
+    A run killed mid-tensor leaves at most a torn last line, which is ignored, and part files or
+    data past the last note that the next run overwrites: a tensor is either complete in the
+    log or absent. Nothing is fsynced: resuming guards against the process dying (kill, crash,
+    lost server), not the machine; after a power loss the crc32c checks on resuming catch what
+    the page cache lost.
     """
 
     def __init__(
@@ -113,6 +134,8 @@ class PartialOutput:
         if restart:
             self.discard()
         self.completed: dict[str, dict[str, Any]] = {}
+        # The notes of the entries written in place, in entry order (InPlace.written).
+        self.written: list[dict[str, Any]] = []
         self._log: Any = None
         if (self.directory / MANIFEST).exists():
             self._check_fingerprint()
@@ -162,12 +185,25 @@ class PartialOutput:
                 if record is None:
                     break  # torn by a kill mid-append: that tensor is not finished
                 completed[record["path"]] = record
+                self.written.extend(record.get("written", ()))
                 good += len(line)
         # Drop a torn tail so the next append starts on a line of its own.
         if path.stat().st_size != good:
             with open(path, "r+b") as f:
                 f.truncate(good)
         return completed
+
+    def in_place(self) -> InPlace:
+        """Where a writer writes its data once, and what an interrupted run wrote there."""
+        return InPlace(self.directory / DATA, tuple(self.written))
+
+    def record_written(
+        self, path: str, info: dict[str, Any], written: list[dict[str, Any]]
+    ) -> None:
+        """Marks `path` finished: it and the entries in `written` (the writer's notes since the
+        last line) are in the output's data, where InPlace put them."""
+        self._append({"path": path, "parts": {}, "info": info, "written": written})
+        self.written.extend(self.completed[path]["written"])
 
     def record(
         self,
@@ -198,10 +234,15 @@ class PartialOutput:
                 "crc32c": google_crc32c.value(data) if data.size else 0,
                 **meta,
             }
-        record = {"path": path, "parts": written, "info": info}
-        self._log.write(json.dumps(record, sort_keys=True) + "\n")
+        self._append({"path": path, "parts": written, "info": info})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._log is None:
+            self._create()
+        line = json.dumps(record, sort_keys=True)
+        self._log.write(line + "\n")
         self._log.flush()
-        self.completed[path] = json.loads(json.dumps(record, sort_keys=True))
+        self.completed[record["path"]] = json.loads(line)
 
     def load(self, path: str) -> dict[str, np.ndarray | dtypes.Packed4]:
         """The parts recorded for `path`, checked against their crc32c."""

@@ -296,6 +296,8 @@ class JobRunner:
                     ),
                     check=check,
                     max_tensor_bytes=self._max_tensor_bytes,
+                    # The mirror copies finished parts, not a data file that grows in place.
+                    in_place=mirror is None,
                 )
                 spread = peers_lib.describe_spread(backend)
             staged.publish(overwrite=record.overwrite, check=check)
