@@ -137,6 +137,14 @@ class _Layout:
         # Every tensor is stored at its source shape: what the engine saw zero-padded to whole
         # blocks (ct_blocks) is cut back to it, anything else is already that shape.
         self._shapes = {e.path: e.shape for e in source.entries()}
+        self._scratch = np.empty(0, np.uint8)
+
+    def _scratch_bytes(self, nbytes: int) -> np.ndarray:
+        """A buffer ct_layout.compress makes int4 words in: reused, as every weight's words are
+        written before the next weight is compressed."""
+        if self._scratch.size < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes]
 
     def _unpadded(self, path: str, array: Any) -> Any:
         shape = self._shapes.get(path)
@@ -153,7 +161,9 @@ class _Layout:
     def _compress(self, path: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.check_parts(path, parts)
         parts = {**parts, "qvalue": self._unpadded(path, parts["qvalue"])}
-        return ct_layout.compress(self._scheme, path, parts, self._global_scales.get(path))
+        return ct_layout.compress(
+            self._scheme, path, parts, self._global_scales.get(path), scratch=self._scratch_bytes
+        )
 
     def _note_kept(self, path: str, array: np.ndarray) -> np.ndarray:
         """The kept weight as stored (its own shape), noted in `ignore`."""
