@@ -22,6 +22,7 @@ import re
 import shutil
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from qmill.checkpoints import (
@@ -116,8 +117,15 @@ class HfFolderSource:
 
 
 def _is_kept_float(dtype: np.dtype, shape: Any) -> bool:
-    """A float tensor of rank >= 2 written as it was (quantization_config's `ignore`)."""
-    return len(shape) >= 2 and np.issubdtype(dtype, np.floating)
+    """A float tensor of rank >= 2 written as it was (quantization_config's `ignore`):
+    ml_dtypes' floats too (bfloat16, float8), which numpy's float check does not count."""
+    if len(shape) < 2:
+        return False
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:
+        return False
+    return True
 
 
 class HfFolderWriter:

@@ -118,6 +118,24 @@ def test_a_folder_comes_out_as_the_same_folder(tmp_path, sharded):
         }
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_ignore_lists_every_kept_float_weight_whatever_its_float_type(tmp_path, dtype):
+    """bfloat16 is most models' dtype; numpy's own float check does not count it a float."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    rng = np.random.default_rng(0)
+    with formats.create_writer(folder / "model.safetensors", "safetensors") as writer:
+        for name in ("embed.weight", "query.weight"):
+            writer.write(name, rng.normal(size=(32, 32)).astype(dtype))
+        writer.write("norm.weight", np.ones(32, dtype))
+    out = tmp_path / "out"
+    recipe = {"rules": [{"path_regex": "query.*", "qtype": "int8"}]}
+    pipeline.quantize_checkpoint(folder, out, recipe, backend=embedded.EmbeddedClient())
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["embed.weight"] and qc["qmill"]["quantized_tensors"] == 1
+
+
 def test_an_already_quantized_folder_is_refused(tmp_path):
     source = _hf_folder(tmp_path, sharded=False)
     once = tmp_path / "once"
