@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU measure of bench/README.md's open items, in one run on a lent machine (one GPU, no
 # network, python3 with jax + CUDA): `bash bench/gpu/run_all.sh` from the repository root, with
-# .whl/ (bench/gpu/fetch_wheels.sh) beside it. Results go to $OUT (8 files at most):
+# .whl/ (bench/gpu/fetch_wheels.sh) beside it. Results go to $OUT (9 files at most):
 #   run_all.log  this script's output (environment, every step's output)
 #   servers.log  the `qmill serve` processes' and the flow's commands' output
 #   steps.jsonl  one line per step: name, exit code (124: its timeout), seconds
 #   parity.json  tests/engine/device_parity.py: qmill vs CPU fixtures vs reference, per case
+#   parity-hlo.txt  bench/gpu/parity_detail.py: the optimized HLO of the cases that differed on
+#                the H200 (its per-element account of each differing code goes to run_all.log)
 #   engine.json  bench/engine_bench.py --size 8192 (baseline: a jitted copy, same run)
 #   e2e.json     bench/e2e_bench.py, 12 x 64 MiB f32 -> int8, int4: a server on the GPU, then on
 #                the CPU (JAX_PLATFORMS=cpu), one raw gRPC baseline
@@ -75,6 +77,7 @@ print('qmill from', qmill.engine.__file__)
 "
 
 step parity 95 "$PY" tests/engine/device_parity.py --max-seconds 75 --spread 7 --json "$OUT/parity.json"
+step parity_detail 60 "$PY" bench/gpu/parity_detail.py --hlo "$OUT/parity-hlo.txt"
 step engine 90 "$PY" bench/engine_bench.py "${ENGINE[@]}" --json "$OUT/engine.json"
 step e2e 120 "$PY" bench/e2e_bench.py "${E2E[@]}" --server-platforms default,cpu \
     --server-log "$OUT/servers.log" --json "$OUT/e2e.json"
