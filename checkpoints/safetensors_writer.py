@@ -134,6 +134,10 @@ class _Shard:
             _append(self.data_path, self.data_start, out, self.nbytes)
         self.data_path.unlink()
 
+    def flush(self) -> None:
+        if self._data is not None:
+            self._data.flush()
+
     def close(self) -> None:
         if self._data is not None:
             self._data.close()
@@ -263,7 +267,11 @@ class SafetensorsWriter(writer_base.WriterBase):
             shard.reopen(checksums)
 
     def take_events(self) -> list[dict[str, Any]]:
-        """Where the tensors written since the last call went (InPlace: for the log)."""
+        """Where the tensors written since the last call went (InPlace: for the log). Their
+        bytes are handed to the kernel first: a log line must never name data a kill could
+        still lose in this process's buffers."""
+        for shard in self._shards:
+            shard.flush()
         events, self._events = self._events, []
         return events
 

@@ -4,6 +4,9 @@ the partial output, and a resumed run takes that data back instead of a second c
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -199,3 +202,41 @@ def test_a_finished_run_leaves_no_data_behind(tmp_path, source):
     pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors", "src.safetensors"]
     assert np.frombuffer(dest.read_bytes()[:8], "<u8")[0] > 0
+
+
+_KILLED_RUN = """
+import os, sys
+from qmill.checkpoints import pipeline
+from tests.checkpoints.resume_test import RECIPE, FakeBackend
+
+class Killed(FakeBackend):
+    def quantize(self, recipe, tensors, **kw):
+        for count, outcome in enumerate(super().quantize(recipe, tensors, **kw)):
+            if count == int(sys.argv[3]):
+                os._exit(9)  # as SIGKILL: no cleanup, no buffer flushed
+            yield outcome
+
+pipeline.quantize_checkpoint(sys.argv[1], sys.argv[2], RECIPE, backend=Killed())
+"""
+
+
+@pytest.mark.parametrize("after", [1, 4, 7])
+def test_a_killed_run_leaves_every_logged_byte_on_disk(tmp_path, source, after):
+    """The scales (32 bytes) stay in the file object's buffer after the codes are written: a
+    line logged before they reach the kernel named data the kill then lost."""
+    reference = _one_go(source, tmp_path)
+    dest = tmp_path / "out.safetensors"
+    root = pathlib.Path(__file__).resolve().parents[2]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_RUN, str(source), str(dest), str(after)],
+        cwd=root,
+        capture_output=True,
+        timeout=120,
+    )
+    assert killed.returncode == 9, killed.stderr
+    partial = dest.with_name(dest.name + staging.PARTIAL_SUFFIX)
+    assert len(_lines(partial)) == after
+    resumed = FakeBackend()
+    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=resumed)
+    assert len(resumed.sent) == TENSORS - after
+    assert dest.read_bytes() == reference
