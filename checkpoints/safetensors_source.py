@@ -3,12 +3,18 @@ or a directory of .safetensors files), one tensor at a time straight from disk."
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import math
 import mmap
 import os
 import pathlib
+import signal
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -52,6 +58,7 @@ class SafetensorsSource(source_base.SourceBase):
         # Set when the checkpoint came as a sharded set: a writer given `like=` mirrors it.
         self.index = index
         self._handles: dict[int, BinaryIO] = {}
+        self._watches: dict[int, _Watch | None] = {}
         self._opening = threading.Lock()
         # Tensors are read into buffers reused once the caller drops them (buffers.py).
         self._buffers = buffers.BufferPool()
@@ -98,8 +105,10 @@ class SafetensorsSource(source_base.SourceBase):
         fd = self._handle(where.shard).fileno()
         offset = where.data_start + where.begin
         # Safetensors data is little-endian, as is every host qmill runs on (x86-64, arm64).
-        if self.mapped and nbytes >= MAP_MIN_BYTES and offset + nbytes <= os.fstat(fd).st_size:
-            array = _mapped(fd, offset, nbytes).view(where.stored).reshape(where.shape)
+        watch = self._watch(where.shard) if self.mapped and nbytes >= MAP_MIN_BYTES else None
+        if watch is not None and offset + nbytes <= os.fstat(fd).st_size:
+            watch.check()
+            array = _mapped(watch, offset, nbytes).view(where.stored).reshape(where.shape)
         else:
             array = self._buffers.take(nbytes).view(where.stored).reshape(where.shape)
             # Straight into the array's buffer: one copy of the tensor in memory, not two.
@@ -111,16 +120,32 @@ class SafetensorsSource(source_base.SourceBase):
         except ValueError as e:
             raise ValueError(f"{self.files[where.shard]}: {e}") from None
 
+    def _watch(self, shard: int) -> _Watch | None:
+        """The shard's lease-holding watch, made at its first mapped read; None where the
+        shard cannot be leased (it is then read, not mapped)."""
+        with self._opening:
+            if shard not in self._watches:
+                fd = self._handle_locked(shard).fileno()
+                self._watches[shard] = _Watch.lease(fd, self.files[shard])
+            return self._watches[shard]
+
     def _handle(self, shard: int) -> BinaryIO:
         with self._opening:  # two threads reading a shard first must not both open it
-            if shard not in self._handles:
-                self._handles[shard] = open(self.files[shard], "rb")  # noqa: SIM115 - close()
-            return self._handles[shard]
+            return self._handle_locked(shard)
+
+    def _handle_locked(self, shard: int) -> BinaryIO:
+        if shard not in self._handles:
+            self._handles[shard] = open(self.files[shard], "rb")  # noqa: SIM115 - close()
+        return self._handles[shard]
 
     def close(self) -> None:
         for f in self._handles.values():
             f.close()
         self._handles.clear()
+        for watch in self._watches.values():
+            if watch is not None:
+                watch.release()
+        self._watches.clear()
         self._buffers.release()
 
 
@@ -128,14 +153,104 @@ class SafetensorsSource(source_base.SourceBase):
 MAP_MIN_BYTES = 1 << 20
 
 
-def _mapped(fd: int, offset: int, nbytes: int) -> np.ndarray:
-    """A read-only uint8 view of `nbytes` of the file at `offset`, mapped (the caller checked
-    the file is that long). The mapping lives as long as the array and its views; the file must
-    not shrink meanwhile (a page past its end would kill the process with SIGBUS)."""
+class SourceChanged(ValueError):
+    """The source file was truncated or rewritten while tensors mapped from it were in use."""
+
+
+class _Watch:
+    """One shard's file while tensors are mapped from it, under a read lease.
+
+    Touching a mapped page past the end of a file that shrank kills the process with SIGBUS,
+    which Python cannot catch. A read lease (fcntl F_SETLEASE) closes that window: whoever opens
+    the file to write or truncate it waits (up to /proc/sys/fs/lease-break-time, 45 s by
+    default) until the lease is dropped: when the source is closed (release) or this watch's
+    descriptor and every mapping made under it are gone. Meanwhile check() sees the break and raises
+    SourceChanged; a sender checks before it touches a mapped tensor's pages again
+    (unchanged_check). A file the lease cannot be taken on (another process has it open for
+    writing, it belongs to another user, a file system without leases) is read, not mapped.
+    """
+
+    def __init__(self, fd: int, path: pathlib.Path) -> None:
+        self._fd = fd
+        self.path = path
+        st = os.fstat(fd)
+        self._stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @classmethod
+    def lease(cls, fd: int, path: pathlib.Path) -> _Watch | None:
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) if _LEASES else -1
+        if own < 0:
+            return None
+        try:
+            # A lease break is announced by a signal (SIGIO, whose default kills the process):
+            # SIGURG's default is to ignore it. check() asks the kernel instead.
+            fcntl.fcntl(own, fcntl.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(own, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except OSError as e:
+            os.close(own)
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOLCK):
+                return None
+            raise
+        return cls(own, path)
+
+    def check(self) -> None:
+        """Raises SourceChanged once the file is being truncated or written (a lease break is
+        pending), or was since it was opened."""
+        st = os.fstat(self._fd)
+        breaking = fcntl.fcntl(self._fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK
+        if breaking or (st.st_ino, st.st_size, st.st_mtime_ns) != self._stamp:
+            raise SourceChanged(
+                f"{self.path} changed while it was being read (truncated or rewritten); "
+                "nothing was written under the output's name"
+            )
+
+    def release(self) -> None:
+        """Lets a writer waiting on the lease go ahead (the source is closed: its reader is
+        done; an array mapped under the watch is then the caller's to keep from touching)."""
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(self._fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+
+    def __del__(self) -> None:
+        os.close(self._fd)
+
+
+# Leases and /proc/self/fd are Linux's.
+_LEASES = sys.platform.startswith("linux")
+
+
+class _Mapping(mmap.mmap):
+    """A mapping that knows the watch it was made under (unchanged_check finds it)."""
+
+    watch: _Watch
+
+
+def _mapped(watch: _Watch, offset: int, nbytes: int) -> np.ndarray:
+    """A read-only uint8 view of `nbytes` of the watched file at `offset`, mapped (the caller
+    checked the file is that long). The mapping, and with it the watch and its lease, lives as
+    long as the array and its views."""
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mapping = mmap.mmap(fd, offset + nbytes - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+    mapping = _Mapping(
+        watch._fd, offset + nbytes - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start
+    )
+    mapping.watch = watch
     mapping.madvise(mmap.MADV_WILLNEED)  # read ahead now if the pages are not cached
     return np.frombuffer(mapping, np.uint8, nbytes, offset - start)
+
+
+def _no_check() -> None:
+    pass
+
+
+def unchanged_check(array: np.ndarray) -> Callable[[], None]:
+    """For an array mapped from a file (or a view of one): its watch's check, to call before
+    each touch of its pages, and once after the last (a change meanwhile is then an error,
+    never bytes of the changed file). For any other array, a check that passes."""
+    base: object = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base.watch.check if isinstance(base, _Mapping) else _no_check
 
 
 def _read_at(fd: int, buffer: memoryview, offset: int) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 
 from qmill.checkpoints import outcome as outcome_lib
 from qmill.client import calibrate as calibrate_lib
-from qmill.client import connection, recipes, streaming, uploads
+from qmill.client import connection, errors, recipes, streaming, uploads
 from qmill.client import credentials as credentials_lib
 from qmill.client import export_odml as export_lib
 from qmill.client import jobs as jobs_lib
@@ -103,7 +103,8 @@ class Client(_Base):
         window = streaming.Window(window_bytes)
         sent: dict[str, np.ndarray] = {}
         decoder = streaming.ResponseDecoder(sent)
-        requests = streaming.requests(recipes.message(recipe), tensors, window, sent)
+        failed: list[BaseException] = []
+        requests = streaming.requests(recipes.message(recipe), tensors, window, sent, failed)
         requests = calibrate_lib.with_static_ranges(requests, static_ranges)
         outcomes = self._connection.stream(
             "Quantizer", "QuantizeParams", requests, decoder.feed, finish=decoder.check_finished
@@ -112,6 +113,10 @@ class Client(_Base):
             for outcome in outcomes:
                 yield outcome
                 window.release(outcome.input_bytes)
+        except errors.QmillError:
+            if failed:  # the call failed because its requests did: say why
+                raise failed[0] from None
+            raise
         finally:
             window.close()  # first: the request generator may wait for room
             outcomes.close()

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, outcome
+from qmill.checkpoints import dtypes, outcome, safetensors_source
 from qmill.proto import memory, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -34,8 +34,18 @@ def encoded_tensor_requests(
     """tensor_requests(path, array) with the chunks as serialized requests (one copy of the
     data each); for the client's connection, which sends bytes as they are."""
     data = wire.to_bytes(array)
-    yield pb.QuantizeParamsRequest(header=wire.header_for(path, array, data))
-    yield from wire.encoded_chunks(pb.QuantizeParamsRequest, data)
+    # A tensor mapped from a file (qmill quantize --server) is checked before each touch of its
+    # pages and after the last: a file truncated meanwhile is an error, not SIGBUS, and a file
+    # rewritten meanwhile is an error, not its new bytes (safetensors_source._Watch).
+    unchanged = safetensors_source.unchanged_check(data)
+    unchanged()
+    header = wire.header_for(path, array, data)  # its crc32c reads every byte
+    unchanged()
+    yield pb.QuantizeParamsRequest(header=header)
+    chunks = wire.encoded_chunks(pb.QuantizeParamsRequest, data)  # each copied as it is taken
+    while (chunk := next(chunks, None)) is not None:
+        unchanged()
+        yield chunk
 
 
 def keep_freed_buffers() -> None:
@@ -99,15 +109,24 @@ def requests(
     tensors: Iterable[tuple[str, np.ndarray]],
     window: Window,
     sent: dict[str, np.ndarray],
+    failed: list[BaseException] | None = None,
 ) -> Iterator[pb.QuantizeParamsRequest | bytes]:
-    """The recipe, then each tensor once the window has room for it (until it closes)."""
+    """The recipe, then each tensor once the window has room for it (until it closes).
+
+    What stops the requests (a tensor that cannot be read, a source that changed) is also put
+    in `failed`: grpc ends the call with only "Exception iterating requests!"."""
     keep_freed_buffers()
     yield pb.QuantizeParamsRequest(recipe=recipe)
-    for path, array in tensors:
-        if not window.acquire(wire_bytes(array)):
-            return
-        sent[path] = array
-        yield from encoded_tensor_requests(path, array)
+    try:
+        for path, array in tensors:
+            if not window.acquire(wire_bytes(array)):
+                return
+            sent[path] = array
+            yield from encoded_tensor_requests(path, array)
+    except Exception as e:
+        if failed is not None:
+            failed.append(e)
+        raise
 
 
 class AsyncWindow:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import math
 import sys
 import threading
@@ -167,6 +168,16 @@ class _Buffers:
         if need >= self._min_bytes:
             with self._lock:
                 raw = self._reusable(need)
+                busy = raw is None and bool(self._kept)
+            if busy:
+                # A finished tensor's buffer may still be held by garbage that only a collection
+                # drops: jaxlib releases the host buffers it used in place from a gc callback
+                # (engine/modelfree/leaf.py release_host_buffers). Missing it cost some server
+                # calls a third 64 MiB buffer (bench/README.md, issue 27). Outside the lock: a
+                # finalizer may take a buffer too.
+                gc.collect(0)
+            with self._lock:
+                raw = raw if raw is not None else self._reusable(need)
                 if raw is None:
                     raw = np.empty(need, np.uint8)
                     self._kept.append(raw)
@@ -187,6 +198,7 @@ class _Buffers:
     def release(self) -> None:
         with self._lock:
             self._kept.clear()
+        gc.collect(0)  # those only garbage still held (see take) are freed now, not next call
 
 
 _BUFFERS = _Buffers()

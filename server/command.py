@@ -180,6 +180,9 @@ def config_from_args(args: argparse.Namespace) -> config_lib.ServerConfig:
 def run(args: argparse.Namespace, *, job_peer_backends: Callable[..., Any] | None = None) -> int:
     """Serves until SIGTERM/SIGINT. `job_peer_backends` (from the composition root) makes the
     backend of batch jobs when --job-peers is set."""
+    from qmill.proto import memory
+
+    memory.limit_arenas()  # before jax, grpc and the engine start their threads
     from qmill.server import app  # lazy: the services pull in jax
 
     logging.basicConfig(

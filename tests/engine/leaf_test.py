@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +55,19 @@ def test_same_shape_dtype_and_how_compile_once_whatever_the_path() -> None:
         leaf.quantize_leaf(arrays[0].astype(jnp.bfloat16), _plan("bf16/kernel"))  # dtype
         leaf.quantize_leaf(arrays[0], _plan("int8/kernel", qtype="int8"))  # how
     assert other.count >= 3
+
+
+def test_jax_holds_no_host_buffer_once_the_leaf_returns() -> None:
+    # Aligned (used in place on CPU) and over HOST_CHECK_MAX values (checked on the device). A
+    # reference jaxlib kept until its next garbage collection made the server allocate a third
+    # assembly buffer while the first, done with, still looked in use.
+    raw = np.empty(512 * 256 * 4 + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    array = raw[start : start + 512 * 256 * 4].view(np.float32).reshape(512, 256)
+    array[...] = np.random.default_rng(0).standard_normal(array.shape)
+    held = sys.getrefcount(raw)
+    leaf.quantize_leaf(array, _plan("w", qtype="int8"))
+    assert sys.getrefcount(raw) == held
 
 
 @pytest.mark.parametrize("qtype", ["int4", "nf4", "uint4", "int8", "float8_e4m3fn"])

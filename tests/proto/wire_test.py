@@ -1,5 +1,7 @@
 """The byte layout of the wire contract: round trips, nibble order, and every checked failure."""
 
+import gc
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -177,6 +179,30 @@ def test_a_finished_tensors_buffer_is_reused_only_once_nothing_holds_it():
     fourth = _assembled(np.full((512, 1024), 4.5, np.float32))
     assert fourth.ctypes.data != address and (view == 3.5).all()
     wire.release_buffers()
+
+
+class _Cycle:
+    """Garbage in a reference cycle: freed by a collection, not when its last name goes."""
+
+    def __init__(self, held: object) -> None:
+        self.held, self.me = held, self
+
+
+def test_a_buffer_that_only_garbage_holds_is_reused() -> None:
+    # As jaxlib holds a host buffer it used in place until its next gc callback.
+    wire.release_buffers()
+    gc.disable()  # else an automatic collection could free the cycle first
+    try:
+        first = _assembled(np.full((512, 1024), 1.5, np.float32))
+        address = first.ctypes.data
+        _Cycle(first)
+        del first
+        second = _assembled(np.full((512, 1024), 2.5, np.float32))
+        assert second.ctypes.data == address
+        assert (second == 2.5).all()
+    finally:
+        gc.enable()
+        wire.release_buffers()
 
 
 def test_chunk_decoder_views_chunk_requests_and_parses_the_rest() -> None:
