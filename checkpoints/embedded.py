@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, errors, outcome
+from qmill.checkpoints import compilation_cache, dtypes, errors, outcome
 
 
 class EmbeddedClient:
@@ -46,6 +46,7 @@ class EmbeddedClient:
         """As a server's QuantizeParams; `calibration_stats` (a calibrated method's flat
         statistics, as `qmill calibrate --stats-output` writes them) quantize the weights they
         name by that method, as a server does for a calibration id."""
+        compilation_cache.enable()  # before the engine's first compilation in this process
         from qmill.engine.modelfree import leaf, recipes  # lazy: pulls in jax
 
         quantize = leaf.quantize_leaf
