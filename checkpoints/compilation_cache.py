@@ -47,17 +47,32 @@ def enable() -> pathlib.Path | None:
     global _enabled
     with _lock:
         if _enabled is None:
-            path = _usable(cache_dir())
-            _enabled = str(path) if path is not None and _configure(path) else ""
+            _enabled = _configure(cache_dir())
         return pathlib.Path(_enabled) if _enabled else None
 
 
-def _usable(path: pathlib.Path | None) -> pathlib.Path | None:
-    """`path`, made if missing, when this process can write there; else None (one warning).
+def _configure(path: pathlib.Path | None) -> str:
+    """Points JAX at `path`; the directory JAX uses ("": none)."""
+    if path is None:
+        return ""
+    import jax  # lazy: `import qmill.checkpoints` does not import jax
+
+    if jax.config.jax_compilation_cache_dir is not None:
+        # The user's own JAX_COMPILATION_CACHE_DIR (or jax.config) stands, with their settings.
+        return str(jax.config.jax_compilation_cache_dir)
+    if not _writable(path):
+        return ""
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # JAX's defaults keep only programs that took 1 s or more to compile; the engine's take
+    # 0.1-0.3 s each, and there are a few per run: every one is worth keeping.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return str(path)
+
+
+def _writable(path: pathlib.Path) -> bool:
+    """Whether this process can write in `path` (made if missing); if not, one warning.
     Checked here because JAX would warn on every compilation instead (and pytest's
     warnings-as-errors would turn each warning into a failure)."""
-    if path is None:
-        return None
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
@@ -69,17 +84,5 @@ def _usable(path: pathlib.Path | None) -> pathlib.Path | None:
             e.strerror or e,
             ENV,
         )
-        return None
-    return path
-
-
-def _configure(path: pathlib.Path) -> bool:
-    import jax  # lazy: `import qmill.checkpoints` does not import jax
-
-    if jax.config.jax_compilation_cache_dir is not None:
-        return False  # the user's own JAX_COMPILATION_CACHE_DIR (or jax.config) stands
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    # JAX's defaults keep only programs that took 1 s or more to compile; the engine's take
-    # 0.1-0.3 s each, and there are a few per run: every one is worth keeping.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        return False
     return True

@@ -100,3 +100,25 @@ def test_an_unusable_directory_means_a_run_without_it_and_one_line(tmp_path) -> 
     assert str(blocker / "xla") in lines[0]
     assert HIT not in done.stderr
     assert (tmp_path / "out.safetensors").stat().st_size > 0
+
+
+def test_jax_own_cache_dir_wins_and_ours_is_not_made(tmp_path) -> None:
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax")}
+    env["QMILL_COMPILATION_CACHE"] = str(tmp_path / "ours")
+    code = "from qmill.checkpoints import compilation_cache as c; print(c.enable())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "jax")
+    assert not (tmp_path / "ours").exists()
+
+
+def test_off_turns_it_off_in_the_process(tmp_path) -> None:
+    env = {**os.environ, "QMILL_COMPILATION_CACHE": "off"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    code = (
+        "import jax; from qmill.checkpoints import compilation_cache as c; "
+        "print(c.enable(), jax.config.jax_compilation_cache_dir)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "None"]
