@@ -30,7 +30,9 @@ RUN pip install --no-deps .
 
 FROM python:${PYTHON_VERSION}-slim
 COPY --from=build /opt/qmill /opt/qmill
-ENV PATH=/opt/qmill/bin:$PATH PYTHONUNBUFFERED=1
+# The user has no home (and deploy/ mounts the root read-only): XLA's compilation cache goes to
+# /tmp (an emptyDir there, so a restarted container loads what the last one compiled).
+ENV PATH=/opt/qmill/bin:$PATH PYTHONUNBUFFERED=1 QMILL_COMPILATION_CACHE=/tmp/qmill-xla
 RUN useradd --system --uid 10001 --no-create-home qmill
 USER 10001
 # 50051: gRPC; 9464: Prometheus /metrics.

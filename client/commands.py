@@ -65,6 +65,8 @@ def _backend(args: argparse.Namespace) -> pipeline.Backend:
     if not args.server:
         from qmill.checkpoints import embedded  # lazy: the engine (jax)
 
+        # This process quantizes once and exits: what importing jax made is kept, frozen.
+        embedded.load_engine(freeze=True)
         return embedded.EmbeddedClient()
     from qmill.client import fanout  # lazy: the gRPC client, for --server only
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
+from qmill.client import channels, errors
 from qmill.client import credentials as credentials_lib
-from qmill.client import errors
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -46,7 +46,7 @@ DEFAULT: Any = object()
 
 
 class _Base:
-    # Makes the channel: credentials.channel or credentials.aio_channel.
+    # Makes the channel: channels.channel or channels.aio_channel.
     _open: Callable[..., Any]
 
     def __init__(
@@ -86,7 +86,7 @@ class _Base:
 class Connection(_Base):
     """A grpc.Channel (TLS, token and request id from `credentials`) and its calls."""
 
-    _open = staticmethod(credentials_lib.channel)
+    _open = staticmethod(channels.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -149,7 +149,7 @@ class Connection(_Base):
 class AsyncConnection(_Base):
     """The asyncio counterpart of Connection: the same calls, awaited."""
 
-    _open = staticmethod(credentials_lib.aio_channel)
+    _open = staticmethod(channels.aio_channel)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-
-import grpc
+from typing import TYPE_CHECKING
 
 from qmill.checkpoints.errors import QmillError as QmillError
 from qmill.proto import wire
+
+if TYPE_CHECKING:
+    import grpc
 
 # Trailing metadata of a refusal that will pass: milliseconds to wait (server/errors.py sets it).
 RETRY_TRAILER = "retry-delay-ms"
@@ -42,6 +44,10 @@ def _retry_after(error: grpc.RpcError) -> float | None:
 def mapped() -> Iterator[None]:
     """Raises a failed RPC as its QmillError, and bytes from a server that break the wire
     contract (wire.WireError: a bad crc32c, a stream cut mid-tensor) as theirs."""
+    # Here, not at the top: retry (and so every command) imports this module, and an in-process
+    # quantize, which never makes an RPC, need not load gRPC (~40 ms).
+    import grpc
+
     try:
         yield
     except grpc.RpcError as e:

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from qmill.checkpoints import compilation_cache
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, errors, limits, registry, tls
@@ -50,6 +51,8 @@ class Server:
         """`job_peer_backends` makes the fan-out backend of batch jobs under --job-peers; the
         composition root (qmill.cli.serve) supplies it, as the server does not import clients."""
         self.config = config
+        # Before any service compiles: programs compiled by an earlier server load from disk.
+        log.info("compilation cache: %s", compilation_cache.enable() or "off")
         for warning in tls.check_transport(config):
             log.warning("%s", warning)
         self.metrics = metrics_lib.Metrics()

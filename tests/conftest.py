@@ -9,6 +9,7 @@ directly (cancel_test.py's child process) deletes its own when it stops or the p
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import threading
 
@@ -45,6 +46,16 @@ class RunningServer:
         self._loop.close()
         if self._own_dir is not None:
             self._own_dir.cleanup()  # after the stop: the job runner writes there until then
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """The XLA compilation cache of every engine this session runs, in-process or in the `qmill`
+    processes the tests start (they inherit os.environ), is one of the session's own, never the
+    user's ~/.cache/qmill/xla. Shared within the session: later processes load what earlier
+    ones compiled, as on a user's machine."""
+    os.environ["QMILL_COMPILATION_CACHE"] = str(tmp_path_factory.mktemp("xla-cache"))
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # would win over ours
 
 
 @pytest.fixture(scope="module")

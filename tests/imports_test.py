@@ -149,6 +149,26 @@ def test_in_process_quantize_imports_no_flax(tmp_path):
     assert (tmp_path / "out").is_dir()
 
 
+def test_in_process_quantize_of_safetensors_imports_no_grpc_or_orbax(tmp_path):
+    # A safetensors checkpoint quantized here opens no channel and no Orbax checkpoint: gRPC
+    # (~40 ms) and Orbax (~0.2 s) are for --server and Orbax checkpoints only (issue 27).
+    source, out = tmp_path / "model.safetensors", tmp_path / "out.safetensors"
+    code = (
+        "import json, sys; import numpy as np; import safetensors.numpy as st; "
+        f"st.save_file({{'w': np.ones((64, 128), np.float32)}}, {str(source)!r}); "
+        "from qmill.cli import main; "
+        f"rc = main.main(['quantize', {str(source)!r}, '-o', {str(out)!r}, "
+        "'--recipe', 'int8', '-q']); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('grpc', 'orbax', 'flax', 'optax')))); "
+        "sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+    assert out.stat().st_size > 0
+
+
 # The engine's rooms, each allowed to import only itself and the rooms listed for it
 # (docs/architecture.md, "The engine's rooms"). A room's name is its sub-package of engine/.
 ENGINE_ROOMS = {

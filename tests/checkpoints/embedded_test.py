@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -51,3 +53,19 @@ def test_a_tensor_the_engine_refuses_is_an_invalid_argument_in_its_place() -> No
     with pytest.raises(errors.QmillError, match="w1: tensor contains NaN") as refused:
         next(outcomes)
     assert refused.value.code == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_load_engine_freezes_the_start_up_objects_only_when_asked(freeze: bool) -> None:
+    # The CLI asks (a one-shot process: ~0.08 s less collection); a server must not, and the
+    # collector is on again afterwards either way.
+    code = (
+        "import gc, sys; from qmill.checkpoints import embedded; "
+        f"embedded.load_engine(freeze={freeze}); "
+        "print(gc.get_freeze_count(), gc.isenabled(), 'jax' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    frozen, enabled, jax_loaded = done.stdout.split()
+    assert (int(frozen) > 50_000) == freeze and (int(frozen) == 0) != freeze
+    assert (enabled, jax_loaded) == ("True", "True")
