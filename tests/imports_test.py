@@ -169,6 +169,53 @@ def test_in_process_quantize_of_safetensors_imports_no_grpc_or_orbax(tmp_path):
     assert out.stat().st_size > 0
 
 
+SERVER_QUANTIZES = r"""
+import asyncio, json, sys
+import numpy as np, safetensors.numpy as st
+from qmill.cli import main, serve
+from qmill.proto import memory
+from qmill.server import app, config
+
+source, out, data_dir = sys.argv[1:4]
+st.save_file({"w": np.ones((64, 128), np.float32), "b": np.ones(64, np.float32)}, source)
+memory.limit_arenas()  # as `qmill serve` starts (server/command.py run)
+
+
+async def run() -> int:
+    cfg = config.ServerConfig(host="127.0.0.1", port=0, data_dir=data_dir, grace_seconds=0.5)
+    server = await app.create_server(cfg, job_peer_backends=serve.job_peer_backends)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        argv = [["capabilities", "--server", address],
+                ["quantize", source, "-o", out, "--recipe", "int8", "--server", address, "-q"]]
+        for args in argv:
+            if rc := await asyncio.to_thread(main.main, args):
+                return rc
+    finally:
+        await server.stop(0.5)
+    return 0
+
+
+rc = asyncio.run(run())
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("flax", "optax"))))
+sys.exit(rc)
+"""
+
+
+def test_a_server_that_quantizes_imports_no_flax_or_optax(tmp_path):
+    # Flax, optax and their dependencies are ~10-18 MB of the server's memory (issue 27: its peak
+    # RSS while quantizing); only the model registry's builds, calibration, ODML export and the
+    # calibrated methods (GPTQ, AWQ, SmoothQuant) use them, and import them on first use. The
+    # server starts as `qmill serve` does, answers GetCapabilities and quantizes a checkpoint
+    # (the client runs in the same process: it imports neither either).
+    source, out = tmp_path / "model.safetensors", tmp_path / "out.safetensors"
+    argv = [sys.executable, "-c", SERVER_QUANTIZES, str(source), str(out), str(tmp_path / "data")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+    assert out.stat().st_size > 0
+
+
 # The engine's rooms, each allowed to import only itself and the rooms listed for it
 # (docs/architecture.md, "The engine's rooms"). A room's name is its sub-package of engine/.
 ENGINE_ROOMS = {

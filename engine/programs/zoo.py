@@ -1,5 +1,8 @@
 """Named Flax Linen model builders the server can run for calibration and export.
 
+The modules themselves are in zoo_modules, imported on a model's first build: listing the models
+(GetCapabilities) imports no Flax.
+
 A model is named by (registry name, config JSON). Each entry has a frozen config dataclass whose
 fields are the JSON keys, a ``build`` giving the unbound module and an ``example_input`` giving
 the shape of one input batch. The server's registry adds entry-point plugins to ``BUILTIN``;
@@ -17,7 +20,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
+
+if typing.TYPE_CHECKING:
+    from flax import linen as nn
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,17 +60,6 @@ class MlpConfig:
     out_features: int = config_field(10, "Outputs (classes).")
 
 
-class Mlp(nn.Module):
-    config: MlpConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.reshape(x.shape[0], -1)
-        for width in self.config.hidden:
-            x = nn.relu(nn.Dense(width)(x))
-        return nn.Dense(self.config.out_features)(x)
-
-
 # ------------------------------------------------------------------------------------------ cnn
 
 
@@ -78,20 +72,6 @@ class CnnConfig:
     )
     hidden: int = config_field(64, "Width of the hidden Dense layer.")
     num_classes: int = config_field(10, "Classes.")
-
-
-class Cnn(nn.Module):
-    """With the defaults, the digits CNN of tests/engine/providers/digits_test.py (same names)."""
-
-    config: CnnConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for c in self.config.channels:
-            x = nn.relu(nn.Conv(c, (3, 3))(x))
-        x = x.reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(self.config.hidden)(x))
-        return nn.Dense(self.config.num_classes)(x)
 
 
 # -------------------------------------------------------------------------- transformer encoder
@@ -108,45 +88,36 @@ class TransformerEncoderConfig:
     num_classes: int = config_field(10, "Outputs of the classifier head (mean-pooled tokens).")
 
 
-class _Block(nn.Module):
-    config: TransformerEncoderConfig
+def _modules():
+    # Flax (with its dependencies ~10-18 MB of a process's memory) on a model's first build, not
+    # when the server starts or lists its models.
+    from qmill.engine.programs import zoo_modules
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        head_dim = c.d_model // c.num_heads
-        y = nn.LayerNorm()(x)
-        # Explicit Dense + einsum (not nn.MultiHeadDotProductAttention) so every matmul is an op
-        # the quantization providers intercept, with a plain 2-D kernel.
-        q, k, v = (
-            nn.Dense(c.d_model, name=n)(y).reshape(*y.shape[:-1], c.num_heads, head_dim)
-            for n in ("query", "key", "value")
-        )
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(x.dtype)
-        attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
-        x = x + nn.Dense(c.d_model, name="out")(attn.reshape(*x.shape[:-1], c.d_model))
-        y = nn.LayerNorm()(x)
-        y = nn.Dense(c.d_model)(nn.gelu(nn.Dense(c.mlp_dim)(y)))
-        return x + y
+    return zoo_modules
 
 
-class TransformerEncoder(nn.Module):
-    config: TransformerEncoderConfig
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        c = self.config
-        x = nn.Embed(c.vocab_size, c.d_model)(tokens.astype(jnp.int32))
-        x = x + self.param("pos", nn.initializers.normal(0.02), (c.seq_len, c.d_model))
-        for i in range(c.num_layers):
-            x = _Block(c, name=f"block_{i}")(x)
-        return nn.Dense(c.num_classes)(nn.LayerNorm()(x).mean(axis=1))
+def _mlp(c: MlpConfig) -> nn.Module:
+    return _modules().Mlp(c)
 
 
-def _check_heads(c: TransformerEncoderConfig) -> TransformerEncoder:
+def _cnn(c: CnnConfig) -> nn.Module:
+    return _modules().Cnn(c)
+
+
+def _check_heads(c: TransformerEncoderConfig) -> nn.Module:
     if c.d_model % c.num_heads:
         raise ValueError(f"num_heads ({c.num_heads}) must divide d_model ({c.d_model})")
-    return TransformerEncoder(c)
+    return _modules().TransformerEncoder(c)
+
+
+_MODULES = ("Mlp", "Cnn", "TransformerEncoder")
+
+
+def __getattr__(name: str) -> Any:
+    """zoo.Mlp, zoo.Cnn, zoo.TransformerEncoder: the modules, imported on first use."""
+    if name in _MODULES:
+        return getattr(_modules(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 BUILTIN: Mapping[str, ModelEntry] = types.MappingProxyType(
@@ -155,14 +126,14 @@ BUILTIN: Mapping[str, ModelEntry] = types.MappingProxyType(
             name="mlp",
             description="Dense layers with ReLU on a flattened f32 input (batch, in_features).",
             config_type=MlpConfig,
-            build=Mlp,
+            build=_mlp,
             example_input=lambda c, b: jax.ShapeDtypeStruct((b, c.in_features), jnp.float32),
         ),
         "cnn": ModelEntry(
             name="cnn",
             description="Two 3x3 convs + two Dense on f32 NHWC images (defaults: sklearn digits).",
             config_type=CnnConfig,
-            build=Cnn,
+            build=_cnn,
             example_input=lambda c, b: jax.ShapeDtypeStruct(
                 (b, c.image_size, c.image_size, c.in_channels), jnp.float32
             ),

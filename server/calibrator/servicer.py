@@ -14,20 +14,23 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from qmill.engine.programs import program as programs
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, codec, errors, limits, params, registry
-from qmill.server.calibrator import program_session
-from qmill.server.calibrator import session as session_lib
 from qmill.server.calibrator import store as store_lib
 from qmill.server.uploads import store as uploads_lib
+
+if TYPE_CHECKING:
+    # Imported on use in the methods below: they pull in Flax and the engine's providers
+    # (~10-18 MB of memory), which a server that only quantizes never needs (issue 27).
+    from qmill.server.calibrator import program_session
+    from qmill.server.calibrator import session as session_lib
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         max_tensor_bytes: int,
         resolve: Callable[[pb.ModelSpec], tuple[Any, Any]] = registry.resolve,
         limiter: limits.ByteLimiter | None = None,
-        max_program_bytes: int = programs.DEFAULT_MAX_BYTES,
+        # None: programs.DEFAULT_MAX_BYTES (engine/programs/program.py).
+        max_program_bytes: int | None = None,
         max_stats_bytes: int | None = None,
     ) -> None:
         self._executor = executor
@@ -81,6 +85,9 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         return previous
 
     def _prepare_program(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
+        from qmill.engine.programs import program as programs
+        from qmill.server.calibrator import program_session
+
         if start.model.name or start.rules:
             raise ValueError("send either a program or a model with rules, not both")
         if start.return_ptq_params:
@@ -88,15 +95,18 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 "return_ptq_params needs a registry model; with a program, send the params and "
                 "the calibration id to QuantizeParams (static_ranges)"
             )
+        max_bytes = self._max_program_bytes
+        if max_bytes is None:
+            max_bytes = programs.DEFAULT_MAX_BYTES
         data = program_session.program_bytes(
             start.program,
             start.program_upload_id,
             self._uploads.tensors,
             tenant,
-            self._max_program_bytes,
+            max_bytes,
         )
         program = program_session.load(
-            data, max_bytes=self._max_program_bytes, platform=jax.devices()[0].platform
+            data, max_bytes=max_bytes, platform=jax.devices()[0].platform
         )
         keys = (program_session.model_key(program), "")
         previous = self._previous(start, tenant, keys)
@@ -113,6 +123,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         )
 
     def _prepare(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
+        from qmill.server.calibrator import session as session_lib
+
         if start.program or start.program_upload_id:
             return self._prepare_program(start, tenant)
         entry, config = self._resolve(start.model)
@@ -133,6 +145,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         )
 
     def _finish(self, prep: _Prepared, tenant: str, want_ptq: bool) -> tuple[dict, Any]:
+        from qmill.server.calibrator import session as session_lib
+
         s = prep.session
         stats = s.host_stats()
         self._calibrations.save(

@@ -11,7 +11,6 @@ optional ``qmill[odml]`` extra, and a server without it still serves everything 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,9 +22,9 @@ from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.programs import program as programs
 from qmill.engine.providers import model as model_lib
 from qmill.engine.providers import odml
+from qmill.server.odml.availability import INSTALL_HINT as INSTALL_HINT
+from qmill.server.odml.availability import availability as availability
 
-_PACKAGES = ("litert_converter", "ai_edge_litert")
-INSTALL_HINT = 'ExportOdml needs the qmill[odml] extra on the server: pip install "qmill[odml]"'
 # The converter's MLIR context setup is global C++ state; one conversion at a time.
 _convert_lock = threading.Lock()
 
@@ -44,14 +43,6 @@ class ExportInfo:
     quantized_weights: Mapping[str, int]
     # The fake quants the converter received, with qmill's scales (and weight values).
     fake_quants: tuple[odml.FakeQuantRecord, ...]
-
-
-def availability() -> tuple[bool, str]:
-    """(available, reason when not) without importing the (large) packages."""
-    missing = [p for p in _PACKAGES if importlib.util.find_spec(p) is None]
-    if missing:
-        return False, f"{INSTALL_HINT} (missing: {', '.join(missing)})"
-    return True, ""
 
 
 def _require() -> tuple[Any, Any, Any, Any]:

@@ -14,13 +14,9 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
-from qmill.engine.programs import program as programs
-from qmill.engine.providers import odml
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, codec, errors, params
-from qmill.server.calibrator import program_session
-from qmill.server.odml import export
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +51,8 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
         executor: futures.Executor,
         backends: Backends | None,
         *,
-        max_program_bytes: int = programs.DEFAULT_MAX_BYTES,
+        # None: programs.DEFAULT_MAX_BYTES (engine/programs/program.py).
+        max_program_bytes: int | None = None,
     ) -> None:
         self._executor = executor
         self._max_program_bytes = max_program_bytes
@@ -63,6 +60,10 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
         self._backends = backends
 
     def _export_program(self, request: pb.ExportOdmlRequest, tenant: str) -> tuple[bytes, Any]:
+        from qmill.engine.programs import program as programs
+        from qmill.server.calibrator import program_session
+        from qmill.server.odml import export
+
         if request.model.name or request.params_upload_id or request.rules:
             raise ValueError(
                 "send either a program or a model with params and rules, not both: the "
@@ -75,18 +76,24 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
         def tensors(tenant: str, upload_id: str) -> Sequence[Any]:
             return _lookup(upload_tensors, tenant, upload_id, what="upload")
 
+        max_bytes = self._max_program_bytes
+        if max_bytes is None:
+            max_bytes = programs.DEFAULT_MAX_BYTES
         data = program_session.program_bytes(
-            request.program, request.program_upload_id, tensors, tenant, self._max_program_bytes
+            request.program, request.program_upload_id, tensors, tenant, max_bytes
         )
         # Export programs are lowered for cpu whatever this server runs on: the converter reads
         # the cpu lowering, it does not run it.
-        program = programs.load(data, max_bytes=self._max_program_bytes)
+        program = programs.load(data, max_bytes=max_bytes)
         try:
             return export.export_program(program)
         except export.OdmlUnavailable as exc:
             raise errors.Unimplemented(str(exc)) from exc
 
     def _export(self, request: pb.ExportOdmlRequest, tenant: str) -> tuple[bytes, Any]:
+        from qmill.engine.providers import odml
+        from qmill.server.odml import export
+
         if request.program or request.program_upload_id:
             return self._export_program(request, tenant)
         if self._backends is None:
@@ -120,6 +127,10 @@ class OdmlExporterServicer(pb_grpc.OdmlExporterServicer):
 
     @errors.streaming
     async def ExportOdml(self, request, context):
+        # The export route (the engine's providers, Flax: ~10-18 MB) is imported on the first
+        # export, not when the server starts: most servers only quantize (issue 27).
+        from qmill.server.odml import export
+
         available, reason = export.availability()
         if not available:
             raise errors.Unimplemented(reason)

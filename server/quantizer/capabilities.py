@@ -11,12 +11,12 @@ from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib
 from qmill.server import registry
-from qmill.server.odml import export
+from qmill.server.odml import availability as odml_availability
 
 
 def capabilities(config: config_lib.ServerConfig) -> pb.GetCapabilitiesResponse:
     device = jax.devices()[0]
-    odml_available, odml_reason = export.availability()
+    odml_available, odml_reason = odml_availability.availability()
     return pb.GetCapabilitiesResponse(
         qmill_version=metadata.version("qmill"),
         jax_version=jax.__version__,

@@ -8,7 +8,6 @@ from concurrent import futures
 
 import grpc
 
-from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -62,7 +61,12 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
             )
         # Weights with a method's statistics (GPTQ, AWQ, SmoothQuant) are quantized by it (AWQ and
         # SmoothQuant add their per-channel scale to the result's parts), the rest as usual.
-        extra = {"quantize": contrib_leaf.quantizer(methods)} if methods else {}
+        extra = {}
+        if methods:
+            # GPTQ / AWQ / SmoothQuant import Flax (~10-18 MB): only for calls that use them.
+            from qmill.engine.contrib import leaf as contrib_leaf
+
+            extra = {"quantize": contrib_leaf.quantizer(methods)}
         try:
             async for response in stream.quantize_stream(
                 requests,

@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from qmill.engine.contrib import leaf as contrib_leaf
-from qmill.engine.programs import program as programs
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec, errors
@@ -73,6 +71,11 @@ def scales(
     ranges: pb.StaticRanges, tenant: str, calibrations: store_lib.CalibrationStore | None
 ) -> dict[str, np.ndarray]:
     """{param path: scale or zero point}; ValueError / NotFound saying what to fix."""
+    # Imported here, not with the module: they pull in Flax (~10-18 MB), which a server whose
+    # calls send no static ranges never needs (issue 27).
+    from qmill.engine.contrib import leaf as contrib_leaf
+    from qmill.engine.programs import program as programs
+
     if ranges.calibration_id and (ranges.quant_stats or ranges.act_qtypes):
         raise ValueError("static_ranges: send a calibration_id or quant_stats, not both")
     if ranges.calibration_id:
@@ -103,6 +106,8 @@ def method_stats(
 ) -> dict[str, tuple[str, dict[str, np.ndarray]]]:
     """{param path: (method, statistic)} of the calibration's method statistics (may be empty);
     call after `scales`, which checks the message."""
+    from qmill.engine.contrib import leaf as contrib_leaf  # Flax: see scales
+
     if ranges.calibration_id:
         assert calibrations is not None  # scales() refused the call otherwise
         stats = calibrations.load(tenant, ranges.calibration_id).stats

@@ -4,7 +4,9 @@ Receiving overlaps with quantizing: a reader task assembles the next tensor whil
 is quantized, and starts on the one after only once the engine has taken it (_hand_over). Memory
 per call is therefore about two tensors (one arriving, one being quantized or waiting for the
 engine) plus results on their way out; with a finished tensor allowed to wait as well it was three,
-for no gain in throughput (bench/README.md, issue 27). Each tensor's
+for no gain in throughput (bench/README.md, issue 27). Results are handed over the same way: the
+engine quantizes the next tensor only once the responder has taken the previous result, so at most
+two results are held (one on the wire, one finished and waiting), not three. Each tensor's
 bytes are reserved with the server's ByteLimiter before its buffer is allocated and released once
 its answer is sent (or the call ends), so all calls together stay within the in-flight limit.
 """
@@ -179,12 +181,14 @@ async def quantize_stream(
         _read_tensors(requests, queue, max_tensor_bytes, stats, account, upload)
     )
     # Quantizing runs a tensor ahead of sending: tensor k+1 is quantized while k's results are
-    # on the wire and k+2 arrives (one finished result may wait between the two).
+    # on the wire and k+2 arrives; k+2 is quantized only once k's are all sent (_Engine.run), so
+    # one finished result at most waits between the two.
     results: asyncio.Queue = asyncio.Queue(maxsize=1)
     engine = _Engine(executor, quantize, recipe, stats, account, metrics)
     quantizer = asyncio.create_task(engine.run(queue, results))
     try:
         while (item := await results.get()) is not _END:
+            results.task_done()  # the engine may quantize the next tensor (_Engine.run)
             if isinstance(item, BaseException):
                 raise item
             header, plan, result = item
@@ -253,6 +257,10 @@ class _Engine:
                     del array
                     await results.put((header, plan, None))
                     continue
+                # The previous result must be taken first: its send is under way when this one
+                # is done, so a third (one sent, one waiting, this one) is never held; the
+                # reader meanwhile assembles the next tensor (task_done above).
+                await results.join()
                 work = loop.run_in_executor(self.executor, self.quantize, array, plan)
                 if self.account is not None:
                     self.account.hold_until_done(work)  # the engine thread reads the bytes

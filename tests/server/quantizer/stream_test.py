@@ -132,3 +132,32 @@ def test_a_call_holds_two_tensors_while_the_engine_works():
             return held
 
     assert asyncio.run(run()) == 2
+
+
+def test_a_call_holds_two_results_while_the_client_reads_slowly():
+    # One result on the wire, the next finished and waiting: the engine quantizes the one after
+    # only once the responder takes that (a third result would cost ~17 MB of a 64 MiB float32
+    # tensor's int8 codes and scales, no throughput). The reader still assembles the next tensor.
+    started: list[str] = []
+
+    def quantize(array, plan):
+        started.append(plan.path)
+        return leaf.quantize_leaf(array, plan)
+
+    async def run() -> tuple[int, int]:
+        with futures.ThreadPoolExecutor(1) as executor:
+            stats = stream.CallStats()
+            responses = stream.quantize_stream(
+                _aiter(_requests(6)), executor, 1 << 20, stats, quantize
+            )
+            first = await anext(responses)
+            assert first.result.path == "layers.0.weight"
+            for _ in range(50):  # the engine and the reader run as far as they may
+                await asyncio.sleep(0.01)
+            held = len(started), stats.tensors_received
+            rest = [r async for r in responses]
+            assert rest[-1].summary.tensors_quantized == 6
+            return held
+
+    # Quantized: 0 (being sent) and 1 (waiting); received: 2 (taken by the engine), 3 (waiting).
+    assert asyncio.run(run()) == (2, 4)
