@@ -174,6 +174,10 @@ def main() -> None:
                     shutil.rmtree(out, ignore_errors=True)
                     if name.startswith("model_free") and not reference.exists():
                         out = reference
+                    # Each command starts with the previous one's dirty pages on disk: its
+                    # writeback otherwise lands in the next command's time (cp -r took 2.13 s
+                    # right after model_free_ptq and the server run, 0.34 s otherwise).
+                    os.sync()
                     seconds, rss = timed(command(out))
                     # A copy is not quantized: nothing to compare (None in the JSON).
                     equal = (
