@@ -238,7 +238,8 @@ class _InOrder:
         self._writer = writer
         self.check = check
         self._in_place = in_place
-        self._next = len(partial.written) if self._in_place else 0
+        # A run that does not write in place has no such notes (quantize_checkpoint refuses).
+        self._next = len(partial.written)
         written = [note["path"] for note in partial.written]
         if written != [e.path for e in entries[: len(written)]]:
             raise ValueError(

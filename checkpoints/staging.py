@@ -134,7 +134,8 @@ class PartialOutput:
         if restart:
             self.discard()
         self.completed: dict[str, dict[str, Any]] = {}
-        # The notes of the entries written in place, in entry order (InPlace.written).
+        # What the log says an interrupted run wrote in place (InPlace.written): read once, for
+        # the writer this run opens; this run's own notes go to the log only.
         self.written: list[dict[str, Any]] = []
         self._log: Any = None
         if (self.directory / MANIFEST).exists():
@@ -203,7 +204,6 @@ class PartialOutput:
         """Marks `path` finished: it and the entries in `written` (the writer's notes since the
         last line) are in the output's data, where InPlace put them."""
         self._append({"path": path, "parts": {}, "info": info, "written": written})
-        self.written.extend(self.completed[path]["written"])
 
     def record(
         self,

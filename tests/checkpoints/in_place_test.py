@@ -181,12 +181,7 @@ def test_results_that_come_early_wait_as_parts_and_are_noted_when_written(tmp_pa
         pipeline.quantize_checkpoint(source, dest, RECIPE, backend=Reversed())
     partial = dest.with_name(dest.name + staging.PARTIAL_SUFFIX)
     lines = _lines(partial)
-    assert [bool(line["written"]) if "written" in line else False for line in lines] == [
-        False,
-        False,
-        False,
-        True,
-    ]
+    assert [bool(line.get("written")) for line in lines] == [False, False, False, True]
     assert [n["path"] for n in lines[-1]["written"]] == [
         "layer_0/kernel",
         "layer_0/bias",
