@@ -135,17 +135,11 @@ def test_importing_the_client_does_not_import_jax():
 def test_in_process_quantize_imports_no_flax(tmp_path):
     # Quantizing a checkpoint needs engine.modelfree and engine.core only: flax and what the
     # providers pull in (flax.nnx, optax, treescope) were ~0.4 s of the quick start (issue 28).
-    code = (
-        "import json, sys; from qmill.cli import main; "
-        f"rc = main.main(['quantize', {str(ROOT / 'examples' / 'tiny-mlp')!r}, "
-        f"'-o', {str(tmp_path / 'out')!r}, '--recipe', 'int8', '-q']); "
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('flax', 'optax', 'treescope') or m.startswith('qmill.engine.providers')))); "
-        "sys.exit(rc)"
+    source = ROOT / "examples" / "tiny-mlp"
+    unwanted = "m.split('.')[0] in ('flax', 'optax', 'treescope') or " + (
+        "m.startswith('qmill.engine.providers')"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == []
+    assert _modules_after_quantize(source, tmp_path / "out", unwanted) == []
     assert (tmp_path / "out").is_dir()
 
 
@@ -153,20 +147,28 @@ def test_in_process_quantize_of_safetensors_imports_no_grpc_or_orbax(tmp_path):
     # A safetensors checkpoint quantized here opens no channel and no Orbax checkpoint: gRPC
     # (~40 ms) and Orbax (~0.2 s) are for --server and Orbax checkpoints only (issue 27).
     source, out = tmp_path / "model.safetensors", tmp_path / "out.safetensors"
-    code = (
-        "import json, sys; import numpy as np; import safetensors.numpy as st; "
+    setup = (
+        "import numpy as np; import safetensors.numpy as st; "
         f"st.save_file({{'w': np.ones((64, 128), np.float32)}}, {str(source)!r}); "
-        "from qmill.cli import main; "
+    )
+    unwanted = "m.split('.')[0] in ('grpc', 'orbax', 'flax', 'optax')"
+    assert _modules_after_quantize(source, out, unwanted, setup=setup) == []
+    assert out.stat().st_size > 0
+
+
+def _modules_after_quantize(source, out, unwanted: str, *, setup: str = "") -> list[str]:
+    """The modules matching `unwanted` (an expression of m) that a fresh process has imported
+    after `qmill quantize SOURCE -o OUT --recipe int8` run in it (after `setup`)."""
+    code = (
+        f"import json, sys; {setup}from qmill.cli import main; "
         f"rc = main.main(['quantize', {str(source)!r}, '-o', {str(out)!r}, "
         "'--recipe', 'int8', '-q']); "
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('grpc', 'orbax', 'flax', 'optax')))); "
+        f"print(json.dumps(sorted(m for m in sys.modules if {unwanted}))); "
         "sys.exit(rc)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == []
-    assert out.stat().st_size > 0
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 SERVER_QUANTIZES = r"""
