@@ -2,13 +2,14 @@
 within 4x), with XLA's compilation cache cold and warm.
 
     python bench/cp_ratio_bench.py --folder /tmp/llama-1g [--runs 5] [--recipe W4A16]
-        [--before DIR] [--json OUT.json]
+        [--before DIR [--before-cache off|warm]] [--json OUT.json]
 
 Each round runs, in this order: `cp -r`; qmill with a cache directory emptied just before
 (cold); qmill with a cache it filled in an untimed first run (warm); and, with --before DIR,
 the qmill whose `qmill/` package tree is in DIR (put first on PYTHONPATH; its cache off, as
-before the cache existed). Wall time from spawn to exit, and the child's CPU time (user +
-system, os.wait4). Outputs go to a scratch folder next to --out and are deleted after each run.
+before the cache existed, or with `--before-cache warm` the warm case's, for a tree that has
+one). Wall time from spawn to exit, the child's CPU time (user + system) and peak RSS
+(os.wait4). Outputs go to a scratch folder next to --out and are deleted after each run.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import sys
 import time
 
 
-def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall s, CPU s) of a child run to completion; raises if it fails."""
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS MB) of a child run to completion; raises if it fails."""
     start = time.perf_counter()
     child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(child.pid, 0)
@@ -34,7 +35,7 @@ def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     if os.waitstatus_to_exitcode(status):
         raise RuntimeError(f"{command} failed: {child.stderr.read().decode()[-2000:]}")
     child.stderr.close()
-    return wall, usage.ru_utime + usage.ru_stime
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def cases(args: argparse.Namespace, out: pathlib.Path) -> dict[str, tuple[list[str], dict]]:
@@ -48,7 +49,8 @@ def cases(args: argparse.Namespace, out: pathlib.Path) -> dict[str, tuple[list[s
     }
     if args.before:
         path = os.pathsep.join(filter(None, [str(args.before), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, "QMILL_COMPILATION_CACHE": "off"}
+        cache = str(warm_dir) if args.before_cache == "warm" else "off"
+        env = {**os.environ, "PYTHONPATH": path, "QMILL_COMPILATION_CACHE": cache}
         result["qmill before"] = (qmill, env)
     return result
 
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--recipe", default="W4A16")
     parser.add_argument("--before", type=pathlib.Path, help="a tree holding qmill/ to compare")
+    parser.add_argument("--before-cache", choices=("off", "warm"), default="off")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -73,10 +76,11 @@ def main() -> None:
         for name, (command, env) in table.items():
             if name == "qmill, cold cache":
                 shutil.rmtree(args.out / "xla-cold", ignore_errors=True)
-            wall, cpu = timed(command, env)
+            wall, cpu, rss = timed(command, env)
             shutil.rmtree(out)
             rows.append({"case": name, "run": run, "wall_s": round(wall, 3)})
-            rows[-1].update(cpu_s=round(cpu, 3), load_1min=round(os.getloadavg()[0], 2))
+            rows[-1].update(cpu_s=round(cpu, 3), peak_rss_mb=round(rss))
+            rows[-1].update(load_1min=round(os.getloadavg()[0], 2))
             print(json.dumps(rows[-1]), flush=True)
     summary = {}
     for name in table:
@@ -86,6 +90,7 @@ def main() -> None:
             "wall_median_s": statistics.median(walls),
             "wall_min_s": min(walls),
             "cpu_median_s": statistics.median(cpus),
+            "peak_rss_max_mb": max(r["peak_rss_mb"] for r in rows if r["case"] == name),
         }
     cp = summary["cp -r"]
     for name, row in summary.items():
