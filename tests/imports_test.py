@@ -228,6 +228,7 @@ ENGINE_ROOMS = {
     "contrib": {"core", "modeling", "ops", "providers", "modelfree"},
     "modelfree": {"core", "modeling"},
     "programs": {"core", "modeling", "ops", "providers", "contrib"},
+    "lm": {"core", "modeling", "ops", "providers", "contrib", "modelfree"},
 }
 PART_PACKAGES = {"engine": "qmill.engine", "client": "qmill.client"}
 

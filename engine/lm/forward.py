@@ -1,0 +1,259 @@
+"""The forward pass of a Hugging Face causal LM in JAX, one decoder layer at a time.
+
+Lingo:
+  h       the residual stream (B, T, D) float32 entering or leaving a decoder layer.
+  stage   a cut of the decoder layer at each group of linears sharing one input: stage k's output
+          `carry["x"]` is the input of its linears (q, k, v | o | gate, up | down); the last
+          stage has none and leaves the layer's output in `carry["h"]`.
+  weights one layer's tensors keyed by names relative to its prefix ("self_attn.q_proj.weight");
+          HF Linear weights are (out_features, in_features): y = x @ W.T (+ b).
+
+A stage reads only the linears of earlier stages (and norms and biases), so the layer-by-layer
+GPTQ driver can swap those for their quantized versions between stages ("true sequential").
+Compute is float32 whatever the weights' dtype; windows are full (positions 0..T-1), causal, with
+the sliding window where the config says, and no padding. No file access here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmill.engine.lm import config as config_lib
+from qmill.engine.lm import rope as rope_lib
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One cut of a decoder layer."""
+
+    # What the stage computes, for progress and reports ("attn_in", "attn_out", ...).
+    name: str
+    # Relative names of the linear weights whose common input this stage produces.
+    linears: tuple[str, ...]
+
+
+def stages(cfg: config_lib.LmConfig, layer: int) -> tuple[Stage, ...]:
+    """The decoder layer cut at each group of linears sharing one input (the last: none)."""
+    config_lib.layer_prefix(cfg, layer)  # range check
+    names = config_lib.relative_linear_names(cfg)
+    if cfg.fused:
+        attn, o, mlp, down = names[:1], names[1:2], names[2:3], names[3:]
+    else:
+        attn, o, mlp, down = names[:3], names[3:4], names[4:6], names[6:]
+    return (
+        Stage("attn_in", attn),
+        Stage("attn_out", o),
+        Stage("mlp_in", mlp),
+        Stage("mlp_mid", down),
+        Stage("out", ()),
+    )
+
+
+def _w(weights: Mapping[str, jax.Array], name: str) -> jax.Array:
+    return jnp.asarray(weights[name]).astype(_F32)
+
+
+def _linear(weights: Mapping[str, jax.Array], name: str, x: jax.Array, bias: bool) -> jax.Array:
+    """x @ W.T (+ b) for the HF Linear `name` ("self_attn.q_proj")."""
+    y = jnp.einsum("...i,oi->...o", x, _w(weights, name + ".weight"), precision="highest")
+    return y + _w(weights, name + ".bias") if bias else y
+
+
+def _rms_norm(cfg: config_lib.LmConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """RMSNorm in float32; Gemma's scales by (1 + weight)."""
+    x = x.astype(_F32)
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    scale = weight.astype(_F32)
+    return normed * (1.0 + scale) if cfg.norm_plus_one else scale * normed
+
+
+def _norm(cfg, weights, name: str, x: jax.Array) -> jax.Array:
+    return _rms_norm(cfg, x, jnp.asarray(weights[name + ".weight"]))
+
+
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x (B, T, heads, head_dim) rotated on its first cos.shape[-1] channels (rotate_half)."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def _mask(cfg: config_lib.LmConfig, layer: int, t: int) -> np.ndarray:
+    """(T, T) bool: query q sees key k when k <= q (and q - k < window on sliding layers)."""
+    q, k = np.arange(t)[:, None], np.arange(t)[None, :]
+    allowed = k <= q
+    if cfg.sliding_layers[layer]:
+        allowed &= k > q - cfg.sliding_window
+    return allowed
+
+
+def _qkv(cfg: config_lib.LmConfig, weights, x: jax.Array):
+    """q (B, T, H, hd), k and v (B, T, KV, hd) from the attention's input."""
+    hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    if cfg.fused:
+        qkv = _linear(weights, "self_attn.qkv_proj", x, False)
+        q, k, v = jnp.split(qkv, [h * hd, (h + kv) * hd], axis=-1)
+    else:
+        q, k, v = (_linear(weights, f"self_attn.{n}_proj", x, cfg.qkv_bias) for n in "qkv")
+    b, t = x.shape[:2]
+    q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, kv, hd), v.reshape(b, t, kv, hd)
+    if cfg.qk_norm:
+        q = _norm(cfg, weights, "self_attn.q_norm", q)
+        k = _norm(cfg, weights, "self_attn.k_norm", k)
+    return q, k, v
+
+
+def _attention(cfg: config_lib.LmConfig, layer: int, weights, x: jax.Array) -> jax.Array:
+    """Causal (grouped-query) self-attention of the normed input x: (B, T, H * head_dim), the
+    input of o_proj."""
+    q, k, v = _qkv(cfg, weights, x)
+    b, t = x.shape[:2]
+    sliding = cfg.sliding_layers[layer]
+    rope = cfg.rope_local if sliding else cfg.rope
+    cos, sin = (jnp.asarray(a) for a in rope_lib.cos_sin(rope, cfg.head_dim, t))
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    groups = cfg.num_heads // cfg.num_kv_heads
+    # Query head j uses key/value head j // groups (transformers' repeat_kv).
+    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, precision="highest") * cfg.attn_scale
+    scores = _softcap(scores, cfg.attn_softcap)
+    scores = jnp.where(_mask(cfg, layer, t), scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, precision="highest")
+    return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+
+
+def _act(cfg: config_lib.LmConfig, x: jax.Array) -> jax.Array:
+    if cfg.activation == "silu":
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=cfg.activation == "gelu_pytorch_tanh")
+
+
+def run_stage(
+    cfg: config_lib.LmConfig,
+    layer: int,
+    index: int,
+    weights: Mapping[str, jax.Array],
+    carry: dict[str, jax.Array],
+) -> dict[str, jax.Array]:
+    """Stage `index` of decoder layer `layer`: pure, jittable with (cfg, layer, index) static.
+
+    The first stage takes {"h": (B, T, D) float32}; after a stage with linears, carry["x"] is
+    their input and carry["h"] the residual stream so far; after the last, carry["h"] is the
+    layer's output (and no "x").
+    """
+    h = carry["h"].astype(_F32)
+    if index == 0:
+        return {"h": h, "x": _norm(cfg, weights, "input_layernorm", h)}
+    x = carry["x"].astype(_F32)
+    if index == 1:
+        return {"h": h, "x": _attention(cfg, layer, weights, x)}
+    if index == 2:
+        a = _linear(weights, "self_attn.o_proj", x, cfg.o_bias)
+        if cfg.sandwich_norms:
+            a = _norm(cfg, weights, "post_attention_layernorm", a)
+            h = h + a
+            return {"h": h, "x": _norm(cfg, weights, "pre_feedforward_layernorm", h)}
+        h = h + a
+        return {"h": h, "x": _norm(cfg, weights, "post_attention_layernorm", h)}
+    if index == 3:
+        if cfg.fused:
+            gate, up = jnp.split(_linear(weights, "mlp.gate_up_proj", x, False), 2, axis=-1)
+        else:
+            gate = _linear(weights, "mlp.gate_proj", x, cfg.mlp_bias)
+            up = _linear(weights, "mlp.up_proj", x, cfg.mlp_bias)
+        return {"h": h, "x": _act(cfg, gate) * up}
+    if index == 4:
+        m = _linear(weights, "mlp.down_proj", x, cfg.mlp_bias)
+        if cfg.sandwich_norms:
+            m = _norm(cfg, weights, "post_feedforward_layernorm", m)
+        return {"h": h + m}
+    raise ValueError(f"stage {index} out of range: a decoder layer has 5 stages")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def layer_forward(
+    cfg: config_lib.LmConfig, layer: int, weights: Mapping[str, jax.Array], h: jax.Array
+) -> jax.Array:
+    """Decoder layer `layer` on h (B, T, D): every stage in order."""
+    carry = {"h": h}
+    for index in range(len(stages(cfg, layer))):
+        carry = run_stage(cfg, layer, index, weights, carry)
+    return carry["h"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def embed(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], ids: jax.Array) -> jax.Array:
+    """The hidden states (B, T, D) float32 entering layer 0. Gemma's sqrt(D) normalizer is rounded
+    to the embedding's dtype first, as transformers computes it (a bf16 checkpoint: bf16)."""
+    table = jnp.asarray(outer["embed"])
+    h = jnp.take(table, ids, axis=0).astype(_F32)
+    if cfg.embed_scale:
+        normalizer = jnp.asarray(np.float32(cfg.hidden_size**0.5)).astype(table.dtype)
+        h = h * normalizer.astype(_F32)
+    return h
+
+
+def _head(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array]) -> jax.Array:
+    return jnp.asarray(outer["embed"] if cfg.tied else outer["head"]).astype(_F32)
+
+
+def _logits(cfg: config_lib.LmConfig, outer, h: jax.Array) -> jax.Array:
+    h = _rms_norm(cfg, h, jnp.asarray(outer["norm"]))
+    out = jnp.einsum("...d,vd->...v", h, _head(cfg, outer), precision="highest")
+    return _softcap(out, cfg.final_softcap)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def logits(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
+    """(B, T, V) float32: final norm, the head (the embedding when tied), the final soft-cap."""
+    return _logits(cfg, outer, h)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk",))
+def token_nll(
+    cfg: config_lib.LmConfig,
+    outer: Mapping[str, jax.Array],
+    h: jax.Array,
+    ids: jax.Array,
+    *,
+    chunk: int = 128,
+) -> jax.Array:
+    """(B, T-1) float32: -log p(ids[:, t+1] | ..t) from the last layer's h (B, T, D).
+
+    The logits are made `chunk` positions at a time (a sequential lax.map), so a big vocabulary's
+    (B, T, V) is never held whole; the mean is transformers' loss, exp of it the perplexity.
+    """
+    b, t, d = h.shape
+    n = t - 1
+    chunk = max(1, min(chunk, n))
+    steps = -(-n // chunk)
+    pad = steps * chunk - n
+    hs = jnp.pad(h[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(ids[:, 1:], ((0, 0), (0, pad)))
+    hs = hs.reshape(b, steps, chunk, d).transpose(1, 0, 2, 3)
+    targets = targets.reshape(b, steps, chunk).transpose(1, 0, 2)
+
+    def one(args):
+        hc, tc = args
+        lg = _logits(cfg, outer, hc)
+        picked = jnp.take_along_axis(lg, tc[..., None], axis=-1)[..., 0]
+        return jax.nn.logsumexp(lg, axis=-1) - picked
+
+    nll = jax.lax.map(one, (hs, targets))  # (steps, B, chunk)
+    return nll.transpose(1, 0, 2).reshape(b, steps * chunk)[:, :n]
