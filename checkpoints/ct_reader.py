@@ -52,6 +52,9 @@ def scheme_of_config(qc: Mapping[str, Any]) -> ct_schemes.Scheme:
     weights = group.get("weights") or {}
     fmt = group.get("format") or qc.get("format")
     for scheme in ct_schemes.SCHEMES.values():
+        size = weights.get("group_size")
+        if scheme.grouped and isinstance(size, int) and size > 0:
+            scheme = scheme.with_group_size(size)  # any group size (--group-size)
         if scheme.format == fmt and all(weights.get(k) == scheme.weights.get(k) for k in _DECIDING):
             return scheme
     shown = {k: weights.get(k) for k in _DECIDING}

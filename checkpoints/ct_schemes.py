@@ -65,6 +65,21 @@ class Scheme:
     def num_bits(self) -> int:
         return int(self.weights["num_bits"])
 
+    @property
+    def grouped(self) -> bool:
+        """Groups of columns along the input features, of any size (--group-size)."""
+        return self.weights.get("strategy") == "group" and "tile_size" in self.rule
+
+    def with_group_size(self, size: int) -> Scheme:
+        """The scheme with groups of `size` input features (W4A16's 128 is the preset's)."""
+        if not self.grouped:
+            raise ValueError(f"{self.name} has no group size to change")
+        return dataclasses.replace(
+            self,
+            rule={**self.rule, "tile_size": size},
+            weights={**self.weights, "group_size": size},
+        )
+
 
 # compressed-tensors quantizes with PyTorch: the engine follows its arithmetic (true divisions;
 # engine/numerics.py ARITHMETICS), which the reference's differs from for float32/16 weights.
@@ -207,25 +222,45 @@ def scheme_of_recipe(recipe: Mapping[str, Any]) -> Scheme:
             different schemes; the message names the schemes.
     """
     names = ", ".join(SCHEMES)
-    found: set[str] = set()
+    found: dict[str, Scheme] = {}  # by label: a scheme and its group size
     for rule in recipe.get("rules", ()):
         if rule.get("skip"):
             continue
         numerics = _numerics(rule)
-        match = [s.name for s in SCHEMES.values() if _numerics(s.rule) == numerics]
+        match = [_sized(s, numerics) for s in SCHEMES.values() if _matches(s, numerics)]
         if not match:
             raise ValueError(
                 f"the recipe rule {rule.get('path_regex', '.*')!r} quantizes in a way no "
                 f"compressed-tensors scheme does; pass --recipe with a scheme ({names}), or a "
                 "recipe whose quantizing rules are a scheme's (only skip rules added)"
             )
-        found.add(match[0])
+        found[_label(match[0])] = match[0]
     if len(found) != 1:
         what = "no rule quantizes" if not found else f"rules use {', '.join(sorted(found))}"
         raise ValueError(
             f"a compressed-tensors output takes one scheme ({names}); this recipe's {what}"
         )
-    return SCHEMES[found.pop()]
+    return next(iter(found.values()))
+
+
+def _matches(scheme: Scheme, numerics: Mapping[str, Any]) -> bool:
+    """A rule's numerics are the scheme's, a grouped scheme's group size aside."""
+    own = _numerics(scheme.rule)
+    if scheme.grouped and isinstance(numerics.get("tile_size"), int):
+        own["tile_size"] = numerics["tile_size"]
+    return own == numerics
+
+
+def _sized(scheme: Scheme, numerics: Mapping[str, Any]) -> Scheme:
+    if scheme.grouped and numerics["tile_size"] != scheme.rule["tile_size"]:
+        return scheme.with_group_size(numerics["tile_size"])
+    return scheme
+
+
+def _label(scheme: Scheme) -> str:
+    if scheme.grouped and scheme.rule["tile_size"] != SCHEMES[scheme.name].rule["tile_size"]:
+        return f"{scheme.name} (groups of {scheme.rule['tile_size']})"
+    return scheme.name
 
 
 def quantization_config(scheme: Scheme, ignore: list[str]) -> dict[str, Any]:

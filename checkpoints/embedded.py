@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -78,19 +78,26 @@ class EmbeddedClient:
         tensors: Iterable[tuple[str, np.ndarray]],
         *,
         calibration_stats: dict[str, np.ndarray] | None = None,
+        precomputed: Mapping[str, Callable[[], Any]] | None = None,
         **_: Any,
     ) -> Iterator[outcome.TensorOutcome]:
         """As a server's QuantizeParams; `calibration_stats` (a calibrated method's flat
         statistics, as `qmill calibrate --stats-output` writes them) quantize the weights they
-        name by that method, as a server does for a calibration id."""
+        name by that method, as a server does for a calibration id. `precomputed`: tensor name
+        → a loader of its GPTQ'd LeafResult (a language model calibrated layer by layer,
+        lm_calibration.py), handed back as it is."""
         from qmill.engine.modelfree import leaf, recipes  # lazy: imported by load_engine
 
-        quantize = leaf.quantize_leaf
+        quantize, method_of = leaf.quantize_leaf, _round_to_nearest
         if calibration_stats:
             # Only then: engine.contrib imports the providers (flax.nnx, optax: ~0.3 s).
             from qmill.engine.contrib import leaf as contrib_leaf
 
-            quantize = contrib_leaf.quantizer(contrib_leaf.method_stats(calibration_stats))
+            stats = contrib_leaf.method_stats(calibration_stats)
+            quantize = contrib_leaf.quantizer(stats)
+            method_of = _stats_method(stats)
+        if precomputed:
+            quantize, method_of = _precomputed(precomputed, quantize, method_of)
 
         try:
             engine_recipe = recipes.recipe_from_mapping(recipe)
@@ -100,7 +107,9 @@ class EmbeddedClient:
 
         def next_outcome() -> outcome.TensorOutcome | None:
             item = next(source, None)
-            return None if item is None else _quantize_one(*item, engine_recipe, quantize)
+            if item is None:
+                return None
+            return _quantize_one(*item, engine_recipe, quantize, method_of)
 
         with futures.ThreadPoolExecutor(1, thread_name_prefix="qmill-embedded") as worker:
             pending = worker.submit(next_outcome)
@@ -109,8 +118,39 @@ class EmbeddedClient:
                 yield done
 
 
+def _round_to_nearest(path: str) -> str:
+    return "rtn"
+
+
+def _stats_method(stats: Mapping[str, tuple[str, Any]]) -> Callable[[str], str]:
+    """The method contrib's quantizer runs on a path (its lookup, a leading params/ aside)."""
+
+    def method_of(path: str) -> str:
+        found = stats.get(path) or stats.get(path.removeprefix("params/"))
+        return "rtn" if found is None else found[0]
+
+    return method_of
+
+
+def _precomputed(
+    loaders: Mapping[str, Callable[[], Any]], quantize: Any, method_of: Callable[[str], str]
+) -> tuple[Any, Callable[[str], str]]:
+    def quantize_or_load(array: np.ndarray, plan: Any) -> Any:
+        load = loaders.get(plan.path)
+        return quantize(array, plan) if load is None else load()
+
+    def method(path: str) -> str:
+        return "gptq" if path in loaders else method_of(path)
+
+    return quantize_or_load, method
+
+
 def _quantize_one(
-    path: str, array: np.ndarray, engine_recipe: Any, quantize: Any
+    path: str,
+    array: np.ndarray,
+    engine_recipe: Any,
+    quantize: Any,
+    method_of: Callable[[str], str] = _round_to_nearest,
 ) -> outcome.TensorOutcome:
     from qmill.engine.modelfree import layout  # lazy: imported by load_engine
 
@@ -140,6 +180,7 @@ def _quantize_one(
             "channelwise_axes": plan.channelwise_axes,
             "tiled_axes": dict(plan.tiled_axes),
             "calibration_method": plan.calibration_method,
+            "method": method_of(path),
         },
         sqnr_db=result.quality.sqnr_db,
         mean_relative_error=result.quality.mean_relative_error,

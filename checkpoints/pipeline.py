@@ -48,6 +48,9 @@ class ReportRow:
     bytes_after: int
     reason: str = ""
     tiles: str = ""
+    # How the codes were found: "rtn" (round to nearest), "gptq", "awq", "smoothquant"; ""
+    # where the backend does not say (a server).
+    method: str = ""
 
 
 def quantize_checkpoint(
@@ -430,4 +433,5 @@ def _quantized_row(entry: protocols.TensorEntry, outcome: outcome_lib.TensorOutc
         bytes_before=entry.nbytes,
         bytes_after=outcome.output_bytes,
         tiles=",".join(f"{a}:{t}" for a, t in tiles.items()),
+        method=outcome.how.get("method", ""),
     )

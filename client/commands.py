@@ -20,10 +20,17 @@ from rich import box
 from rich.console import Console
 
 from qmill import checkpoints
-from qmill.checkpoints import ct_writer, formats, hf_folder, pipeline, quantization_config
+from qmill.checkpoints import (
+    ct_writer,
+    formats,
+    hf_folder,
+    lm_calibration,
+    pipeline,
+    quantization_config,
+)
 from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import errors as checkpoint_errors
-from qmill.client import credentials, recipes, report, report_table, retry
+from qmill.client import calibrated_lm, credentials, recipes, report, report_table, retry
 
 if TYPE_CHECKING:
     from qmill.client import client as client_lib
@@ -148,13 +155,22 @@ def _safetensors_folder_note(output: str) -> str | None:
 
 def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     recipe = recipes.load(args.recipe)
+    if args.group_size is not None:
+        recipe = recipes.with_group_size(recipe, args.group_size)
     args.format = recipes.output_format(args.recipe, args.format)
     _check_output_folder(args.output)
+    lm = _language_model(args, out)
     if args.dry_run:
         return _dry_run(args, recipe, out)
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
+    calibrated = None
+    if lm is not None:
+        formats.check_destination(
+            args.source, args.output, overwrite=args.overwrite, output_format=args.format
+        )
+        calibrated = calibrated_lm.calibrate(args, recipe, lm)
     if args.format == formats.COMPRESSED_TENSORS and "calibration_stats" in calibration:
         # Statistics in hand: an AWQ / SmoothQuant calibration is refused before any work.
         what = f"--calibration {args.calibration}"
@@ -162,6 +178,8 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     def attempt(restart: bool) -> list[pipeline.ReportRow]:
         backend = _backend(args)
+        if calibrated is not None:
+            backend = lm_calibration.Precomputed(backend, calibrated)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.quantize_checkpoint(
                 args.source,
@@ -195,7 +213,10 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         pipeline.with_default_convention(recipe, _source_format(args.source)),
         disk_before=report.disk_bytes(args.source),
         disk_after=report.disk_bytes(args.output),  # what was written, stat'ed after commit
+        calibration=None if lm is None else calibrated_lm.report_fields(lm, calibrated),
     )
+    if calibrated is not None:
+        lm_calibration.discard(args.output)  # the output holds it now
     if args.quiet:
         out.print(report.totals_line(summary), markup=False, highlight=False, soft_wrap=True)
     else:
@@ -207,6 +228,18 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         sys.stdout.flush()  # after the totals, not inside them
         print(note, file=sys.stderr)
     return 0
+
+
+def _language_model(args: argparse.Namespace, out: Console) -> Any:
+    """The calibration request of a --method run (refused before any work when the model,
+    the flags or the memory estimate don't allow it), or None."""
+    if not calibrated_lm.wanted(args):
+        return None
+    lm_calibration.model_config(args.source)  # an unsupported architecture: refused first
+    lm = calibrated_lm.request(args)
+    for line in calibrated_lm.check_memory(args, lm):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
+    return lm
 
 
 def _source_format(path: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qmill.checkpoints import ct_schemes
-from qmill.client import credentials, recipes, report, retry
+from qmill.client import calibrated_lm, credentials, recipes, report, retry
 
 
 def _add_jobs(sub: Any, name: str) -> None:
@@ -166,6 +166,13 @@ def _add_quantize(sub: Any, name: str) -> None:
         "--method ...`) to the weights it has statistics for: with --server the calibration "
         "id, in-process the statistics file `qmill calibrate --stats-output` wrote",
     )
+    q.add_argument(
+        "--group-size",
+        type=int,
+        help="input features per scale in the recipe's grouped rules (W4A16's default 128; a "
+        "576-wide layer takes 64 or 32)",
+    )
     q.add_argument("--timeout", type=float, help="seconds before the call is abandoned")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
+    calibrated_lm.add_arguments(q)
     credentials.add_arguments(q)

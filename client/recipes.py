@@ -87,6 +87,29 @@ def load(spec: Recipe) -> dict[str, Any]:
     return fields
 
 
+def with_group_size(recipe: Mapping[str, Any], size: int) -> dict[str, Any]:
+    """The recipe with groups of `size` input features in every quantizing rule (--group-size).
+
+    Raises:
+      ValueError: a size below 1, or a rule whose tiling is fixed by its qtype or blocks
+        (NVFP4's 16, MXFP4's 32, FP8_BLOCK's 128 × 128).
+    """
+    if size < 1:
+        raise ValueError(f"--group-size must be at least 1, got {size}")
+    out = copy.deepcopy(dict(recipe))
+    for rule in out.get("rules", ()):
+        if rule.get("skip"):
+            continue
+        if rule.get("tiled_axes"):
+            raise ValueError(
+                f"--group-size does not apply to the rule {rule.get('path_regex', '.*')!r}: its "
+                f"tiling {rule['tiled_axes']} is fixed (group schemes: W4A16, W4A16_ASYM, "
+                "W8A16; presets int4, nf4, int8)"
+            )
+        rule["tile_size"] = size
+    return out
+
+
 def message(spec: Recipe) -> pb.Recipe:
     """The Recipe message of a preset name, a TOML recipe file or a mapping.
 

@@ -95,6 +95,11 @@ def _tiling(r: pipeline.ReportRow) -> str:
     return f"tiles {r.tiles}" if r.tiles else "per channel"
 
 
+def _method(r: pipeline.ReportRow) -> str:
+    """A calibrated method's name after the group (round to nearest says nothing)."""
+    return f" · {r.method.upper()}" if r.method not in ("", "rtn") else ""
+
+
 def disk_bytes(path: str | os.PathLike) -> int:
     """Bytes of the files at `path`: one file, every file under a directory, or for a safetensors
     index the index and the shards it names."""
@@ -119,6 +124,9 @@ class Summary:
     # Files on disk; None for a plan (nothing written).
     disk_before: int | None = None
     disk_after: int | None = None
+    # A language model calibrated layer by layer: {"perplexity": {"source", "quantized"} or
+    # None, "layers": [{"layer", "loss", "seconds", "losses"}], "gptq": its options}.
+    calibration: dict[str, Any] | None = None
 
     @property
     def quantized(self) -> list[pipeline.ReportRow]:
@@ -138,7 +146,7 @@ class Summary:
             name = (
                 f"kept: {r.reason or 'kept'}"
                 if r.qtype == "kept"
-                else f"{r.dtype} → {r.qtype} {_tiling(r)}"
+                else f"{r.dtype} → {r.qtype} {_tiling(r)}{_method(r)}"
             )
             out.setdefault(name, []).append(r)
         return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("kept"), kv[0])))
@@ -272,6 +280,7 @@ def as_json(summary: Summary) -> dict[str, Any]:
         "groups": groups,
         "worst": [_row(r) for r in summary.worst()],
         "tensors": [_row(r) for r in rows],
+        **(summary.calibration or {}),
     }
 
 

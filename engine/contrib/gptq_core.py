@@ -19,6 +19,7 @@ Formulas and the one deliberate difference are in docs/calibrated-methods.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -177,3 +178,96 @@ def _quantize_weight(W, H, *, how, blocksize, percdamp):
     qvalue = jnp.concatenate(codes, axis=1).astype(storage)
     q = qarray.QArray(qvalue, scale.astype(dtype), zero_point, how.qtype)
     return q, jnp.concatenate(losses, axis=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GptqOptions:
+    """GPTQ as the field runs it on language models (llm-compressor's GPTQModifier defaults).
+
+    Unlike `quantize_weight` (the reference's: a group's scale found when the algorithm reaches
+    it), every group's scale is fixed first from the weight as it is ("static" groups), so the
+    columns may be visited in any order and the stored scales are the float weight's.
+    """
+
+    # Columns updated together before the rest of W is corrected (same maths, another order).
+    blocksize: int = 128
+    # Fraction of mean(diag H) added to H's diagonal before inverting it.
+    percdamp: float = 0.01
+    # Visit columns by descending diag(H) (most-used inputs first, their error pushed onto the
+    # rarely-used ones): the paper's "act-order", llm-compressor's default "static" ordering.
+    actorder: bool = True
+
+    def __post_init__(self) -> None:
+        if self.blocksize <= 0:
+            raise ValueError(f"GPTQ block size must be positive, got {self.blocksize}")
+        if not 0 < self.percdamp < 1:
+            raise ValueError(f"GPTQ dampening must lie in (0, 1), got {self.percdamp}")
+
+
+def quantize_weight_static(
+    W: jax.Array, H: jax.Array, how: qarray.HowToQuantize, options: GptqOptions
+) -> tuple[qarray.QArray, jax.Array]:
+    """GPTQ with static group scales (see GptqOptions); otherwise as `quantize_weight`.
+
+    Returns:
+      (the QArray: codes (rows, columns), scale (rows | 1, columns / groupsize); the
+      per-element losses (w − ŵ)² / (2 Hinv_ii²) in the weight's column order).
+
+    Raises:
+      ValueError: shapes that don't match, or a group size not dividing the columns.
+    """
+    columns = W.shape[1]
+    if H.shape != (columns, columns):
+        raise ValueError(f"Hessian shape {H.shape} must be ({columns}, {columns}) for W {W.shape}")
+    _groupsize(how, columns)
+    return _quantize_weight_static(W, H, how=how, options=options)
+
+
+def _static_scales(w, groupsize, how, dtype):
+    """Every group's (scale, zero point), (rows, groups), from the weight as it is."""
+    rows, columns = w.shape
+    groups = w.astype(dtype).reshape(rows, columns // groupsize, groupsize).transpose(1, 0, 2)
+    scale, zp = jax.vmap(lambda g: find_params(g, how))(groups)
+    scale = jnp.broadcast_to(scale[:, :, 0].T.astype(jnp.float32), (rows, columns // groupsize))
+    if zp is not None:
+        zp = jnp.broadcast_to(zp[:, :, 0].T, (rows, columns // groupsize))
+    return scale, zp
+
+
+@functools.partial(jax.jit, static_argnames=("how", "options"))
+def _quantize_weight_static(W, H, *, how, options):
+    columns = W.shape[1]
+    groupsize = _groupsize(how, columns)
+    dtype = W.dtype
+    w = W.astype(jnp.float32)
+    scale, zero_point = _static_scales(w, groupsize, how, dtype)
+    # A stable sort: equal diagonals keep their order, one answer everywhere.
+    perm = jnp.argsort(-jnp.diag(H), stable=True) if options.actorder else jnp.arange(columns)
+    group_of_column = perm // groupsize
+    column_scale = scale[:, group_of_column]
+    column_zp = None if zero_point is None else zero_point[:, group_of_column]
+    h = H.astype(jnp.float32)[perm][:, perm]
+    hinv, dead = _inverse_hessian_factor(h, options.percdamp)
+    w = jnp.where(dead[None, :], 0.0, w[:, perm])
+    codes, losses = [], []
+    for start in range(0, columns, options.blocksize):
+        stop = min(start + options.blocksize, columns)
+        zps = None if column_zp is None else column_zp[:, start:stop]
+        _, err1, losses1, codes1 = _quantize_block(
+            w[:, start:stop],
+            hinv[start:stop, start:stop],
+            column_scale[:, start:stop],
+            zps,
+            how.qtype,
+        )
+        w = w.at[:, stop:].add(-(err1 @ hinv[start:stop, stop:]))
+        codes.append(codes1)
+        losses.append(losses1 / 2)
+    inverse = jnp.argsort(perm)
+    storage = qtypes.get(how.qtype).storage
+    qvalue = jnp.concatenate(codes, axis=1)[:, inverse].astype(storage)
+    if 0 not in how.channelwise_axes:
+        scale = scale[:1]
+        zero_point = None if zero_point is None else zero_point[:1]
+    q = qarray.QArray(qvalue, scale.astype(dtype), zero_point, how.qtype)
+    return q, jnp.concatenate(losses, axis=1)[:, inverse]

@@ -171,3 +171,40 @@ def quantizer(stats: Mapping[str, tuple[str, Mapping[str, np.ndarray]]]):
         return quantize_leaf(array, plan, *found)
 
     return quantize
+
+
+def gptq_static_leaf(
+    array: np.ndarray | jax.Array,
+    plan: layout.LeafPlan,
+    hessian: jax.Array,
+    options: gptq_core.GptqOptions,
+) -> tuple[leaf_lib.LeafResult, jax.Array, float]:
+    """GPTQ of one tensor with static group scales (gptq_core.GptqOptions), on its LeafPlan.
+
+    For a caller that feeds the quantized weight onward (a language model calibrated layer by
+    layer): returns (the LeafResult every writer takes; the weight the codes stand for, in the
+    tensor's layout and float32; GPTQ's loss, the summed (w − ŵ)² / (2 Hinv_ii²)).
+
+    Raises:
+      ValueError: a Hessian that doesn't fit the tensor, or a tensor without exactly one
+        contracted axis.
+    """
+    x = jax.numpy.asarray(array)
+    axis = _contracting_axis(plan, x.ndim, "gptq")
+    w, restore = calibration.normalize_weight(x, axis)
+    if hessian.shape != (w.shape[1],) * 2:
+        raise ValueError(
+            f"{plan.path}: a Hessian of shape {hessian.shape} does not fit the tensor's "
+            f"{w.shape[1]} input features (axis {axis})"
+        )
+    tile = dict(plan.tiled_axes).get(axis)
+    how = qarray.HowToQuantize(
+        qtype=plan.qtype,
+        channelwise_axes=(0,),
+        tiled_axes={1: tile} if tile else {},
+        calibration_method=plan.calibration_method,
+    )
+    q, losses = gptq_core.quantize_weight_static(w, hessian, how, options)
+    q = restore(q)
+    deq = qarray.dequantize(q).astype(jnp.float32)
+    return _result(x, q, plan, deq, {}), deq, float(jnp.sum(losses))

@@ -1,0 +1,301 @@
+"""`qmill quantize FOLDER --method gptq`: a Hugging Face causal LM calibrated layer by layer.
+
+The command's side: its flags, the token windows (the folder's own tokenizer.json, read with
+the `tokenizers` library: Rust, no torch), the memory estimate and `--max-memory`, progress
+lines, and the perplexity gate (`--max-ppl-increase`), checked before anything is written under
+the output's name. The calibration itself is checkpoints/lm_calibration.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import re
+import sys
+from typing import Any
+
+import numpy as np
+
+from qmill.checkpoints import lm_calibration
+
+METHODS = ("gptq",)
+DEFAULT_SAMPLES = 64
+DEFAULT_SEQ_LEN = 512
+DEFAULT_EVAL_SAMPLES = 32
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.I)
+
+
+def add_arguments(q: argparse.ArgumentParser) -> None:
+    """The flags of a calibrated language-model run on `qmill quantize`."""
+    g = q.add_argument_group(
+        "calibrated language models (a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, "
+        "Phi-3, Gemma 1/2/3)"
+    )
+    g.add_argument(
+        "--method",
+        choices=METHODS,
+        help="calibrate the folder's linear layers with this method, layer by layer, on "
+        "--calibration-text or --calibration-ids (the output is the recipe's format)",
+    )
+    g.add_argument("--calibration-text", metavar="FILE", help="text to calibrate on (UTF-8)")
+    g.add_argument(
+        "--calibration-ids",
+        metavar="IDS.npy",
+        help="token ids to calibrate on instead: int (samples, tokens), made with the "
+        "folder's tokenizer",
+    )
+    g.add_argument(
+        "--calibration-samples",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help="windows cut from --calibration-text (default %(default)s; a GPU takes 256+)",
+    )
+    g.add_argument(
+        "--calibration-seq-len",
+        type=int,
+        default=DEFAULT_SEQ_LEN,
+        help="tokens per window, calibration and evaluation (default %(default)s)",
+    )
+    g.add_argument(
+        "--eval-text",
+        metavar="FILE",
+        help="held-out text: the perplexity of the source and the quantized model on it is "
+        "printed and in --report-json",
+    )
+    g.add_argument("--eval-ids", metavar="IDS.npy", help="held-out token ids instead")
+    g.add_argument(
+        "--eval-samples",
+        type=int,
+        default=DEFAULT_EVAL_SAMPLES,
+        help="at most this many windows of --eval-text (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        metavar="PCT",
+        help="refuse the output (nothing written under its name, exit 1) when the quantized "
+        "model's perplexity exceeds the source's by more than PCT percent; needs --eval-*",
+    )
+    g.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="refuse before any work a calibration whose estimated peak exceeds SIZE (e.g. "
+        "8GiB); --dry-run prints the estimate",
+    )
+    g.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ columns per block (128)")
+    g.add_argument(
+        "--gptq-dampening",
+        type=float,
+        default=0.01,
+        help="fraction of the Hessian's mean diagonal added to it (0.01)",
+    )
+    g.add_argument(
+        "--gptq-actorder",
+        choices=("static", "none"),
+        default="static",
+        help="static (default): columns by descending activation, group scales fixed first "
+        "(the GPTQ paper's act-order, llm-compressor's default); none: in order",
+    )
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    """Whether the run calibrates a language model; refuses half-given flags."""
+    lm_flags = ("calibration_text", "calibration_ids", "eval_text", "eval_ids", "max_ppl_increase")
+    given = [f for f in lm_flags if getattr(args, f, None) is not None]
+    if args.method is None:
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ValueError(f"{flag} calibrates a language model: add --method gptq")
+        return False
+    if (args.calibration_text is None) == (args.calibration_ids is None):
+        raise ValueError("--method gptq takes one of --calibration-text or --calibration-ids")
+    if args.calibration is not None:
+        raise ValueError("--method calibrates the model itself: drop --calibration")
+    if args.server:
+        raise ValueError(
+            "--method gptq runs in process for now: drop --server (the server's side is not "
+            "built yet)"
+        )
+    if args.max_ppl_increase is not None and args.eval_text is None and args.eval_ids is None:
+        raise ValueError("--max-ppl-increase needs --eval-text or --eval-ids")
+    for flag in ("calibration_samples", "calibration_seq_len", "eval_samples"):
+        if getattr(args, flag) < 1 or (
+            flag == "calibration_seq_len" and args.calibration_seq_len < 2
+        ):
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (2 for a length)")
+    return True
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '500MB', '1.5G', '1000000' as bytes.
+
+    Raises:
+      ValueError: not a size.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"--max-memory {text!r} is not a size such as 8GiB or 500MB")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    base = 1024 if m.group(3) or not m.group(2) else 1000
+    return int(float(m.group(1)) * base**power)
+
+
+def windows(folder: str, text_path: str, count: int, length: int, what: str) -> np.ndarray:
+    """Up to `count` non-overlapping windows of `length` tokens from the start of a text file,
+    tokenized with the folder's tokenizer.json.
+
+    Raises:
+      ValueError: no tokenizer.json, an unreadable text, or too little text for one window.
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer_file = pathlib.Path(folder) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(
+            f"{folder} has no tokenizer.json to tokenize {text_path} with; pass token ids "
+            "(--calibration-ids / --eval-ids) instead"
+        )
+    try:
+        text = pathlib.Path(text_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} text {text_path}: {e}") from None
+    ids = np.asarray(Tokenizer.from_file(str(tokenizer_file)).encode(text).ids, np.int32)
+    available = len(ids) // length
+    if available == 0:
+        raise ValueError(
+            f"{text_path} holds {len(ids)} tokens, fewer than one window of {length}: give more "
+            "text or a shorter --calibration-seq-len"
+        )
+    if available < count:
+        print(
+            f"qmill: {text_path} holds {available} windows of {length} tokens, not {count}: "
+            f"using {available}",
+            file=sys.stderr,
+        )
+    n = min(count, available)
+    return ids[: n * length].reshape(n, length)
+
+
+def _ids_file(path: str, what: str) -> np.ndarray:
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {what} ids {path}: {e}") from None
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"{path}: {what} ids must be an integer array (samples, tokens), got {ids.dtype} "
+            f"of shape {ids.shape}"
+        )
+    return ids.astype(np.int32)
+
+
+def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
+    """The token windows and GPTQ options the flags ask for."""
+    length = args.calibration_seq_len
+    if args.calibration_ids is not None:
+        calibration = _ids_file(args.calibration_ids, "calibration")
+    else:
+        calibration = windows(
+            args.source, args.calibration_text, args.calibration_samples, length, "calibration"
+        )
+    evaluation = None
+    if args.eval_ids is not None:
+        evaluation = _ids_file(args.eval_ids, "evaluation")
+    elif args.eval_text is not None:
+        evaluation = windows(args.source, args.eval_text, args.eval_samples, length, "evaluation")
+    return lm_calibration.LmRequest(
+        calibration_ids=calibration,
+        eval_ids=evaluation,
+        blocksize=args.gptq_block_size,
+        percdamp=args.gptq_dampening,
+        actorder=args.gptq_actorder == "static",
+    )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def check_memory(args: argparse.Namespace, req: lm_calibration.LmRequest) -> list[str]:
+    """The estimate's lines; refuses the run when it exceeds --max-memory."""
+    cfg = lm_calibration.model_config(args.source)
+    parts = lm_calibration.estimate(cfg, lm_calibration.tensor_shapes(args.source), req)
+    total = sum(parts.values())
+    lines = [
+        f"calibration memory estimate: {_bytes(total)} at its peak "
+        + "("
+        + ", ".join(f"{k} {_bytes(v)}" for k, v in parts.items())
+        + f"; {cfg.num_layers} layers, {req.calibration_ids.shape[0]} × "
+        f"{req.calibration_ids.shape[1]} calibration tokens)"
+    ]
+    if args.max_memory is not None and total > (limit := parse_size(args.max_memory)):
+        raise ValueError(
+            f"the calibration needs about {_bytes(total)}, more than --max-memory "
+            f"{args.max_memory} ({_bytes(limit)}): use fewer --calibration-samples or a shorter "
+            "--calibration-seq-len"
+        )
+    return lines
+
+
+def calibrate(
+    args: argparse.Namespace, recipe: dict[str, Any], req: lm_calibration.LmRequest
+) -> lm_calibration.LmOutcome:
+    """Runs the calibration with progress lines on stderr, and the perplexity gate."""
+    quiet = args.quiet
+
+    def progress(p: lm_calibration.LayerProgress) -> None:
+        if not quiet:
+            print(
+                f"qmill: layer {p.layer + 1}/{p.layers}: GPTQ loss {p.loss:.4g}, "
+                f"{p.seconds:.1f} s, ETA {p.eta_seconds:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    done = lm_calibration.calibrate(
+        args.source, args.output, recipe, req, restart=args.restart, progress=progress
+    )
+    ppl = done.perplexity
+    if ppl is not None:
+        increase = 100 * (ppl["quantized"] / ppl["source"] - 1)
+        if not quiet:
+            print(
+                f"qmill: perplexity {ppl['source']:.4g} (source) → {ppl['quantized']:.4g} "
+                f"(quantized), {increase:+.2f} %",
+                file=sys.stderr,
+                flush=True,
+            )
+        if args.max_ppl_increase is not None and (
+            math.isnan(increase) or increase > args.max_ppl_increase
+        ):
+            raise ValueError(
+                f"the quantized model's perplexity is {increase:+.2f} % over the source's "
+                f"({ppl['source']:.4g} → {ppl['quantized']:.4g}), more than --max-ppl-increase "
+                f"{args.max_ppl_increase:g} %: nothing was written to {args.output} (the "
+                "calibration is kept beside it; rerun with other settings or --restart)"
+            )
+    return done
+
+
+def report_fields(req: lm_calibration.LmRequest, done: lm_calibration.LmOutcome) -> dict:
+    """What --report-json adds: the perplexity, each layer's GPTQ losses, the options."""
+    return {
+        "perplexity": done.perplexity,
+        "calibration": {
+            "method": "gptq",
+            "samples": int(req.calibration_ids.shape[0]),
+            "seq_len": int(req.calibration_ids.shape[1]),
+            "eval_windows": None if req.eval_ids is None else int(req.eval_ids.shape[0]),
+            "gptq": {
+                "block_size": req.blocksize,
+                "dampening": req.percdamp,
+                "actorder": "static" if req.actorder else None,
+            },
+            "layers": done.layers,
+        },
+    }

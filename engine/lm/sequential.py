@@ -1,0 +1,181 @@
+"""A causal language model calibrated layer by layer: GPTQ in the sequential scheme, and the
+perplexity of the float and the quantized model computed the same way.
+
+Lingo:
+  hidden   the residual stream entering a decoder layer, (samples, tokens, hidden) float32, held
+           as a tuple of chunks of samples so that no step holds every sample's intermediates.
+  stage    forward.Stage: the part of a decoder layer that produces the common input of a group
+           of linears (q/k/v; o; gate/up; down), given the linears of the earlier stages.
+
+The scheme (the GPTQ paper's "true sequential", as llm-compressor's sequential pipeline runs
+it, but one pass per layer): for each stage in order, run it on every chunk with the layer's
+earlier linears already quantized, accumulate the Hessian H = Σ xᵀx of its input, GPTQ each of
+its linears with H, and go on with them quantized. The layer's output is thus the quantized
+layer's, and is the next layer's input. Only one layer's weights, the hidden states and one
+stage's Hessian are held at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmill.engine.contrib import gptq_core
+from qmill.engine.contrib import leaf as contrib_leaf
+from qmill.engine.lm import config as config_lib
+from qmill.engine.lm import forward
+from qmill.engine.modelfree import layout
+from qmill.engine.modelfree import leaf as leaf_lib
+
+Hidden = tuple[jax.Array, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCalibration:
+    """What calibrating one decoder layer gave."""
+
+    # Full tensor name → its quantized parts, as every writer takes them.
+    results: dict[str, leaf_lib.LeafResult]
+    # Full tensor name → GPTQ's loss: Σ (w − ŵ)² / (2 Hinv_ii²), the output error it estimates.
+    losses: dict[str, float]
+    # The layer's weights as the quantized model has them (relative names, float32).
+    weights: dict[str, jax.Array]
+    # The quantized layer's output: the next layer's input.
+    hidden: Hidden
+
+
+def split(samples: np.ndarray | jax.Array, chunk: int) -> tuple[jax.Array, ...]:
+    """`samples` (N, ...) as chunks of at most `chunk` samples along the first axis."""
+    if chunk <= 0:
+        raise ValueError(f"the chunk size must be positive, got {chunk}")
+    return tuple(jnp.asarray(samples[i : i + chunk]) for i in range(0, len(samples), chunk))
+
+
+def _kind(cfg: config_lib.LmConfig, layer: int) -> int:
+    """The first layer computed like `layer` (a decoder layer differs from another only by
+    being a sliding-window layer or not): compiled functions are shared across layers, not
+    compiled once per layer."""
+    sliding = cfg.sliding_layers[layer] if cfg.sliding_layers else False
+    if not cfg.sliding_layers:
+        return 0
+    return cfg.sliding_layers.index(sliding)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _stage_jit(cfg, kind, index, weights, carry):
+    return forward.run_stage(cfg, kind, index, weights, carry)
+
+
+def _stage(cfg, layer, index, weights, carry):
+    return _stage_jit(cfg, _kind(cfg, layer), index, weights, carry)
+
+
+@jax.jit
+def _add_hessian(h: jax.Array, x: jax.Array) -> jax.Array:
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    # HIGHEST: a GPU would otherwise multiply float32 in TF32.
+    return h + jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)
+
+
+def hessian(inputs: Sequence[jax.Array]) -> jax.Array:
+    """H = Σ xᵀx over every token of every chunk (GPTQ's statistic; its scale does not matter:
+    the dampening is relative to its mean diagonal)."""
+    features = inputs[0].shape[-1]
+    h = jnp.zeros((features, features), jnp.float32)
+    for x in inputs:
+        h = _add_hessian(h, x)
+    return h
+
+
+def _as_float(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    return {name: jnp.asarray(w) for name, w in weights.items()}
+
+
+def calibrate_layer(
+    cfg: config_lib.LmConfig,
+    layer: int,
+    weights: Mapping[str, np.ndarray | jax.Array],
+    hidden: Hidden,
+    plans: Mapping[str, layout.LeafPlan],
+    options: gptq_core.GptqOptions,
+) -> LayerCalibration:
+    """GPTQs the linears of decoder layer `layer` that `plans` quantizes, in the sequential
+    scheme (module docstring), on the hidden states entering it.
+
+    Args:
+      weights: the layer's tensors as read (names relative to its prefix).
+      hidden: the chunks of hidden states entering the layer.
+      plans: relative name → LeafPlan (the recipe's), for every linear to quantize; linears not
+        in it stay in float.
+      options: GPTQ's.
+
+    Raises:
+      ValueError: a plan GPTQ cannot follow (no single contracted axis, a group size that does
+        not divide the input features).
+    """
+    prefix = config_lib.layer_prefix(cfg, layer)
+    current = _as_float(weights)
+    carries = [{"h": h} for h in hidden]
+    results: dict[str, leaf_lib.LeafResult] = {}
+    losses: dict[str, float] = {}
+    for index, stage in enumerate(forward.stages(cfg, layer)):
+        carries = [_stage(cfg, layer, index, current, c) for c in carries]
+        targets = [name for name in stage.linears if name in plans]
+        if not targets:
+            continue
+        h = hessian([c["x"] for c in carries])
+        for name in targets:
+            result, deq, loss = contrib_leaf.gptq_static_leaf(
+                current[name], plans[name], h, options
+            )
+            results[prefix + name] = result
+            losses[prefix + name] = loss
+            current[name] = deq
+        del h
+    return LayerCalibration(results, losses, current, tuple(c["h"] for c in carries))
+
+
+def _layer(cfg, layer, weights, h):
+    return forward.layer_forward(cfg, _kind(cfg, layer), weights, h)
+
+
+def run_layer(
+    cfg: config_lib.LmConfig, layer: int, weights: Mapping[str, jax.Array], hidden: Hidden
+) -> Hidden:
+    """Decoder layer `layer` on every chunk (the evaluation's streams)."""
+    current = _as_float(weights)
+    return tuple(_layer(cfg, layer, current, h) for h in hidden)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(cfg, outer, ids):
+    return forward.embed(cfg, outer, ids)
+
+
+def embed(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], ids: Sequence) -> Hidden:
+    """The hidden states entering layer 0, chunk by chunk of token ids."""
+    return tuple(_embed(cfg, outer, jnp.asarray(chunk)) for chunk in ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _nll_sum(cfg, outer, h, ids):
+    return jnp.sum(forward.token_nll(cfg, outer, h, ids), dtype=jnp.float32)
+
+
+def perplexity(
+    cfg: config_lib.LmConfig,
+    outer: Mapping[str, jax.Array],
+    hidden: Hidden,
+    ids: Sequence,
+) -> float:
+    """exp(mean next-token NLL) over every window, from the last layer's hidden states."""
+    total, count = 0.0, 0
+    for h, chunk in zip(hidden, ids, strict=True):
+        total += float(_nll_sum(cfg, outer, h, jnp.asarray(chunk)))
+        count += chunk.shape[0] * (chunk.shape[1] - 1)
+    return float(np.exp(total / count))
