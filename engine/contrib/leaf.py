@@ -16,14 +16,14 @@ tree has it. Each method computes exactly what its quantize_params computes for 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.contrib import awq_core, calibration, gptq_core
+from qmill.engine.contrib import awq_core, calibration, gptq_core, gptq_host
 from qmill.engine.core import averaging, numerics, qarray, qtypes
 from qmill.engine.modelfree import layout, packing
 from qmill.engine.modelfree import leaf as leaf_lib
@@ -173,38 +173,54 @@ def quantizer(stats: Mapping[str, tuple[str, Mapping[str, np.ndarray]]]):
     return quantize
 
 
-def gptq_static_leaf(
-    array: np.ndarray | jax.Array,
-    plan: layout.LeafPlan,
+def gptq_static_leaves(
+    arrays: Sequence[np.ndarray | jax.Array],
+    plans: Sequence[layout.LeafPlan],
     hessian: jax.Array,
     options: gptq_core.GptqOptions,
-) -> tuple[leaf_lib.LeafResult, jax.Array, float]:
-    """GPTQ of one tensor with static group scales (gptq_core.GptqOptions), on its LeafPlan.
+) -> list[tuple[leaf_lib.LeafResult, jax.Array, float]]:
+    """GPTQ with static group scales (gptq_core.GptqOptions) of tensors that take one input
+    (whose Hessian is `hessian`), each on its LeafPlan.
 
-    For a caller that feeds the quantized weight onward (a language model calibrated layer by
-    layer): returns (the LeafResult every writer takes; the weight the codes stand for, in the
-    tensor's layout and float32; GPTQ's loss, the summed (w − ŵ)² / (2 Hinv_ii²)).
+    For a caller that feeds the quantized weights onward (a language model calibrated layer by
+    layer): returns per tensor (the LeafResult every writer takes; the weight the codes stand
+    for, in the tensor's layout and float32; GPTQ's loss, Σ (w − ŵ)² / (2 Hinv_ii²)). Integer
+    codes of one qtype and tiling go through one host loop (gptq_host); others one by one.
 
     Raises:
-      ValueError: a Hessian that doesn't fit the tensor, or a tensor without exactly one
+      ValueError: a Hessian that doesn't fit a tensor, or a tensor without exactly one
         contracted axis.
     """
-    x = jax.numpy.asarray(array)
-    axis = _contracting_axis(plan, x.ndim, "gptq")
-    w, restore = calibration.normalize_weight(x, axis)
-    if hessian.shape != (w.shape[1],) * 2:
-        raise ValueError(
-            f"{plan.path}: a Hessian of shape {hessian.shape} does not fit the tensor's "
-            f"{w.shape[1]} input features (axis {axis})"
+    prepared = []
+    for array, plan in zip(arrays, plans, strict=True):
+        x = jax.numpy.asarray(array)
+        axis = _contracting_axis(plan, x.ndim, "gptq")
+        w, restore = calibration.normalize_weight(x, axis)
+        if hessian.shape != (w.shape[1],) * 2:
+            raise ValueError(
+                f"{plan.path}: a Hessian of shape {hessian.shape} does not fit the tensor's "
+                f"{w.shape[1]} input features (axis {axis})"
+            )
+        tile = dict(plan.tiled_axes).get(axis)
+        how = qarray.HowToQuantize(
+            qtype=plan.qtype,
+            channelwise_axes=(0,),
+            tiled_axes={1: tile} if tile else {},
+            calibration_method=plan.calibration_method,
         )
-    tile = dict(plan.tiled_axes).get(axis)
-    how = qarray.HowToQuantize(
-        qtype=plan.qtype,
-        channelwise_axes=(0,),
-        tiled_axes={1: tile} if tile else {},
-        calibration_method=plan.calibration_method,
-    )
-    q, losses = gptq_core.quantize_weight_static(w, hessian, how, options)
-    q = restore(q)
-    deq = qarray.dequantize(q).astype(jnp.float32)
-    return _result(x, q, plan, deq, {}), deq, float(jnp.sum(losses))
+        prepared.append((x, w, restore, how))
+    hows = {how for *_, how in prepared}
+    if len(hows) == 1 and gptq_host.supports(next(iter(hows))):
+        quantized = gptq_host.quantize_shared_input(
+            [w for _, w, _, _ in prepared], hessian, prepared[0][3], options
+        )
+    else:
+        quantized = [
+            gptq_core.quantize_weight_static(w, hessian, how, options) for _, w, _, how in prepared
+        ]
+    out = []
+    for (x, _, restore, _), plan, (q, losses) in zip(prepared, plans, quantized, strict=True):
+        q = restore(q)
+        deq = qarray.dequantize(q).astype(jnp.float32)
+        out.append((_result(x, q, plan, deq, {}), deq, float(np.sum(losses))))
+    return out

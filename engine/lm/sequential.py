@@ -129,10 +129,10 @@ def calibrate_layer(
         if not targets:
             continue
         h = hessian([c["x"] for c in carries])
-        for name in targets:
-            result, deq, loss = contrib_leaf.gptq_static_leaf(
-                current[name], plans[name], h, options
-            )
+        done = contrib_leaf.gptq_static_leaves(
+            [current[n] for n in targets], [plans[n] for n in targets], h, options
+        )
+        for name, (result, deq, loss) in zip(targets, done, strict=True):
             results[prefix + name] = result
             losses[prefix + name] = loss
             current[name] = deq
