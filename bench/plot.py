@@ -1,10 +1,13 @@
 """Plots the recorded benchmark results: throughput per qtype (engine), per replica count (e2e)
-and per number of concurrent streams to one server (e2e --streams).
+and per number of concurrent streams to one server (e2e --streams); with --lm-gptq, instead,
+peak RSS and wall time of GPTQ against a language model's depth, per tool (lm_gptq_bench.py).
 
     pip install -e ".[bench]"
     python bench/plot.py [--engine bench/results/engine-cpu.json] [--e2e bench/results/e2e.json]
                          [--streams bench/results/e2e-streams.json]
                          [-o bench/results/throughput.png]
+    python bench/plot.py --lm-gptq bench/results/lm-gptq-peer.json [-o PNG; default: the
+                         JSON's name with -depth.png]
 
 Reads the JSON files that `engine_bench.py --json` and `e2e_bench.py --json` write; draws
 nothing it did not read, and says which inputs were missing.
@@ -105,12 +108,50 @@ def _streams_panel(ax, doc: dict) -> None:
     ax.legend(fontsize=7)
 
 
+def _depth_panels(rss_ax, wall_ax, doc: dict) -> None:
+    """Peak RSS and wall time of each tool's whole GPTQ command against the number of decoder
+    layers kept (the same calibration tokens at every depth)."""
+    rows = doc["depth"]
+    names = {"peer": "llm-compressor oneshot", "qmill": "qmill quantize --method gptq"}
+    for tool in dict.fromkeys(r["tool"] for r in rows):
+        mine = sorted((r for r in rows if r["tool"] == tool), key=lambda r: r["layers"])
+        layers, label = [r["layers"] for r in mine], names.get(tool, tool)
+        rss_ax.plot(layers, [r["peak_rss_mb"] for r in mine], marker="o", label=label)
+        wall_ax.plot(layers, [r["wall_s"] for r in mine], marker="o", label=label)
+    samples = doc.get("depth_samples", doc["calibration"]["samples"])
+    tokens = f"{samples} x {doc['calibration']['seq_len']} calibration tokens"
+    for ax, what in ((rss_ax, "peak RSS (MB)"), (wall_ax, "wall time (s)")):
+        ax.set_xlabel("decoder layers kept")
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"GPTQ W4A16, {what.split(' (')[0]}, {tokens}", fontsize=9)
+        ax.legend(fontsize=7)
+
+
+def _depth_figure(plt, path: str, output: str | None) -> int:
+    doc = json.loads(pathlib.Path(path).read_text())
+    if not doc.get("depth"):
+        print(f"{path} has no depth series", file=sys.stderr)
+        return 1
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    _depth_panels(axes[0], axes[1], doc)
+    m = doc.get("machine", {})
+    fig.suptitle(f"{doc.get('model', '')}; {m.get('cpu', '')}, {m.get('cores', '')} cores — "
+                 f"{doc.get('date', '')}", fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    output = output or str(pathlib.Path(path).with_suffix("")) + "-depth.png"
+    fig.savefig(output, dpi=120)
+    print(f"wrote {output}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default=str(RESULTS / "engine-cpu.json"))
     parser.add_argument("--e2e", default=str(RESULTS / "e2e.json"))
     parser.add_argument("--streams", default=str(RESULTS / "e2e-streams.json"))
-    parser.add_argument("-o", "--output", default=str(RESULTS / "throughput.png"))
+    parser.add_argument("--lm-gptq", help="lm_gptq_bench.py's JSON: its depth series alone")
+    parser.add_argument("-o", "--output")
     args = parser.parse_args()
     try:
         import matplotlib
@@ -120,6 +161,9 @@ def main() -> int:
     except ImportError:
         print("matplotlib is missing: pip install -e '.[bench]'", file=sys.stderr)
         return 1
+    if args.lm_gptq:
+        return _depth_figure(plt, args.lm_gptq, args.output)
+    args.output = args.output or str(RESULTS / "throughput.png")
     docs = {}
     for name, path in (("engine", args.engine), ("e2e", args.e2e), ("streams", args.streams)):
         if pathlib.Path(path).is_file():
