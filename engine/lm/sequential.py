@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -75,11 +76,27 @@ def _stage(cfg, layer, index, weights, carry):
     return _stage_jit(cfg, _kind(cfg, layer), index, weights, carry)
 
 
+# Feature blocks of about this width: H is symmetric, so only the blocks on and above its
+# diagonal are multiplied (k(k+1)/2 of k² products: 58 % of the work for 1536 features).
+_HESSIAN_BLOCK = 256
+
+
 @jax.jit
 def _add_hessian(h: jax.Array, x: jax.Array) -> jax.Array:
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    n = x.shape[1]
+    k = max(1, n // _HESSIAN_BLOCK)
+    edges = [n * i // k for i in range(k + 1)]
+    blocks = [x[:, a:b] for a, b in itertools.pairwise(edges)]
     # HIGHEST: a GPU would otherwise multiply float32 in TF32.
-    return h + jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)
+    products = {
+        (i, j): jnp.matmul(blocks[i].T, blocks[j], precision=jax.lax.Precision.HIGHEST)
+        for i in range(k)
+        for j in range(i, k)
+    }
+    full = [[products[min(i, j), max(i, j)] for j in range(k)] for i in range(k)]
+    full = [[p if j >= i else p.T for j, p in enumerate(row)] for i, row in enumerate(full)]
+    return h + jnp.block(full)
 
 
 def hessian(inputs: Sequence[jax.Array]) -> jax.Array:
