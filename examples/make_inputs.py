@@ -8,6 +8,9 @@
                      1_Pooling/, README.md and two safetensors shards with their index
 - cnn.npz            float params of the server's built-in `cnn` model (config {"hidden": 64})
 - digits.npy         calibration inputs for it (8x8 digit images, batch first); more.npy: more
+- tiny-llama/        a two-layer Llama folder (random weights, bf16) with its own tokenizer.json,
+                     and llama-calib.txt / llama-eval.txt: text to calibrate it on and to
+                     measure its perplexity on (for `qmill quantize ... --method gptq`)
 
 Every file is the same on every run (fixed seeds). Existing files are replaced.
 """
@@ -75,6 +78,77 @@ def tiny_bert(folder: pathlib.Path) -> None:
     (folder / "README.md").write_text("# tiny-bert\n\nRandom weights, for qmill's examples.\n")
 
 
+_WORDS = (
+    "the a model layer weight scale group token text news market city people year water "
+    "report said will would could new old first last small large early late north south "
+    "council government police court school river road train ship plane storm fire rain"
+).split()
+
+
+def _text(rng: np.random.Generator, sentences: int) -> str:
+    lines = []
+    for _ in range(sentences):
+        words = rng.choice(_WORDS, size=int(rng.integers(6, 16)))
+        lines.append(" ".join(words).capitalize() + ".")
+    return "\n".join(lines) + "\n"
+
+
+def tiny_llama(folder: pathlib.Path, directory: pathlib.Path) -> None:
+    """A two-layer Llama folder (random bf16 weights, a BPE tokenizer.json trained on the text
+    written beside it) and two texts: llama-calib.txt and llama-eval.txt."""
+    import ml_dtypes
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    calib, held_out = _text(rng, 600), _text(rng, 200)
+    (directory / "llama-calib.txt").write_text(calib)
+    (directory / "llama-eval.txt").write_text(held_out)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>"], show_progress=False)
+    tokenizer.train_from_iterator(calib.splitlines(), trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    hidden, inner, layers, vocab = 64, 128, 2, tokenizer.get_vocab_size()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inner,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden // 2, hidden),
+            p + "self_attn.v_proj.weight": (hidden // 2, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inner, hidden),
+            p + "mlp.up_proj.weight": (inner, hidden),
+            p + "mlp.down_proj.weight": (hidden, inner),
+        }
+    tensors = {
+        name: (np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.08, shape)).astype(
+            ml_dtypes.bfloat16
+        )
+        for name, shape in shapes.items()
+    }
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def cnn_inputs(directory: pathlib.Path) -> None:
     import jax
 
@@ -104,7 +178,11 @@ def main() -> None:
     examples.write_example_checkpoint(here / "ckpt", "orbax", overwrite=True)
     tiny_bert(here / "tiny-bert")
     cnn_inputs(here)
-    print("wrote model.safetensors, ckpt/, tiny-bert/, cnn.npz, digits.npy, more.npy")
+    tiny_llama(here / "tiny-llama", here)
+    print(
+        "wrote model.safetensors, ckpt/, tiny-bert/, cnn.npz, digits.npy, more.npy, tiny-llama/, "
+        "llama-calib.txt, llama-eval.txt"
+    )
 
 
 if __name__ == "__main__":
