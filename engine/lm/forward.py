@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import rope as rope_lib
 
 _F32 = jnp.float32
+_STAGES = 5  # attn_in, attn_out, mlp_in, mlp_mid, out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +94,11 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def _mask(cfg: config_lib.LmConfig, layer: int, t: int) -> np.ndarray:
+def _mask(cfg: config_lib.LmConfig, sliding: bool, t: int) -> np.ndarray:
     """(T, T) bool: query q sees key k when k <= q (and q - k < window on sliding layers)."""
     q, k = np.arange(t)[:, None], np.arange(t)[None, :]
     allowed = k <= q
-    if cfg.sliding_layers[layer]:
+    if sliding:
         allowed &= k > q - cfg.sliding_window
     return allowed
 
@@ -118,12 +119,11 @@ def _qkv(cfg: config_lib.LmConfig, weights, x: jax.Array):
     return q, k, v
 
 
-def _attention(cfg: config_lib.LmConfig, layer: int, weights, x: jax.Array) -> jax.Array:
+def _attention(cfg: config_lib.LmConfig, sliding: bool, weights, x: jax.Array) -> jax.Array:
     """Causal (grouped-query) self-attention of the normed input x: (B, T, H * head_dim), the
     input of o_proj."""
     q, k, v = _qkv(cfg, weights, x)
     b, t = x.shape[:2]
-    sliding = cfg.sliding_layers[layer]
     rope = cfg.rope_local if sliding else cfg.rope
     cos, sin = (jnp.asarray(a) for a in rope_lib.cos_sin(rope, cfg.head_dim, t))
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -132,7 +132,7 @@ def _attention(cfg: config_lib.LmConfig, layer: int, weights, x: jax.Array) -> j
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, precision="highest") * cfg.attn_scale
     scores = _softcap(scores, cfg.attn_softcap)
-    scores = jnp.where(_mask(cfg, layer, t), scores, -jnp.inf)
+    scores = jnp.where(_mask(cfg, sliding, t), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, precision="highest")
     return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
@@ -151,18 +151,30 @@ def run_stage(
     weights: Mapping[str, jax.Array],
     carry: dict[str, jax.Array],
 ) -> dict[str, jax.Array]:
-    """Stage `index` of decoder layer `layer`: pure, jittable with (cfg, layer, index) static.
+    """Stage `index` of decoder layer `layer`: pure, jittable with (cfg, layer, index) static
+    (`stage_fn` gives it jitted, one compilation shared by the layers of one kind).
 
     The first stage takes {"h": (B, T, D) float32}; after a stage with linears, carry["x"] is
     their input and carry["h"] the residual stream so far; after the last, carry["h"] is the
     layer's output (and no "x").
     """
+    return _stage(cfg, _sliding(cfg, layer), index, weights, carry)
+
+
+def _sliding(cfg: config_lib.LmConfig, layer: int) -> bool:
+    """What distinguishes one layer's computation from another's: whether it is a sliding one
+    (its mask, and Gemma 3's local rope); the weights are arguments."""
+    config_lib.layer_prefix(cfg, layer)  # range check
+    return cfg.sliding_layers[layer]
+
+
+def _stage(cfg: config_lib.LmConfig, sliding: bool, index: int, weights, carry) -> dict:
     h = carry["h"].astype(_F32)
     if index == 0:
         return {"h": h, "x": _norm(cfg, weights, "input_layernorm", h)}
     x = carry["x"].astype(_F32)
     if index == 1:
-        return {"h": h, "x": _attention(cfg, layer, weights, x)}
+        return {"h": h, "x": _attention(cfg, sliding, weights, x)}
     if index == 2:
         a = _linear(weights, "self_attn.o_proj", x, cfg.o_bias)
         if cfg.sandwich_norms:
@@ -183,18 +195,37 @@ def run_stage(
         if cfg.sandwich_norms:
             m = _norm(cfg, weights, "post_feedforward_layernorm", m)
         return {"h": h + m}
-    raise ValueError(f"stage {index} out of range: a decoder layer has 5 stages")
+    raise ValueError(f"stage {index} out of range: a decoder layer has {_STAGES} stages")
+
+
+_stage_jit = jax.jit(_stage, static_argnums=(0, 1, 2))
+
+
+def stage_fn(
+    cfg: config_lib.LmConfig, layer: int, index: int
+) -> Callable[[Mapping[str, jax.Array], dict[str, jax.Array]], dict[str, jax.Array]]:
+    """run_stage(cfg, layer, index, ...) jitted: f(weights, carry) -> carry. Layers of one kind
+    (sliding or not) share its compilation, so a 30-layer model compiles each stage once or
+    twice, not 30 times (it compiles again for other shapes or weight dtypes)."""
+    if not 0 <= index < _STAGES:
+        raise ValueError(f"stage {index} out of range: a decoder layer has {_STAGES} stages")
+    return functools.partial(_stage_jit, cfg, _sliding(cfg, layer), index)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
+def _layer(cfg: config_lib.LmConfig, sliding: bool, weights, h: jax.Array) -> jax.Array:
+    carry = {"h": h}
+    for index in range(_STAGES):
+        carry = _stage(cfg, sliding, index, weights, carry)
+    return carry["h"]
+
+
 def layer_forward(
     cfg: config_lib.LmConfig, layer: int, weights: Mapping[str, jax.Array], h: jax.Array
 ) -> jax.Array:
-    """Decoder layer `layer` on h (B, T, D): every stage in order."""
-    carry = {"h": h}
-    for index in range(len(stages(cfg, layer))):
-        carry = run_stage(cfg, layer, index, weights, carry)
-    return carry["h"]
+    """Decoder layer `layer` on h (B, T, D) float32: every stage in order, in one jitted call
+    (compiled once per kind of layer, as stage_fn)."""
+    return _layer(cfg, _sliding(cfg, layer), weights, h)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -33,6 +33,15 @@ LLAMA3 = {
     "original_max_position_embeddings": 64,
 }
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# Phi-3's LongRoPE: one divisor per rotated frequency; the long ones apply since T=16 > 8.
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
+    "original_max_position_embeddings": 8,
+}
+GEMMA = dict(SMALL, head_dim=16)
+PHI3 = dict(SMALL, pad_token_id=0)  # its default pad id, 32000, is past this vocabulary
 
 # name -> (transformers config class, its keyword arguments)
 CASES = {
@@ -42,10 +51,58 @@ CASES = {
         dict(SMALL, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     ),
     "llama_llama3": ("LlamaConfig", dict(SMALL, rope_parameters=dict(LLAMA3, rope_theta=5e5))),
-    "llama_yarn": ("LlamaConfig", dict(SMALL, rope_parameters=dict(YARN, rope_theta=1e4))),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(SMALL, max_position_embeddings=128, rope_parameters=dict(YARN, rope_theta=1e4)),
+    ),
     "llama_linear": (
         "LlamaConfig",
         dict(SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+    ),
+    "mistral_window": ("MistralConfig", dict(SMALL, sliding_window=5)),
+    "qwen2_bias": ("Qwen2Config", dict(SMALL)),
+    "qwen2_window_tied": (
+        "Qwen2Config",
+        dict(
+            SMALL,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_qk_norm": ("Qwen3Config", dict(SMALL, head_dim=32)),
+    "phi3_fused_partial": ("Phi3Config", dict(PHI3, partial_rotary_factor=0.5)),
+    "phi3_longrope": (
+        "Phi3Config",
+        dict(PHI3, max_position_embeddings=64, rope_parameters=dict(LONGROPE, rope_theta=1e4)),
+    ),
+    "gemma": ("GemmaConfig", dict(GEMMA)),
+    "gemma2": (
+        "Gemma2Config",
+        # Caps small enough that tanh bends these random weights' scores and logits.
+        dict(
+            GEMMA,
+            sliding_window=5,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=2.0,
+        ),
+    ),
+    "gemma2_untied": ("Gemma2Config", dict(GEMMA, sliding_window=5, tie_word_embeddings=False)),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            GEMMA,
+            num_hidden_layers=3,
+            sliding_window=5,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
     ),
 }
 
