@@ -180,7 +180,11 @@ def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
         text = config.get("text_config")
         if not isinstance(text, Mapping):
             raise ValueError("gemma3 config.json has no text_config to read the text model from")
-        config, prefix = {"model_type": "gemma3_text", **text}, "language_model.model."
+        # Its checkpoint names the text model language_model.model.* (what transformers 5 saves
+        # too); the top level's tie_word_embeddings is the one its model class reads.
+        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        config = {"model_type": "gemma3_text", **text, "tie_word_embeddings": tie}
+        prefix = "language_model.model."
     arch = config["model_type"]
     if arch != "gemma3_text" and model_type == "gemma3":
         raise ValueError(f"gemma3's text_config has model_type {arch!r}, expected gemma3_text")
