@@ -68,7 +68,7 @@ def _linear(weights: Mapping[str, jax.Array], name: str, x: jax.Array, bias: boo
     return y + _w(weights, name + ".bias") if bias else y
 
 
-def _rms_norm(cfg: config_lib.LmConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+def _rms_norm(cfg: config_lib.LmConfig | _Ends, x: jax.Array, weight: jax.Array) -> jax.Array:
     """RMSNorm in float32; Gemma's scales by (1 + weight)."""
     x = x.astype(_F32)
     normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
@@ -228,51 +228,84 @@ def layer_forward(
     return _layer(cfg, _sliding(cfg, layer), weights, h)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@dataclasses.dataclass(frozen=True)
+class _Ends:
+    """What embed, logits and token_nll read of an LmConfig: their static jit key, so models
+    that differ only inside their layers share these compilations."""
+
+    rms_norm_eps: float
+    norm_plus_one: bool
+    embed_scale: bool
+    tied: bool
+    final_softcap: float | None
+
+
+def _ends(cfg: config_lib.LmConfig) -> _Ends:
+    return _Ends(cfg.rms_norm_eps, cfg.norm_plus_one, cfg.embed_scale, cfg.tied, cfg.final_softcap)
+
+
 def embed(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], ids: jax.Array) -> jax.Array:
-    """The hidden states (B, T, D) float32 entering layer 0. Gemma's sqrt(D) normalizer is rounded
-    to the embedding's dtype first, as transformers computes it (a bf16 checkpoint: bf16)."""
+    """The hidden states (B, T, D) float32 entering layer 0 from int32 ids (B, T). Gemma's
+    sqrt(D) normalizer is rounded to the embedding's dtype first, as transformers computes it
+    (for a bf16 checkpoint: bf16's 8-bit mantissa)."""
+    return _embed(_ends(cfg), outer, ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(ends: _Ends, outer: Mapping[str, jax.Array], ids: jax.Array) -> jax.Array:
     table = jnp.asarray(outer["embed"])
     h = jnp.take(table, ids, axis=0).astype(_F32)
-    if cfg.embed_scale:
-        normalizer = jnp.asarray(np.float32(cfg.hidden_size**0.5)).astype(table.dtype)
+    if ends.embed_scale:
+        normalizer = jnp.asarray(np.float32(table.shape[-1] ** 0.5)).astype(table.dtype)
         h = h * normalizer.astype(_F32)
     return h
 
 
-def _head(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array]) -> jax.Array:
-    return jnp.asarray(outer["embed"] if cfg.tied else outer["head"]).astype(_F32)
+def _logits(ends: _Ends, outer: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
+    h = _rms_norm(ends, h, jnp.asarray(outer["norm"]))
+    head = jnp.asarray(outer["embed"] if ends.tied else outer["head"]).astype(_F32)
+    out = jnp.einsum("...d,vd->...v", h, head, precision="highest")
+    return _softcap(out, ends.final_softcap)
 
 
-def _logits(cfg: config_lib.LmConfig, outer, h: jax.Array) -> jax.Array:
-    h = _rms_norm(cfg, h, jnp.asarray(outer["norm"]))
-    out = jnp.einsum("...d,vd->...v", h, _head(cfg, outer), precision="highest")
-    return _softcap(out, cfg.final_softcap)
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def logits(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
-    """(B, T, V) float32: final norm, the head (the embedding when tied), the final soft-cap."""
-    return _logits(cfg, outer, h)
+    """(B, T, V) float32 from the last layer's h: the final norm, the head (the embedding when
+    tied), the final soft-cap."""
+    return _logits_jit(_ends(cfg), outer, h)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk",))
+_logits_jit = jax.jit(_logits, static_argnums=0)
+# Logits made at once by token_nll's default chunk: 2**25 floats, 128 MiB.
+_LOGITS_BUDGET = 1 << 25
+
+
 def token_nll(
     cfg: config_lib.LmConfig,
     outer: Mapping[str, jax.Array],
     h: jax.Array,
     ids: jax.Array,
     *,
-    chunk: int = 128,
+    chunk: int | None = None,
 ) -> jax.Array:
-    """(B, T-1) float32: -log p(ids[:, t+1] | ..t) from the last layer's h (B, T, D).
+    """(B, T-1) float32: -log p(ids[:, t+1] | ids[:, :t+1]) from the last layer's h (B, T, D).
 
-    The logits are made `chunk` positions at a time (a sequential lax.map), so a big vocabulary's
-    (B, T, V) is never held whole; the mean is transformers' loss, exp of it the perplexity.
+    The logits are made `chunk` positions at a time (a sequential lax.map; by default as many
+    as keep them under 128 MiB), so a big vocabulary's (B, T, V) is never held whole. The mean
+    is transformers' loss; exp of the mean over a text, its perplexity.
     """
+    b, t, _ = h.shape
+    if t < 2:
+        raise ValueError(f"token_nll needs at least 2 positions, got {t}")
+    if chunk is None:
+        vocab = outer["embed" if cfg.tied else "head"].shape[0]
+        chunk = _LOGITS_BUDGET // (b * vocab)
+    return _token_nll(_ends(cfg), max(1, min(chunk, t - 1)), outer, h, ids)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _token_nll(ends: _Ends, chunk: int, outer, h: jax.Array, ids: jax.Array) -> jax.Array:
     b, t, d = h.shape
     n = t - 1
-    chunk = max(1, min(chunk, n))
     steps = -(-n // chunk)
     pad = steps * chunk - n
     hs = jnp.pad(h[:, :-1], ((0, 0), (0, pad), (0, 0)))
@@ -282,7 +315,7 @@ def token_nll(
 
     def one(args):
         hc, tc = args
-        lg = _logits(cfg, outer, hc)
+        lg = _logits(ends, outer, hc)
         picked = jnp.take_along_axis(lg, tc[..., None], axis=-1)[..., 0]
         return jax.nn.logsumexp(lg, axis=-1) - picked
 

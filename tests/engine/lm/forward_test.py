@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -231,3 +234,120 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
     names |= {n for n in config_lib.outer_tensor_names(cfg).values() if n is not None}
     text = {n for n in tensors if not n.startswith(("vision_tower.", "multi_modal_projector."))}
     assert names == text
+
+
+# Phi-3: fused linears; Gemma 3: sandwich norms, q/k norms, sliding and full layers.
+@pytest.mark.parametrize("name", ["phi3_fused_partial", "gemma3_text"])
+def test_stages_compose_to_the_layer_and_read_only_earlier_linears(name, tmp_path):
+    _, config, tensors = _saved(name, tmp_path)
+    cfg = config_lib.from_hf_config(config)
+    h0 = jax.random.normal(jax.random.key(0), (B, T, cfg.hidden_size), jnp.float32)
+    for i in range(cfg.num_layers):
+        weights = _layer(cfg, i, tensors)
+        steps = forward.stages(cfg, i)
+        assert not steps[-1].linears
+        assert [n for s in steps for n in s.linears] == list(config_lib.relative_linear_names(cfg))
+        carry, later = {"h": h0}, set(config_lib.relative_linear_names(cfg))
+        for index, stage in enumerate(steps):
+            # Without the linears of this stage and later ones: a stage that read one fails.
+            visible = {k: v for k, v in weights.items() if k not in later}
+            carry = forward.stage_fn(cfg, i, index)(visible, carry)
+            for linear in stage.linears:
+                assert carry["x"].shape == (B, T, weights[linear].shape[1])
+            later -= set(stage.linears)
+        expected = forward.layer_forward(cfg, i, weights, h0)
+        # One jitted layer and five jitted stages are fused differently by XLA: the same
+        # float32 arithmetic, rounded in other places (measured: 1.5e-6 on values of ~3).
+        np.testing.assert_allclose(carry["h"], expected, rtol=1e-5, atol=1e-5)
+        if i == 0:  # run_stage un-jitted gives the same
+            eager = {"h": h0}
+            for index in range(len(steps)):
+                eager = forward.run_stage(cfg, i, index, weights, eager)
+            np.testing.assert_allclose(eager["h"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unsupported_architecture_is_refused_naming_the_supported_ones():
+    with pytest.raises(ValueError, match="'gpt2' is not supported") as raised:
+        config_lib.from_hf_config({"model_type": "gpt2", "n_layer": 2})
+    for model_type in config_lib.SUPPORTED:
+        assert model_type in str(raised.value)
+
+
+LLAMA_JSON = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 2048,
+}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"rope_scaling": {"rope_type": "proportional", "factor": 2.0}},
+            "rope type 'proportional'",
+        ),
+        ({"hidden_act": "relu2"}, "activation 'relu2'"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "needs a factor"),
+    ],
+)
+def test_what_the_forward_cannot_honour_is_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.from_hf_config({**LLAMA_JSON, **change})
+    with pytest.raises(ValueError, match="bidirectional"):
+        config_lib.from_hf_config(
+            {"model_type": "gemma3_text", "use_bidirectional_attention": True}
+        )
+
+
+def test_transformers_4_spelling_reads_as_transformers_5():
+    # Hub config.json files written by transformers 4: rope_theta + rope_scaling ("type" in the
+    # oldest), Gemma 3's rope_local_base_freq and sliding_window_pattern.
+    v4 = {
+        **LLAMA_JSON,
+        "rope_theta": 5e5,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+    v5 = {**LLAMA_JSON, "rope_parameters": dict(LLAMA3, rope_theta=5e5)}
+    assert config_lib.from_hf_config(v4) == config_lib.from_hf_config(v5)
+    gemma3_v4 = {
+        **dict(GEMMA, model_type="gemma3_text", num_hidden_layers=7),
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window_pattern": 6,
+        "sliding_window": 512,
+    }
+    cfg = config_lib.from_hf_config(gemma3_v4)
+    assert cfg.sliding_layers == (True,) * 5 + (False, True)
+    assert (cfg.rope.kind, cfg.rope.theta, cfg.rope.factor) == ("linear", 1e6, 8.0)
+    assert (cfg.rope_local.kind, cfg.rope_local.theta) == ("default", 1e4)
+
+
+def test_gemma_normalizer_is_rounded_to_the_embedding_dtype():
+    # transformers multiplies a bf16 embedding by sqrt(D) cast to bf16: sqrt(3072) = 55.4256...
+    # is 55.5 in bf16; the float32 product of the bf16 values is what we compute.
+    cfg = config_lib.from_hf_config(dict(GEMMA, model_type="gemma", hidden_size=3072))
+    table = jnp.ones((4, 3072), jnp.bfloat16)
+    h = forward.embed(cfg, {"embed": table}, jnp.zeros((1, 1), jnp.int32))
+    assert h.dtype == jnp.float32
+    assert float(h[0, 0, 0]) == 55.5
+
+
+def test_importing_lm_imports_no_flax():
+    code = (
+        "import sys, qmill.engine.lm; "
+        "sys.exit(1 if any(m.split('.')[0] in ('flax', 'optax') for m in sys.modules) else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
