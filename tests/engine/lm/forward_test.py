@@ -361,3 +361,18 @@ def test_importing_lm_imports_no_flax():
         "sys.exit(1 if any(m.split('.')[0] in ('flax', 'optax') for m in sys.modules) else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_null_in_config_json_is_no_window_or_cap_but_missing_is_the_default():
+    # Mistral 7B v0.2 and later write "sliding_window": null (no window); a Gemma 2 config
+    # without soft-caps writes null for them. Only a field left out takes the class default.
+    mistral = {**LLAMA_JSON, "model_type": "mistral", "head_dim": None}
+    assert config_lib.from_hf_config({**mistral, "sliding_window": None}).sliding_window is None
+    assert config_lib.from_hf_config(mistral).sliding_window == 4096
+    assert config_lib.from_hf_config(mistral).head_dim == 16
+    gemma2 = {**LLAMA_JSON, "model_type": "gemma2"}
+    capped = config_lib.from_hf_config(gemma2)
+    assert (capped.attn_softcap, capped.final_softcap) == (50.0, 30.0)
+    nulls = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    uncapped = config_lib.from_hf_config({**gemma2, **nulls})
+    assert (uncapped.attn_softcap, uncapped.final_softcap) == (None, None)
