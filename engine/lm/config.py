@@ -157,6 +157,9 @@ class LmConfig:
     rope_local: Rope = dataclasses.field(default_factory=Rope)
     # q/k/v and gate/up are one fused linear each: qkv_proj, gate_up_proj (Phi-3).
     fused: bool = False
+    # Queries per block of the attention: its scores take B * H * min(T, this) * T floats
+    # (not the config.json's; a caller may replace it to trade memory for speed).
+    attention_chunk: int = 256
     # Prefix of the decoder's tensor names ("model."; "language_model.model." for Gemma 3's
     # multimodal checkpoints).
     prefix: str = "model."

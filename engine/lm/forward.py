@@ -94,9 +94,10 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def _mask(cfg: config_lib.LmConfig, sliding: bool, t: int) -> np.ndarray:
-    """(T, T) bool: query q sees key k when k <= q (and q - k < window on sliding layers)."""
-    q, k = np.arange(t)[:, None], np.arange(t)[None, :]
+def _mask(cfg: config_lib.LmConfig, sliding: bool, queries: jax.Array, t: int) -> jax.Array:
+    """(Q, T) bool: the query at position q sees the key at k when k <= q (and q - k < window
+    on sliding layers)."""
+    q, k = queries[:, None], jnp.arange(t)[None, :]
     allowed = k <= q
     if sliding:
         allowed &= k > q - cfg.sliding_window
@@ -130,12 +131,31 @@ def _attention(cfg: config_lib.LmConfig, sliding: bool, weights, x: jax.Array) -
     groups = cfg.num_heads // cfg.num_kv_heads
     # Query head j uses key/value head j // groups (transformers' repeat_kv).
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    chunk = cfg.attention_chunk
+    if t <= chunk:
+        out = _attend(cfg, sliding, q, k, v, jnp.arange(t))
+    else:  # query blocks one after another: scores of (B, H, chunk, T) at a time
+        steps = -(-t // chunk)
+        qs = jnp.pad(q, ((0, 0), (0, steps * chunk - t), (0, 0), (0, 0), (0, 0)))
+        qs = jnp.moveaxis(qs.reshape(b, steps, chunk, *q.shape[2:]), 1, 0)
+        starts = jnp.arange(steps) * chunk
+        out = jax.lax.map(
+            lambda a: _attend(cfg, sliding, a[0], k, v, a[1] + jnp.arange(chunk)), (qs, starts)
+        )
+        out = jnp.moveaxis(out, 0, 1).reshape(b, steps * chunk, *q.shape[2:])[:, :t]
+    return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+
+
+def _attend(cfg, sliding: bool, q, k, v, positions: jax.Array) -> jax.Array:
+    """Softmax attention of queries q (B, Q, KV, G, hd) at `positions` (Q,) over every key."""
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, precision="highest") * cfg.attn_scale
     scores = _softcap(scores, cfg.attn_softcap)
-    scores = jnp.where(_mask(cfg, sliding, t), scores, -jnp.inf)
+    # The lowest float, not -inf: a padded query past the end that sees no key gets a uniform
+    # softmax instead of NaNs (it is cut off); a real one always sees itself.
+    allowed = _mask(cfg, sliding, positions, k.shape[1])
+    scores = jnp.where(allowed, scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, precision="highest")
-    return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v, precision="highest")
 
 
 def _act(cfg: config_lib.LmConfig, x: jax.Array) -> jax.Array:

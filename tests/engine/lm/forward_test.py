@@ -6,6 +6,7 @@ Needs the `interop` extra (torch CPU, transformers), as tests/interop does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -376,3 +377,18 @@ def test_null_in_config_json_is_no_window_or_cap_but_missing_is_the_default():
     nulls = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
     uncapped = config_lib.from_hf_config({**gemma2, **nulls})
     assert (uncapped.attn_softcap, uncapped.final_softcap) == (None, None)
+
+
+def test_attention_in_query_blocks_equals_attention_at_once(tmp_path):
+    # Blocks of 5 queries over T=16: three whole blocks, one padded; a sliding window of 5.
+    _, config, tensors = _saved("mistral_window", tmp_path)
+    cfg = config_lib.from_hf_config(config)
+    blocked = dataclasses.replace(cfg, attention_chunk=5)
+    h = jax.random.normal(jax.random.key(1), (B, T, cfg.hidden_size), jnp.float32)
+    weights = _layer(cfg, 0, tensors)
+    np.testing.assert_allclose(
+        forward.layer_forward(blocked, 0, weights, h),
+        forward.layer_forward(cfg, 0, weights, h),
+        rtol=1e-5,
+        atol=1e-5,
+    )
