@@ -35,7 +35,8 @@ LLAMA3 = {
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
-    # Short, so that T=16 positions cross every band of the ramp.
+    # Short, so that the 8 wavelengths of a 16-wide head (6.3, 32, 167, ...) fall in all three
+    # bands: kept (< 64 / 4), smoothed, divided by the factor (> 64).
     "original_max_position_embeddings": 64,
 }
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
