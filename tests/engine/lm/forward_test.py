@@ -209,7 +209,14 @@ def _rope_buffers(model, cfg) -> list[tuple[config_lib.Rope, object, float]]:
     ]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The edit-test loop (-m 'not slow') runs three cases that cover most features between them;
+# each case is 2-3 s of CPU (a compilation per kind of layer), the first one ~10 s more (torch).
+QUICK = ("llama_tied_bias", "phi3_longrope", "gemma3_text")
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)]
+)
 def test_logits_and_loss_equal_transformers(name, tmp_path):
     import torch
 
@@ -249,7 +256,9 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
 
 
 # Phi-3: fused linears; Gemma 3: sandwich norms, q/k norms, sliding and full layers.
-@pytest.mark.parametrize("name", ["phi3_fused_partial", "gemma3_text"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("phi3_fused_partial", marks=pytest.mark.slow), "gemma3_text"]
+)
 def test_stages_compose_to_the_layer_and_read_only_earlier_linears(name, tmp_path):
     _, config, tensors = _saved(name, tmp_path)
     cfg = config_lib.from_hf_config(config)
