@@ -1,7 +1,7 @@
 """qmill.engine: the quantization engine (pure JAX; no files, network or gRPC).
 
 The code lives in rooms (docs/architecture.md): core, modeling, ops, providers, contrib, and
-qmill's own modelfree and programs. This module is the seed-compatible public surface: the
+qmill's own modelfree, programs and lm. This module is the seed-compatible public surface: the
 reference's names, and its public modules as attributes (`from qmill.engine import qarray`)
 wherever they live.
 
@@ -117,7 +117,7 @@ __all__ = sorted(_PUBLIC)
 
 
 # The rooms, attributes once imported (as every one was when this module imported them all).
-_ROOMS = ("contrib", "core", "modelfree", "modeling", "ops", "programs", "providers")
+_ROOMS = ("contrib", "core", "lm", "modelfree", "modeling", "ops", "programs", "providers")
 
 
 def __getattr__(name: str) -> Any:

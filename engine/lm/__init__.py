@@ -17,6 +17,7 @@ from qmill.engine.lm.forward import embed as embed
 from qmill.engine.lm.forward import layer_forward as layer_forward
 from qmill.engine.lm.forward import logits as logits
 from qmill.engine.lm.forward import run_stage as run_stage
+from qmill.engine.lm.forward import stage_fn as stage_fn
 from qmill.engine.lm.forward import stages as stages
 from qmill.engine.lm.forward import token_nll as token_nll
 
@@ -36,6 +37,7 @@ __all__ = [
     "outer_tensor_names",
     "rope",
     "run_stage",
+    "stage_fn",
     "stages",
     "token_nll",
 ]

@@ -157,6 +157,9 @@ class LmConfig:
     rope_local: Rope = dataclasses.field(default_factory=Rope)
     # q/k/v and gate/up are one fused linear each: qkv_proj, gate_up_proj (Phi-3).
     fused: bool = False
+    # Queries per block of the attention: its scores take B * H * min(T, this) * T floats
+    # (not the config.json's; a caller may replace it to trade memory for speed).
+    attention_chunk: int = 256
     # Prefix of the decoder's tensor names ("model."; "language_model.model." for Gemma 3's
     # multimodal checkpoints).
     prefix: str = "model."
@@ -175,20 +178,8 @@ def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
         raise ValueError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
         )
-    prefix = "model."
-    if model_type == "gemma3":
-        text = config.get("text_config")
-        if not isinstance(text, Mapping):
-            raise ValueError("gemma3 config.json has no text_config to read the text model from")
-        config, prefix = {"model_type": "gemma3_text", **text}, "language_model.model."
-    arch = config["model_type"]
-    if arch != "gemma3_text" and model_type == "gemma3":
-        raise ValueError(f"gemma3's text_config has model_type {arch!r}, expected gemma3_text")
-    c = {**_DEFAULTS[arch], **{k: v for k, v in config.items() if v is not None}}
-    if c.get("use_bidirectional_attention"):
-        raise ValueError(
-            f"{model_type}: use_bidirectional_attention is not supported (causal only)"
-        )
+    c, prefix = _text_config(model_type, config)
+    arch = c["model_type"]
     heads = int(c["num_attention_heads"])
     head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
     layers = int(c["num_hidden_layers"])
@@ -205,7 +196,7 @@ def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
         intermediate_size=int(c["intermediate_size"]),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        num_kv_heads=int(c["num_key_value_heads"]),
         head_dim=head_dim,
         vocab_size=int(c["vocab_size"]),
         rms_norm_eps=float(c["rms_norm_eps"]),
@@ -228,6 +219,61 @@ def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
         fused=arch == "phi3",
         prefix=prefix,
     )
+
+
+# Fields whose null in a config.json means "the default"; elsewhere null means "none" (a
+# sliding_window or a soft-cap of null is no window, no cap, whatever the class's default).
+_NONE_IS_UNSET = {
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "head_dim",
+    "hidden_act",
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "max_window_layers",
+    *_DEFAULTS["gemma3_text"],
+} - {"sliding_window"}
+_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
+
+
+def _text_config(model_type: str, config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The text model's fields over transformers' defaults, and its tensor names' prefix."""
+    prefix = "model."
+    if model_type == "gemma3":
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ValueError("gemma3 config.json has no text_config to read the text model from")
+        if text.get("model_type", "gemma3_text") != "gemma3_text":
+            raise ValueError(f"gemma3's text_config has model_type {text['model_type']!r}")
+        # Its checkpoint names the text model language_model.model.* (what transformers 5 saves
+        # too); the top level's tie_word_embeddings is the one its model class reads.
+        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        config = {**text, "model_type": "gemma3_text", "tie_word_embeddings": tie}
+        prefix = "language_model.model."
+    arch = config["model_type"]
+    given = {k: v for k, v in config.items() if v is not None or k not in _NONE_IS_UNSET}
+    c = {**_DEFAULTS[arch], **given}
+    missing = [k for k in _REQUIRED if k not in c]
+    if missing:
+        raise ValueError(f"{model_type} config.json lacks {', '.join(missing)}")
+    if c.get("num_key_value_heads") is None:
+        c["num_key_value_heads"] = c["num_attention_heads"]
+    if int(c["num_attention_heads"]) % int(c["num_key_value_heads"]):
+        raise ValueError(
+            f"{model_type}: {c['num_attention_heads']} attention heads do not share "
+            f"{c['num_key_value_heads']} key/value heads evenly"
+        )
+    if c.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"{model_type}: use_bidirectional_attention is not supported (causal only)"
+        )
+    return c, prefix
 
 
 def _float_or_none(value: Any) -> float | None:

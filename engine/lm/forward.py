@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import rope as rope_lib
 
 _F32 = jnp.float32
+_STAGES = 5  # attn_in, attn_out, mlp_in, mlp_mid, out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def _linear(weights: Mapping[str, jax.Array], name: str, x: jax.Array, bias: boo
     return y + _w(weights, name + ".bias") if bias else y
 
 
-def _rms_norm(cfg: config_lib.LmConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+def _rms_norm(cfg: config_lib.LmConfig | _Ends, x: jax.Array, weight: jax.Array) -> jax.Array:
     """RMSNorm in float32; Gemma's scales by (1 + weight)."""
     x = x.astype(_F32)
     normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
@@ -93,11 +94,12 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def _mask(cfg: config_lib.LmConfig, layer: int, t: int) -> np.ndarray:
-    """(T, T) bool: query q sees key k when k <= q (and q - k < window on sliding layers)."""
-    q, k = np.arange(t)[:, None], np.arange(t)[None, :]
+def _mask(cfg: config_lib.LmConfig, sliding: bool, queries: jax.Array, t: int) -> jax.Array:
+    """(Q, T) bool: the query at position q sees the key at k when k <= q (and q - k < window
+    on sliding layers)."""
+    q, k = queries[:, None], jnp.arange(t)[None, :]
     allowed = k <= q
-    if cfg.sliding_layers[layer]:
+    if sliding:
         allowed &= k > q - cfg.sliding_window
     return allowed
 
@@ -118,24 +120,42 @@ def _qkv(cfg: config_lib.LmConfig, weights, x: jax.Array):
     return q, k, v
 
 
-def _attention(cfg: config_lib.LmConfig, layer: int, weights, x: jax.Array) -> jax.Array:
+def _attention(cfg: config_lib.LmConfig, sliding: bool, weights, x: jax.Array) -> jax.Array:
     """Causal (grouped-query) self-attention of the normed input x: (B, T, H * head_dim), the
     input of o_proj."""
     q, k, v = _qkv(cfg, weights, x)
     b, t = x.shape[:2]
-    sliding = cfg.sliding_layers[layer]
     rope = cfg.rope_local if sliding else cfg.rope
     cos, sin = (jnp.asarray(a) for a in rope_lib.cos_sin(rope, cfg.head_dim, t))
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     groups = cfg.num_heads // cfg.num_kv_heads
     # Query head j uses key/value head j // groups (transformers' repeat_kv).
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    chunk = cfg.attention_chunk
+    if t <= chunk:
+        out = _attend(cfg, sliding, q, k, v, jnp.arange(t))
+    else:  # query blocks one after another: scores of (B, H, chunk, T) at a time
+        steps = -(-t // chunk)
+        qs = jnp.pad(q, ((0, 0), (0, steps * chunk - t), (0, 0), (0, 0), (0, 0)))
+        qs = jnp.moveaxis(qs.reshape(b, steps, chunk, *q.shape[2:]), 1, 0)
+        starts = jnp.arange(steps) * chunk
+        out = jax.lax.map(
+            lambda a: _attend(cfg, sliding, a[0], k, v, a[1] + jnp.arange(chunk)), (qs, starts)
+        )
+        out = jnp.moveaxis(out, 0, 1).reshape(b, steps * chunk, *q.shape[2:])[:, :t]
+    return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+
+
+def _attend(cfg, sliding: bool, q, k, v, positions: jax.Array) -> jax.Array:
+    """Softmax attention of queries q (B, Q, KV, G, hd) at `positions` (Q,) over every key."""
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, precision="highest") * cfg.attn_scale
     scores = _softcap(scores, cfg.attn_softcap)
-    scores = jnp.where(_mask(cfg, layer, t), scores, -jnp.inf)
+    # The lowest float, not -inf: a padded query past the end that sees no key gets a uniform
+    # softmax instead of NaNs (it is cut off); a real one always sees itself.
+    allowed = _mask(cfg, sliding, positions, k.shape[1])
+    scores = jnp.where(allowed, scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, precision="highest")
-    return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v, precision="highest")
 
 
 def _act(cfg: config_lib.LmConfig, x: jax.Array) -> jax.Array:
@@ -151,18 +171,30 @@ def run_stage(
     weights: Mapping[str, jax.Array],
     carry: dict[str, jax.Array],
 ) -> dict[str, jax.Array]:
-    """Stage `index` of decoder layer `layer`: pure, jittable with (cfg, layer, index) static.
+    """Stage `index` of decoder layer `layer`: pure, jittable with (cfg, layer, index) static
+    (`stage_fn` gives it jitted, one compilation shared by the layers of one kind).
 
     The first stage takes {"h": (B, T, D) float32}; after a stage with linears, carry["x"] is
     their input and carry["h"] the residual stream so far; after the last, carry["h"] is the
     layer's output (and no "x").
     """
+    return _stage(cfg, _sliding(cfg, layer), index, weights, carry)
+
+
+def _sliding(cfg: config_lib.LmConfig, layer: int) -> bool:
+    """What distinguishes one layer's computation from another's: whether it is a sliding one
+    (its mask, and Gemma 3's local rope); the weights are arguments."""
+    config_lib.layer_prefix(cfg, layer)  # range check
+    return cfg.sliding_layers[layer]
+
+
+def _stage(cfg: config_lib.LmConfig, sliding: bool, index: int, weights, carry) -> dict:
     h = carry["h"].astype(_F32)
     if index == 0:
         return {"h": h, "x": _norm(cfg, weights, "input_layernorm", h)}
     x = carry["x"].astype(_F32)
     if index == 1:
-        return {"h": h, "x": _attention(cfg, layer, weights, x)}
+        return {"h": h, "x": _attention(cfg, sliding, weights, x)}
     if index == 2:
         a = _linear(weights, "self_attn.o_proj", x, cfg.o_bias)
         if cfg.sandwich_norms:
@@ -183,65 +215,117 @@ def run_stage(
         if cfg.sandwich_norms:
             m = _norm(cfg, weights, "post_feedforward_layernorm", m)
         return {"h": h + m}
-    raise ValueError(f"stage {index} out of range: a decoder layer has 5 stages")
+    raise ValueError(f"stage {index} out of range: a decoder layer has {_STAGES} stages")
+
+
+_stage_jit = jax.jit(_stage, static_argnums=(0, 1, 2))
+
+
+def stage_fn(
+    cfg: config_lib.LmConfig, layer: int, index: int
+) -> Callable[[Mapping[str, jax.Array], dict[str, jax.Array]], dict[str, jax.Array]]:
+    """run_stage(cfg, layer, index, ...) jitted: f(weights, carry) -> carry. Layers of one kind
+    (sliding or not) share its compilation, so a 30-layer model compiles each stage once or
+    twice, not 30 times (it compiles again for other shapes or weight dtypes)."""
+    if not 0 <= index < _STAGES:
+        raise ValueError(f"stage {index} out of range: a decoder layer has {_STAGES} stages")
+    return functools.partial(_stage_jit, cfg, _sliding(cfg, layer), index)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def layer_forward(
-    cfg: config_lib.LmConfig, layer: int, weights: Mapping[str, jax.Array], h: jax.Array
-) -> jax.Array:
-    """Decoder layer `layer` on h (B, T, D): every stage in order."""
+def _layer(cfg: config_lib.LmConfig, sliding: bool, weights, h: jax.Array) -> jax.Array:
     carry = {"h": h}
-    for index in range(len(stages(cfg, layer))):
-        carry = run_stage(cfg, layer, index, weights, carry)
+    for index in range(_STAGES):
+        carry = _stage(cfg, sliding, index, weights, carry)
     return carry["h"]
 
 
-@functools.partial(jax.jit, static_argnums=0)
+def layer_forward(
+    cfg: config_lib.LmConfig, layer: int, weights: Mapping[str, jax.Array], h: jax.Array
+) -> jax.Array:
+    """Decoder layer `layer` on h (B, T, D) float32: every stage in order, in one jitted call
+    (compiled once per kind of layer, as stage_fn)."""
+    return _layer(cfg, _sliding(cfg, layer), weights, h)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ends:
+    """What embed, logits and token_nll read of an LmConfig: their static jit key, so models
+    that differ only inside their layers share these compilations."""
+
+    rms_norm_eps: float
+    norm_plus_one: bool
+    embed_scale: bool
+    tied: bool
+    final_softcap: float | None
+
+
+def _ends(cfg: config_lib.LmConfig) -> _Ends:
+    return _Ends(cfg.rms_norm_eps, cfg.norm_plus_one, cfg.embed_scale, cfg.tied, cfg.final_softcap)
+
+
 def embed(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], ids: jax.Array) -> jax.Array:
-    """The hidden states (B, T, D) float32 entering layer 0. Gemma's sqrt(D) normalizer is rounded
-    to the embedding's dtype first, as transformers computes it (a bf16 checkpoint: bf16)."""
+    """The hidden states (B, T, D) float32 entering layer 0 from int32 ids (B, T). Gemma's
+    sqrt(D) normalizer is rounded to the embedding's dtype first, as transformers computes it
+    (for a bf16 checkpoint: bf16's 8-bit mantissa)."""
+    return _embed(_ends(cfg), outer, ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(ends: _Ends, outer: Mapping[str, jax.Array], ids: jax.Array) -> jax.Array:
     table = jnp.asarray(outer["embed"])
     h = jnp.take(table, ids, axis=0).astype(_F32)
-    if cfg.embed_scale:
-        normalizer = jnp.asarray(np.float32(cfg.hidden_size**0.5)).astype(table.dtype)
+    if ends.embed_scale:
+        normalizer = jnp.asarray(np.float32(table.shape[-1] ** 0.5)).astype(table.dtype)
         h = h * normalizer.astype(_F32)
     return h
 
 
-def _head(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array]) -> jax.Array:
-    return jnp.asarray(outer["embed"] if cfg.tied else outer["head"]).astype(_F32)
+def _logits(ends: _Ends, outer: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
+    h = _rms_norm(ends, h, jnp.asarray(outer["norm"]))
+    head = jnp.asarray(outer["embed"] if ends.tied else outer["head"]).astype(_F32)
+    out = jnp.einsum("...d,vd->...v", h, head, precision="highest")
+    return _softcap(out, ends.final_softcap)
 
 
-def _logits(cfg: config_lib.LmConfig, outer, h: jax.Array) -> jax.Array:
-    h = _rms_norm(cfg, h, jnp.asarray(outer["norm"]))
-    out = jnp.einsum("...d,vd->...v", h, _head(cfg, outer), precision="highest")
-    return _softcap(out, cfg.final_softcap)
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def logits(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
-    """(B, T, V) float32: final norm, the head (the embedding when tied), the final soft-cap."""
-    return _logits(cfg, outer, h)
+    """(B, T, V) float32 from the last layer's h: the final norm, the head (the embedding when
+    tied), the final soft-cap."""
+    return _logits_jit(_ends(cfg), outer, h)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk",))
+_logits_jit = jax.jit(_logits, static_argnums=0)
+# Logits made at once by token_nll's default chunk: 2**25 floats, 128 MiB.
+_LOGITS_BUDGET = 1 << 25
+
+
 def token_nll(
     cfg: config_lib.LmConfig,
     outer: Mapping[str, jax.Array],
     h: jax.Array,
     ids: jax.Array,
     *,
-    chunk: int = 128,
+    chunk: int | None = None,
 ) -> jax.Array:
-    """(B, T-1) float32: -log p(ids[:, t+1] | ..t) from the last layer's h (B, T, D).
+    """(B, T-1) float32: -log p(ids[:, t+1] | ids[:, :t+1]) from the last layer's h (B, T, D).
 
-    The logits are made `chunk` positions at a time (a sequential lax.map), so a big vocabulary's
-    (B, T, V) is never held whole; the mean is transformers' loss, exp of it the perplexity.
+    The logits are made `chunk` positions at a time (a sequential lax.map; by default as many
+    as keep them under 128 MiB), so a big vocabulary's (B, T, V) is never held whole. The mean
+    is transformers' loss; exp of the mean over a text, its perplexity.
     """
+    b, t, _ = h.shape
+    if t < 2:
+        raise ValueError(f"token_nll needs at least 2 positions, got {t}")
+    if chunk is None:
+        vocab = outer["embed" if cfg.tied else "head"].shape[0]
+        chunk = _LOGITS_BUDGET // (b * vocab)
+    return _token_nll(_ends(cfg), max(1, min(chunk, t - 1)), outer, h, ids)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _token_nll(ends: _Ends, chunk: int, outer, h: jax.Array, ids: jax.Array) -> jax.Array:
     b, t, d = h.shape
     n = t - 1
-    chunk = max(1, min(chunk, n))
     steps = -(-n // chunk)
     pad = steps * chunk - n
     hs = jnp.pad(h[:, :-1], ((0, 0), (0, pad), (0, 0)))
@@ -251,7 +335,7 @@ def token_nll(
 
     def one(args):
         hc, tc = args
-        lg = _logits(cfg, outer, hc)
+        lg = _logits(ends, outer, hc)
         picked = jnp.take_along_axis(lg, tc[..., None], axis=-1)[..., 0]
         return jax.nn.logsumexp(lg, axis=-1) - picked
 
