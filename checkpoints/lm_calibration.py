@@ -143,9 +143,10 @@ def estimate(cfg: Any, entries: Mapping[str, Any], request: LmRequest) -> dict[s
     evaluation = 0
     if request.eval_ids is not None:
         windows, length = request.eval_ids.shape
-        # Two streams (float and quantized) and one chunk's logits.
+        # Two streams (float and quantized), and the logits of a slice of positions, which
+        # the forward pass keeps under 32 MiB (and their softmax as much again).
         evaluation = 4 * (2 * windows * length * cfg.hidden_size)
-        evaluation += 4 * min(windows, request.chunk) * length * cfg.vocab_size
+        evaluation += min(4 * min(windows, request.chunk) * length * cfg.vocab_size, 2 << 25)
     hessian = 4 * widest * widest * 3  # H, its inverse factor, and the work copy
     return {
         "layer": 2 * layer,  # as read and in float32

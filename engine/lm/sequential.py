@@ -18,7 +18,6 @@ stage's Hessian are held at a time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -57,23 +56,8 @@ def split(samples: np.ndarray | jax.Array, chunk: int) -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(samples[i : i + chunk]) for i in range(0, len(samples), chunk))
 
 
-def _kind(cfg: config_lib.LmConfig, layer: int) -> int:
-    """The first layer computed like `layer` (a decoder layer differs from another only by
-    being a sliding-window layer or not): compiled functions are shared across layers, not
-    compiled once per layer."""
-    sliding = cfg.sliding_layers[layer] if cfg.sliding_layers else False
-    if not cfg.sliding_layers:
-        return 0
-    return cfg.sliding_layers.index(sliding)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _stage_jit(cfg, kind, index, weights, carry):
-    return forward.run_stage(cfg, kind, index, weights, carry)
-
-
 def _stage(cfg, layer, index, weights, carry):
-    return _stage_jit(cfg, _kind(cfg, layer), index, weights, carry)
+    return forward.stage_fn(cfg, layer, index)(weights, carry)
 
 
 # Feature blocks of about this width: H is symmetric, so only the blocks on and above its
@@ -157,31 +141,17 @@ def calibrate_layer(
     return LayerCalibration(results, losses, current, tuple(c["h"] for c in carries))
 
 
-def _layer(cfg, layer, weights, h):
-    return forward.layer_forward(cfg, _kind(cfg, layer), weights, h)
-
-
 def run_layer(
     cfg: config_lib.LmConfig, layer: int, weights: Mapping[str, jax.Array], hidden: Hidden
 ) -> Hidden:
     """Decoder layer `layer` on every chunk (the evaluation's streams)."""
     current = _as_float(weights)
-    return tuple(_layer(cfg, layer, current, h) for h in hidden)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _embed(cfg, outer, ids):
-    return forward.embed(cfg, outer, ids)
+    return tuple(forward.layer_forward(cfg, layer, current, h) for h in hidden)
 
 
 def embed(cfg: config_lib.LmConfig, outer: Mapping[str, jax.Array], ids: Sequence) -> Hidden:
     """The hidden states entering layer 0, chunk by chunk of token ids."""
-    return tuple(_embed(cfg, outer, jnp.asarray(chunk)) for chunk in ids)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _nll_sum(cfg, outer, h, ids):
-    return jnp.sum(forward.token_nll(cfg, outer, h, ids), dtype=jnp.float32)
+    return tuple(forward.embed(cfg, outer, jnp.asarray(chunk)) for chunk in ids)
 
 
 def perplexity(
@@ -193,6 +163,7 @@ def perplexity(
     """exp(mean next-token NLL) over every window, from the last layer's hidden states."""
     total, count = 0.0, 0
     for h, chunk in zip(hidden, ids, strict=True):
-        total += float(_nll_sum(cfg, outer, h, jnp.asarray(chunk)))
+        nll = forward.token_nll(cfg, outer, h, jnp.asarray(chunk))
+        total += float(np.sum(np.asarray(nll), dtype=np.float64))
         count += chunk.shape[0] * (chunk.shape[1] - 1)
     return float(np.exp(total / count))
