@@ -10,6 +10,7 @@ or with the job's final state (runner.py).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ class Outage:
         self._pause = 0.0
         self._next_try = 0.0
         self._held = 0  # writes that waited for the database during this outage
+        self._back = -math.inf  # `clock` when the last outage ended
 
     @property
     def away(self) -> bool:
@@ -53,13 +55,20 @@ class Outage:
         with self._lock:
             return 0.0 if self._since is None else max(0.0, self._next_try - self._clock())
 
+    def answered_for(self, seconds: float) -> bool:
+        """True when the database has answered for `seconds` since the last outage (or there
+        was none); False while it is away."""
+        with self._lock:
+            return self._since is None and self._clock() - self._back >= seconds
+
     def held(self) -> None:
         """A write that waits for the database (not tried now: its next try is not due)."""
         with self._lock:
             self._held += 1
 
     def failed(self, error: BaseException, *, held: bool = True) -> None:
-        """A try failed: the first of an outage logs one warning; each next doubles the pause."""
+        """A try failed: the first of an outage logs one warning; each next one that was due
+        doubles the pause (one made before, not held back, moves the next try no later)."""
         with self._lock:
             self._held += held
             if self._since is None:
@@ -71,8 +80,10 @@ class Outage:
                     "and written when it answers (tried again after %g s, then up to every %g s)",
                     since, error, self._first, self._max,
                 )  # fmt: skip
-            else:
+            elif self._clock() >= self._next_try:
                 self._pause = min(self._pause * 2, self._max)
+            else:
+                return  # a try not held back (a lease renewal): the next one stays as planned
             self._next_try = self._clock() + self._pause
 
     def answered(self) -> None:
@@ -80,7 +91,8 @@ class Outage:
         with self._lock:
             if self._since is None:
                 return
-            seconds, held = self._clock() - self._started, self._held
+            self._back = self._clock()
+            seconds, held = self._back - self._started, self._held
             self._since, self._held = None, 0
         log.info(
             "jobs: the job database answers again after %.1f s; %d progress updates were "

@@ -179,7 +179,13 @@ class JobRunner:
             self._wake.clear()
             try:
                 record = self.store.claim(
-                    self.owner, lease_seconds=self._lease_seconds, tenant_limit=self._tenant_limit
+                    self.owner,
+                    lease_seconds=self._lease_seconds,
+                    tenant_limit=self._tenant_limit,
+                    # After an outage every lease may have lapsed meanwhile: their runners get a
+                    # lease's time to renew them (and write the end of a job that ended while
+                    # the database was away) before this one takes their jobs.
+                    take_lapsed=self._outage.answered_for(self._lease_seconds),
                 )
             except server_errors.Unavailable as e:
                 self._outage.failed(e, held=False)  # logged once per outage
@@ -381,7 +387,10 @@ class JobRunner:
                 if self._stopping.is_set():
                     log.warning("job %s: its end could not be recorded: %s", job_id, e)
                     return None
-                time.sleep(max(0.1, self._outage.seconds_to_next_try()))
+                # Until the backoff's next try, or sooner when a lease renewal finds the
+                # database back: the end is written before another replica may claim the job.
+                while not self._outage.may_try() and not self._stopping.wait(0.1):
+                    pass
 
     def _update(
         self, job_id: str, *, force: bool = False, **fields: object

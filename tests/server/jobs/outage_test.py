@@ -58,9 +58,9 @@ class AwayStore:
         self._away("renew")
         return self._store.renew(job_id, owner, lease_seconds=lease_seconds)
 
-    def claim(self, owner, *, lease_seconds, tenant_limit):
+    def claim(self, owner, **kwargs):
         self._away("claim")
-        return self._store.claim(owner, lease_seconds=lease_seconds, tenant_limit=tenant_limit)
+        return self._store.claim(owner, **kwargs)
 
 
 def test_a_job_that_ends_while_the_database_is_away_keeps_its_true_counts(tmp_path, caplog):
@@ -121,10 +121,26 @@ def test_the_outage_logs_once_backs_off_and_logs_its_end(caplog):
         now[0] += pauses[-1]
         assert outage.may_try()
     assert pauses == [0.5, 1.0, 2.0, 2.0, 2.0]
+    # A try made before the next one was due (a lease renewal) does not put that one off.
+    outage.failed(RuntimeError("connection refused"))
+    now[0] += 1.0
+    outage.failed(RuntimeError("connection refused"), held=False)
+    assert outage.seconds_to_next_try() == 1.0
+    now[0] += 1.0
     outage.held()
     outage.answered()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
     assert "unreachable since" in messages[0] and "connection refused" in messages[0]
-    assert "answers again after 7.5 s; 6 progress updates were pending" in messages[1]
+    assert "answers again after 9.5 s; 7 progress updates were pending" in messages[1]
     assert not outage.away and outage.may_try()
+    # Lapsed leases are left to their runners for a while after the outage (runner._loop).
+    assert not outage.answered_for(1.0)
+    now[0] += 1.0
+    assert outage.answered_for(1.0)
+    outage.failed(RuntimeError("again"))
+    assert not outage.answered_for(0.0)  # away
+
+
+def test_a_runner_never_away_takes_lapsed_leases_at_once():
+    assert outage_lib.Outage().answered_for(30.0)
