@@ -4,11 +4,14 @@ StagedOutput: an output staged beside the destination, renamed into place on com
 
 The staging path sits in the destination's parent directory (`.NAME.qmill-tmp-XXXXXXXX`), so the
 final rename never crosses a filesystem and the destination never shows a half-written checkpoint.
+A run killed before its commit leaves its staging path behind; the commit of the run that resumes
+(or restarts) it deletes every such leftover of the same destination (issue 39).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import pathlib
@@ -38,6 +41,17 @@ class StagedOutput:
     def _sibling(self, tag: str) -> pathlib.Path:
         return self.destination.with_name(f".{self.destination.name}.{tag}-{uuid.uuid4().hex[:8]}")
 
+    def _leftovers(self) -> list[pathlib.Path]:
+        """Staging (and moved-aside) paths of this destination that runs killed before their
+        commit left behind: whoever writes the destination now, those runs are over."""
+        name = self.destination.name
+        return [
+            path
+            for tag in ("qmill-tmp", "qmill-old")
+            for path in self.destination.parent.glob(f".{glob.escape(name)}.{tag}-" + "?" * 8)
+            if path != self.staging
+        ]
+
     def _refuse_existing(self) -> None:
         if not self.overwrite and (self.destination.exists() or self.destination.is_symlink()):
             raise FileExistsError(
@@ -56,6 +70,8 @@ class StagedOutput:
         os.rename(self.staging, self.destination)
         if old is not None:
             remove(old)
+        for leftover in self._leftovers():
+            remove(leftover)
 
     def abort(self) -> None:
         """Deletes everything staged, including side files named after the staging path."""
@@ -216,25 +232,39 @@ class PartialOutput:
         if self._log is None:
             self._create()
         written = {}
-        for name, array in parts.items():
-            file = self.directory / PARTS / f"{index:06d}-{name}.bin"
-            if isinstance(array, dtypes.Packed4):  # kept packed, as the checkpoint stores it
-                data, meta = array.packed, {"packed": True}
-            else:
-                array = np.ascontiguousarray(array)
-                data, meta = array.reshape(-1).view(np.uint8), {}
-            with open(file, "wb") as f:
-                f.write(memoryview(data))
-            written[name] = {
-                "file": file.name,
-                "dtype": array.dtype.name,
-                "shape": list(array.shape),
-                # The array itself, not bytes(data): google_crc32c reads any contiguous numpy
-                # array in place (not a memoryview), and the copy cost as much as the write.
-                "crc32c": google_crc32c.value(data) if data.size else 0,
-                **meta,
-            }
+        files: list[pathlib.Path] = []
+        try:
+            for name, array in parts.items():
+                file = self.directory / PARTS / f"{index:06d}-{name}.bin"
+                files.append(file)
+                written[name] = self._write_part(file, array)
+        except BaseException:
+            # A part whose write failed (a full disk) is not left behind, empty or torn, until
+            # a rerun overwrites it (issue 39); nor are the parts of this tensor written before.
+            for file in files:
+                file.unlink(missing_ok=True)
+            raise
         self._append({"path": path, "parts": written, "info": info})
+
+    @staticmethod
+    def _write_part(file: pathlib.Path, array: np.ndarray | dtypes.Packed4) -> dict[str, Any]:
+        """Writes one part's bytes to `file`; returns its entry in the log line."""
+        if isinstance(array, dtypes.Packed4):  # kept packed, as the checkpoint stores it
+            data, meta = array.packed, {"packed": True}
+        else:
+            array = np.ascontiguousarray(array)
+            data, meta = array.reshape(-1).view(np.uint8), {}
+        with open(file, "wb") as f:
+            f.write(memoryview(data))
+        return {
+            "file": file.name,
+            "dtype": array.dtype.name,
+            "shape": list(array.shape),
+            # The array itself, not bytes(data): google_crc32c reads any contiguous numpy
+            # array in place (not a memoryview), and the copy cost as much as the write.
+            "crc32c": google_crc32c.value(data) if data.size else 0,
+            **meta,
+        }
 
     def _append(self, record: dict[str, Any]) -> None:
         if self._log is None:

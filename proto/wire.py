@@ -22,7 +22,13 @@ import numpy as np
 
 from qmill.proto.v1 import qmill_pb2 as pb
 
+# The largest chunk data either side accepts (the proto's "at most 4 MiB"); a bigger one is
+# INVALID_ARGUMENT.
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
+# The chunk data qmill sends: a little under MAX_CHUNK_BYTES, so that each message, framing
+# included, fits gRPC's default 4 MiB limit and a client generated from the proto with default
+# options receives every result (a 4 MiB chunk made a 4,194,314-byte message; issue 39).
+CHUNK_BYTES = MAX_CHUNK_BYTES - 1024
 
 M = TypeVar("M")
 
@@ -227,7 +233,7 @@ def header_for(path: str, array: np.ndarray, data: np.ndarray | None = None) -> 
     )
 
 
-def chunks(data: np.ndarray, size: int = MAX_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+def chunks(data: np.ndarray, size: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
     """The chunks carrying `data` (as to_bytes returns it); a zero-length tensor has none."""
     for offset in range(0, len(data), size):
         yield pb.TensorChunk(offset=offset, data=data[offset : offset + size].tobytes())
@@ -272,7 +278,7 @@ _CHUNK_OFFSET = pb.TensorChunk.DESCRIPTOR.fields_by_name["offset"].number
 _CHUNK_DATA = pb.TensorChunk.DESCRIPTOR.fields_by_name["data"].number
 
 
-def encoded_chunks(message: type, data: np.ndarray, size: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+def encoded_chunks(message: type, data: np.ndarray, size: int = CHUNK_BYTES) -> Iterator[bytes]:
     """chunks(data) as serialized `message(chunk=...)` requests, the bytes SerializeToString
     would give, made with one copy of each chunk's data instead of four (tobytes, the chunk
     message, the copy into the request, serializing it): for callers whose channel passes
@@ -393,6 +399,11 @@ class Assembler:
                 f"tensor {label}: chunk at offset {chunk.offset}, expected {self._received} "
                 "(chunks lost or out of order)",
                 code="DATA_LOSS",
+            )
+        if len(data) > MAX_CHUNK_BYTES:
+            raise WireError(
+                f"tensor {label}: a chunk of {len(data)} bytes; chunks carry at most "
+                f"{MAX_CHUNK_BYTES} bytes (4 MiB, qmill.proto's TensorChunk)"
             )
         end = self._received + len(data)
         if end > self.header.byte_length:

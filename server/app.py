@@ -195,6 +195,7 @@ def _limiter(config: config_lib.ServerConfig, metrics: metrics_lib.Metrics) -> l
         config.max_inflight_bytes,
         config.max_tenant_inflight_bytes,
         wait_seconds=config.max_wait_seconds,
+        idle_seconds=config.idle_timeout_seconds or None,
         on_change=metrics.inflight_bytes.set,
         on_waiting=metrics.waiting_calls.set,
     )

@@ -98,6 +98,12 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
     lim.add_argument(
         "--max-wait-seconds", type=float, help="queueing for in-flight room, at most (default 5)"
     )
+    lim.add_argument(
+        "--idle-timeout",
+        type=float,
+        help="seconds a call may send nothing mid-tensor before DEADLINE_EXCEEDED "
+        "(default 20; 0: none)",
+    )
     lim.add_argument("--max-upload-bytes", type=int, help="largest upload accepted")
     lim.add_argument("--upload-quota-bytes", type=int, help="upload bytes one tenant may hold")
     lim.add_argument("--upload-expiry-seconds", type=float, help="seconds an upload is kept")
@@ -172,6 +178,8 @@ def config_from_args(args: argparse.Namespace) -> config_lib.ServerConfig:
     fields.update({name: getattr(args, name) for name in _OPTIONAL_FIELDS if getattr(args, name)})
     if args.max_wait_seconds is not None:  # 0 is meaningful: refuse rather than queue
         fields["max_wait_seconds"] = args.max_wait_seconds
+    if args.idle_timeout is not None:  # 0 is meaningful: no idle limit
+        fields["idle_timeout_seconds"] = args.idle_timeout
     if args.jobs_url_root:  # else $QMILL_JOBS_URL_ROOT, read by the config
         fields["jobs_url_roots"] = config_lib.split_url_roots(*args.jobs_url_root)
     return config_lib.ServerConfig(**fields)

@@ -69,6 +69,10 @@ class ServerConfig:
     # Seconds a call may wait in the (first come, first served) queue for in-flight room before
     # RESOURCE_EXHAUSTED; short, so a busy replica sends clients elsewhere rather than hold them.
     max_wait_seconds: float = 5.0
+    # Seconds a call may send nothing while a tensor of it is partly received: then it ends with
+    # DEADLINE_EXCEEDED and its bytes are given back, so a stalled client cannot hold its
+    # tenant's in-flight room (what it holds grows with the data it sent). 0: no limit.
+    idle_timeout_seconds: float = 20.0
     # Largest statistics one calibration may keep (on disk, and on the device while it runs): a
     # GPTQ calibration holds d_in² float32 per weight. Over it Calibrate is RESOURCE_EXHAUSTED.
     max_calibration_stats_bytes: int = 4 * 1024 * MiB

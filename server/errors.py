@@ -72,6 +72,10 @@ class Unimplemented(ServerError, code="UNIMPLEMENTED"):
     """This server lacks the feature: not configured, or an optional extra is not installed."""
 
 
+class DeadlineExceeded(ServerError, code="DEADLINE_EXCEEDED"):
+    """A client that went silent mid-tensor for longer than the server's --idle-timeout."""
+
+
 class ResourceExhausted(ServerError, code="RESOURCE_EXHAUSTED"):
     """A limit was hit. With `retry_after`, the message ends with the hint and the call gets it
     in the RETRY_TRAILER trailing metadata too."""

@@ -1,7 +1,11 @@
 """Backpressure: bytes in flight (server-wide and per tenant) and concurrent streams.
 
-Tensor bytes are reserved before the buffer that receives them is allocated, so memory for
-assembled tensors never exceeds `max_inflight_bytes` whatever the number of clients. A call that
+Tensor bytes are reserved as they arrive, before they are copied into the buffer that assembles
+them, so memory for assembled tensors never exceeds `max_inflight_bytes` whatever the number of
+clients. What a header claims is not reserved at once, only its first RESERVE_STEP_BYTES: the
+reservation grows with the data, so a client that announces a huge tensor and then stalls holds
+little, and one that stalls mid-tensor is ended after `idle_seconds` (DEADLINE_EXCEEDED), its
+bytes given back (issue 39: a stalled client no longer locks its tenant out). A call that
 finds no room queues (that is the backpressure: its client's sends stall), first come, first
 served, for at most `max_wait_seconds`, then gets RESOURCE_EXHAUSTED with a retry hint in the
 message and in the `retry-delay-ms` trailing metadata. A request that could never fit fails at
@@ -25,6 +29,11 @@ from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth, calls, errors
 
 log = logging.getLogger(__name__)
+
+# How much more a tensor's reservation grows by at a time as its data arrives (four chunks): a
+# header alone holds at most this much, whatever size it claims; steps keep the limiter off the
+# per-chunk path.
+RESERVE_STEP_BYTES = 4 * wire.MAX_CHUNK_BYTES
 
 # Services whose streams do not count against max_concurrent_streams (health Watch is a probe).
 _UNCOUNTED = auth.PUBLIC_PREFIXES
@@ -61,6 +70,7 @@ class ByteLimiter:
         per_tenant: int,
         *,
         wait_seconds: float,
+        idle_seconds: float | None = None,
         retry_after: float = 1.0,
         on_change: Callable[[int], None] | None = None,
         on_waiting: Callable[[int], None] | None = None,
@@ -68,6 +78,9 @@ class ByteLimiter:
         self.total = total
         self.per_tenant = per_tenant
         self.wait_seconds = wait_seconds
+        # Seconds a call may send nothing while a tensor of it is partly received (its bytes
+        # held); then it ends with DEADLINE_EXCEEDED. None: no limit.
+        self.idle_seconds = idle_seconds
         self.retry_after = retry_after
         self.used = 0
         self.peak = 0
@@ -88,6 +101,16 @@ class ByteLimiter:
     def _fits_tenant(self, tenant: str, n: int) -> bool:
         return self.by_tenant.get(tenant, 0) + n <= self.per_tenant
 
+    def check_fits(self, n: int) -> None:
+        """Raises ResourceExhausted when `n` bytes could never be held at once."""
+        limit = min(self.total, self.per_tenant)
+        if n > limit:
+            raise errors.ResourceExhausted(
+                f"{n} bytes requested at once, over this server's in-flight limit of {limit}; "
+                "split the tensor or raise --max-inflight-bytes / --max-tenant-inflight-bytes",
+                self.retry_after,
+            )
+
     async def reserve(self, tenant: str, n: int) -> None:
         """Waits its turn for room for `n` bytes.
 
@@ -97,13 +120,7 @@ class ByteLimiter:
             asyncio.CancelledError: the call was cancelled (or its deadline passed) while waiting;
                 it leaves the queue and holds nothing.
         """
-        limit = min(self.total, self.per_tenant)
-        if n > limit:
-            raise errors.ResourceExhausted(
-                f"{n} bytes requested at once, over this server's in-flight limit of {limit}; "
-                "split the tensor or raise --max-inflight-bytes / --max-tenant-inflight-bytes",
-                self.retry_after,
-            )
+        self.check_fits(n)
         waiter = _Waiter(tenant, n, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         self._grant()  # at once when nobody it must respect is ahead and it fits
@@ -180,7 +197,7 @@ class Account:
     """One call's reservations, released in order as its tensors are answered."""
 
     def __init__(self, limiter: ByteLimiter, tenant: str) -> None:
-        self._limiter = limiter
+        self.limiter = limiter
         self.tenant = tenant
         self.held = 0
         self._closed = False
@@ -189,7 +206,7 @@ class Account:
     async def reserve(self, n: int) -> None:
         if self._closed:
             raise asyncio.CancelledError  # the call is over; nothing may be reserved for it
-        await self._limiter.reserve(self.tenant, n)
+        await self.limiter.reserve(self.tenant, n)
         self.held += n
         if self._closed:  # closed while we waited: give the bytes straight back
             self._return(self.held)
@@ -205,7 +222,7 @@ class Account:
 
     def _return(self, n: int) -> None:
         self.held -= n
-        self._limiter.release(self.tenant, n)
+        self.limiter.release(self.tenant, n)
 
     def close(self) -> None:
         self._closed = True
@@ -268,29 +285,15 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
             self._on_change(self.active)
 
 
-async def start_assembly(
-    header: pb.TensorHeader, max_bytes: int, account: Account | None
-) -> wire.Assembler:
-    """Reserves a tensor's announced bytes (over the in-flight limit: RESOURCE_EXHAUSTED), then
-    lets the Assembler check the header and allocate; the reservation goes back if it refuses."""
-    if account is None or header.byte_length > max_bytes:
-        # Unlimited, or a header the Assembler refuses before allocating anything (a byte count
-        # that does not match, or a tensor over the limit): nothing to reserve.
-        return wire.Assembler(header, max_bytes=max_bytes)
-    await account.reserve(header.byte_length)
-    try:
-        return wire.Assembler(header, max_bytes=max_bytes)
-    except BaseException:
-        account.release(header.byte_length)
-        raise
-
-
 class TensorInbox:
     """The one receiving flow of the server's request streams (tensors, calibration batches).
 
-    Each announced tensor's bytes are reserved first (start_assembly), then wire.Receiver
-    reassembles it from the chunks that follow. Tensors come one at a time: a header while the
-    previous tensor still lacks bytes means that one was cut short (DATA_LOSS).
+    Each announced tensor is checked against the limits (one that could never fit fails at once)
+    and its first RESERVE_STEP_BYTES reserved, then wire.Receiver reassembles it from the chunks
+    that follow, the reservation growing a step at a time before the bytes that need it are
+    copied. Tensors come one at a time: a header while the previous tensor still lacks bytes
+    means that one was cut short (DATA_LOSS). Read the requests through `requests()`: it ends a
+    call that stalls mid-tensor.
     """
 
     def __init__(self, max_bytes: int, account: Account | None, *, what: str = "tensor") -> None:
@@ -300,24 +303,72 @@ class TensorInbox:
         self._what = what
         self._receiver = wire.Receiver()
         self._current: wire.Assembler | None = None
+        self._reserved = 0  # of the current tensor's bytes
+        self._received = 0
 
     @property
     def receiving(self) -> bool:
         """True while an announced tensor still lacks bytes."""
         return self._receiver.receiving
 
+    async def requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """`requests`, ended with DEADLINE_EXCEEDED when the client sends nothing for the
+        limiter's idle_seconds while a tensor of it is partly received (its bytes held)."""
+        idle = self._account.limiter.idle_seconds if self._account is not None else None
+        it = aiter(requests)
+        while True:
+            try:
+                if idle is None or not self.receiving:
+                    request = await anext(it)
+                else:
+                    async with asyncio.timeout(idle):
+                        request = await anext(it)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                label = self._current.header.path or "<unnamed>"
+                raise errors.DeadlineExceeded(
+                    f"{self._what} {label}: nothing received for {idle:g} s after "
+                    f"{self._received} of {self._current.header.byte_length} bytes (the server's "
+                    "--idle-timeout); the call is ended and its bytes are given back"
+                ) from None
+            yield request
+
     async def announce(self, header: pb.TensorHeader) -> None:
         self.close()
-        self._current = await start_assembly(header, self._max_bytes, self._account)
-        self._receiver.start(self._current)
+        self._current = None
+        account = self._account
+        if account is not None and header.byte_length <= self._max_bytes:
+            # Over max_bytes (or not matching its shape) the Assembler refuses it below, before
+            # allocating anything.
+            account.limiter.check_fits(header.byte_length)
+        # Uninitialized: its pages take memory only as the reserved bytes are copied in.
+        current = wire.Assembler(header, max_bytes=self._max_bytes)
+        self._current, self._reserved, self._received = current, 0, 0
+        await self._reserve(min(header.byte_length, RESERVE_STEP_BYTES))
+        self._receiver.start(current)
 
-    def add(self, chunk: pb.TensorChunk) -> None:
+    async def add(self, chunk: pb.TensorChunk | wire.Chunk) -> None:
         if not self._receiver.receiving:
             raise ValueError(f"a chunk arrived before any {self._what} header")
+        chunk = wire.chunk_of(chunk)
+        end = self._received + len(chunk.data)
+        if end > self._reserved:
+            # Past the announced length the Assembler refuses the chunk: reserve no more.
+            total = self._current.header.byte_length
+            await self._reserve(min(max(end, self._reserved + RESERVE_STEP_BYTES), total))
         self._receiver.add(chunk)
+        self._received = end
+
+    async def _reserve(self, upto: int) -> None:
+        """Grows the current tensor's reservation to `upto` bytes."""
+        if self._account is not None and upto > self._reserved:
+            await self._account.reserve(upto - self._reserved)
+        self._reserved = max(self._reserved, upto)
 
     def take(self) -> list[tuple[pb.TensorHeader, np.ndarray]]:
-        """The tensor the last announce or add completed, with its header (or nothing)."""
+        """The tensor the last announce or add completed, with its header (or nothing): by then
+        all its bytes (header.byte_length) are reserved, for the caller to release."""
         return [(self._current.header, array) for _, array in self._receiver.take()]
 
     def close(self) -> None:

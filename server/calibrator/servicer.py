@@ -258,12 +258,12 @@ async def _batches(
 ) -> AsyncIterator[tuple[np.ndarray, int]]:
     """(array, bytes reserved) per complete batch; the caller releases the bytes when done."""
     inbox = limits.TensorInbox(max_bytes, account, what="batch")
-    async for request in requests:
+    async for request in inbox.requests(requests):
         kind = request.WhichOneof("item")
         if kind == "batch":
             await inbox.announce(request.batch)
         elif kind == "chunk":
-            inbox.add(request.chunk)
+            await inbox.add(request.chunk)
         elif kind == "start":
             raise ValueError("CalibrateStart must be sent once, as the first message")
         else:

@@ -213,8 +213,10 @@ class PostgresJobStore:
 
     # --- leases -------------------------------------------------------------------------------
 
-    def claim(self, owner: str, *, lease_seconds: float, tenant_limit: int) -> JobRecord | None:
-        return self._run(lambda c: _claim(c, owner, lease_seconds, tenant_limit))
+    def claim(
+        self, owner: str, *, lease_seconds: float, tenant_limit: int, take_lapsed: bool = True
+    ) -> JobRecord | None:
+        return self._run(lambda c: _claim(c, owner, lease_seconds, tenant_limit, take_lapsed))
 
     def renew(self, job_id: str, owner: str, *, lease_seconds: float) -> store.Lease:
         query = (
@@ -272,11 +274,15 @@ def _migrate(conn: Any) -> None:
             log.info("jobs: database schema migrated to version %d", number)
 
 
-def _claim(conn: Any, owner: str, lease_seconds: float, tenant_limit: int) -> JobRecord | None:
+def _claim(
+    conn: Any, owner: str, lease_seconds: float, tenant_limit: int, take_lapsed: bool
+) -> JobRecord | None:
+    claimable = f"state = {_QUEUED}"
+    if take_lapsed:
+        claimable += f" OR (state = {_RUNNING} AND (lease_until IS NULL OR NOT {_LIVE}))"
     with conn.transaction():
         candidates = conn.execute(
-            f"SELECT job_id, tenant FROM {TABLE} WHERE state = {_QUEUED} OR "
-            f"(state = {_RUNNING} AND (lease_until IS NULL OR NOT {_LIVE})) "
+            f"SELECT job_id, tenant FROM {TABLE} WHERE {claimable} "
             "ORDER BY created, job_id "
             f"LIMIT {_CLAIM_WINDOW} FOR UPDATE SKIP LOCKED"
         ).fetchall()

@@ -51,6 +51,7 @@ from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors as server_errors
 from qmill.server import limits
 from qmill.server.jobs import mirror as mirror_lib
+from qmill.server.jobs import outage as outage_lib
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
 from qmill.server.jobs import progress as progress_lib
@@ -127,6 +128,11 @@ class JobRunner:
         # Jobs left behind by a cancel: their threads may still run but change no state.
         self._abandoned: set[str] = set()
         self._stopping = threading.Event()
+        # The job database away (a restart, a failover): logged once, progress held meanwhile.
+        self._outage = outage_lib.Outage()
+        # Per job, the latest progress fields not yet written (the database was away): written
+        # with the next progress update that reaches it, or with the job's final state.
+        self._unwritten: dict[str, dict[str, object]] = {}
         self._thread = threading.Thread(target=self._loop, name="qmill-jobs", daemon=True)
 
     def start(self) -> None:
@@ -169,21 +175,23 @@ class JobRunner:
         return record
 
     def _loop(self) -> None:
-        unreachable = False
         while not self._stopping.is_set():
             self._wake.clear()
             try:
                 record = self.store.claim(
-                    self.owner, lease_seconds=self._lease_seconds, tenant_limit=self._tenant_limit
+                    self.owner,
+                    lease_seconds=self._lease_seconds,
+                    tenant_limit=self._tenant_limit,
+                    # After an outage every lease may have lapsed meanwhile: their runners get a
+                    # lease's time to renew them (and write the end of a job that ended while
+                    # the database was away) before this one takes their jobs.
+                    take_lapsed=self._outage.answered_for(self._lease_seconds),
                 )
             except server_errors.Unavailable as e:
-                if not unreachable:
-                    log.warning("jobs: cannot claim jobs: %s", e)
-                unreachable, record = True, None
+                self._outage.failed(e, held=False)  # logged once per outage
+                record = None
             else:
-                if unreachable:
-                    log.info("jobs: the job database answers again")
-                unreachable = False
+                self._outage.answered()
             if record is None:
                 self._wake.wait(POLL_SECONDS)
                 continue
@@ -237,9 +245,11 @@ class JobRunner:
             lease = self.store.renew(job_id, self.owner, lease_seconds=self._lease_seconds)
         except server_errors.Unavailable as e:
             # The job goes on: if the database is back before the lease lapses, nothing was
-            # lost; if not, the next renewal finds the job taken and stops it.
-            log.warning("job %s: could not renew its lease: %s", job_id, e)
+            # lost; if not, the next renewal finds the job taken and stops it. Logged once per
+            # outage; renewals are not held back, they find the database back soonest.
+            self._outage.failed(e, held=False)
             return
+        self._outage.answered()
         if lease is store_lib.Lease.CANCEL:
             cancel.set()
         elif lease is store_lib.Lease.LOST and not lost.is_set():
@@ -370,30 +380,46 @@ class JobRunner:
         self.scratch.discard(job_id)
         if self.store.shared:
             mirror_lib.remove(record.destination, job_id)
-        while True:  # the outcome is not lost to a database restart
+        while True:  # the outcome, and its true counts, are not lost to a database restart
             try:
                 return self._update(job_id, state=state, message=message, error=error, force=force)
             except server_errors.Unavailable as e:
                 if self._stopping.is_set():
                     log.warning("job %s: its end could not be recorded: %s", job_id, e)
                     return None
-                time.sleep(1.0)
+                # Until the backoff's next try, or sooner when a lease renewal finds the
+                # database back: the end is written before another replica may claim the job.
+                while not self._outage.may_try() and not self._stopping.wait(0.1):
+                    pass
 
     def _update(
         self, job_id: str, *, force: bool = False, **fields: object
     ) -> store_lib.JobRecord | None:
         """Writes `fields` while this runner holds the job (None: it does not any more, or the
-        database is unreachable for a progress update, which the next one repeats)."""
+        database is away). Progress the database could not take is held, the latest of each
+        field, and written with the next write that reaches it: a progress update once the
+        outage's next try is due, or the job's final state (which raises Unavailable instead)."""
         if job_id in self._abandoned and not force:
             return None  # progress of a job left behind is not reported
+        final = "state" in fields
+        with self._lock:
+            progress = self._unwritten.pop(job_id, {})
+            if not final and not self._outage.may_try():
+                self._unwritten[job_id] = {**progress, **fields}  # no connection tried per tensor
+                self._outage.held()
+                return None
         try:
-            record = self.store.update(job_id, owner=self.owner, **fields)
+            record = self.store.update(job_id, owner=self.owner, **{**progress, **fields})
         except server_errors.Unavailable as e:
-            if "state" in fields:
+            with self._lock:  # held for the next try (a final state is the caller's to repeat)
+                held = progress if final else {**progress, **fields}
+                self._unwritten[job_id] = {**held, **self._unwritten.get(job_id, {})}
+            self._outage.failed(e, held=not final)
+            if final:
                 raise
-            log.warning("job %s: progress not recorded: %s", job_id, e)
             return None
-        if "state" in fields:
+        self._outage.answered()
+        if final:
             self._notify()
         return record
 

@@ -166,7 +166,9 @@ class SqliteJobStore:
         assert record is not None
         return record
 
-    def claim(self, owner: str, *, lease_seconds: float, tenant_limit: int) -> JobRecord | None:
+    def claim(
+        self, owner: str, *, lease_seconds: float, tenant_limit: int, take_lapsed: bool = True
+    ) -> JobRecord | None:
         """The oldest QUEUED job, now RUNNING. One runner runs one job at a time, so a tenant
         limit of one or more always holds."""
         with self._lock:

@@ -104,10 +104,12 @@ class JobStore(Protocol):
 
     def counts(self) -> dict[str, int]: ...
 
-    def claim(self, owner: str, *, lease_seconds: float, tenant_limit: int) -> JobRecord | None:
-        """The oldest job this runner may start, now RUNNING under its lease: a QUEUED job, or a
-        RUNNING one whose lease lapsed; never one whose tenant already runs `tenant_limit`
-        jobs (0: no limit). None when there is none."""
+    def claim(
+        self, owner: str, *, lease_seconds: float, tenant_limit: int, take_lapsed: bool = True
+    ) -> JobRecord | None:
+        """The oldest job this runner may start, now RUNNING under its lease: a QUEUED job, or
+        (with `take_lapsed`) a RUNNING one whose lease lapsed; never one whose tenant already
+        runs `tenant_limit` jobs (0: no limit). None when there is none."""
         ...
 
     def renew(self, job_id: str, owner: str, *, lease_seconds: float) -> Lease: ...

@@ -64,7 +64,7 @@ async def _read_tensors(
     try:
         inbox = limits.TensorInbox(max_tensor_bytes, account)
         from_upload = False
-        async for request in requests:
+        async for request in inbox.requests(requests):
             kind = request.WhichOneof("item")
             if from_upload:
                 raise ValueError("nothing may follow upload_id: its tensors come from the upload")
@@ -81,7 +81,7 @@ async def _read_tensors(
                 await inbox.announce(request.header)
             elif kind == "chunk":
                 chunk = wire.chunk_of(request.chunk)  # its bytes copied out once, not twice
-                inbox.add(chunk)
+                await inbox.add(chunk)
                 stats.bytes_received += len(chunk.data)
             elif kind == "recipe":
                 raise ValueError("the recipe must be sent once, as the first message")

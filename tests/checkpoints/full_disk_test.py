@@ -103,3 +103,41 @@ def test_an_unreadable_source_is_not_called_an_output_failure(tmp_path):
         errors.output_failures(tmp_path / "out", source, tmp_path / "p", lambda: 0),
     ):
         raise elsewhere
+
+
+def test_a_part_the_full_disk_cut_short_is_not_left_behind(tmp_path, source, monkeypatch):
+    # Issue 39: a 0-byte parts/...-qvalue.bin stayed after the failure until a rerun.
+    dest = tmp_path / "out.safetensors"
+    full_disk.limit_writes(monkeypatch, 1500)
+    with pytest.raises(errors.OutputError):
+        pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend())
+    partial = dest.with_name(dest.name + staging.PARTIAL_SUFFIX)
+    log = [json.loads(line) for line in (partial / "tensors.jsonl").read_text().splitlines()]
+    named = {part["file"] for record in log for part in record["parts"].values()}
+    on_disk = {file.name for file in (partial / staging.PARTS).iterdir()}
+    assert on_disk == named  # every part file left is a finished tensor's, whole
+    assert all((partial / staging.PARTS / name).stat().st_size for name in on_disk)
+
+
+def test_the_run_that_finishes_deletes_the_staging_a_killed_run_left(tmp_path, source):
+    # Issue 39: after a SIGKILL while writing a folder output, `.NAME.qmill-tmp-XXXXXXXX/` stayed
+    # beside it even after the resumed run succeeded. Here the killed run's leftovers are made
+    # by hand: its staging folder and an old destination it had moved aside.
+    dest = tmp_path / "out.safetensors"
+    left = [
+        tmp_path / ".out.safetensors.qmill-tmp-0123abcd",
+        tmp_path / ".out.safetensors.qmill-old-4567ef01",
+    ]
+    for path in left:
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"half")
+    others = [
+        tmp_path / ".other.safetensors.qmill-tmp-0123abcd",
+        tmp_path / ".out.safetensors.keep",
+    ]
+    for path in others:
+        path.write_bytes(b"not ours")
+    pipeline.quantize_checkpoint(source, dest, RECIPE, backend=FakeBackend())
+    assert dest.exists()
+    assert not any(path.exists() for path in left)
+    assert all(path.exists() for path in others)  # another destination's, and no leftover

@@ -65,6 +65,23 @@ def test_backtracking_constructs_are_refused_at_recipe_load_with_the_fix(pattern
         recipes.recipe_from_mapping({"rules": [{"path_regex": pattern, "qtype": "int8"}]})
 
 
+@pytest.mark.parametrize("pattern", [r"((((a{100}){100}){100}){100})", r"a{1001}"])
+def test_a_repetition_over_re2s_limit_gets_advice_about_counts_not_backreferences(pattern):
+    # Issue 39: RE2's "invalid repetition size" went on about backreferences.
+    with pytest.raises(ValueError) as e:
+        recipes.recipe_from_mapping({"rules": [{"path_regex": pattern, "qtype": "int8"}]})
+    message = str(e.value)
+    assert "invalid repetition size" in message and "at most 1000" in message
+    assert "nested ones multiplied" in message and "backreference" not in message
+
+
+@pytest.mark.parametrize("pattern", ["(", r"a**", r"\q"])
+def test_a_plain_syntax_error_is_not_blamed_on_backreferences(pattern):
+    with pytest.raises(ValueError) as e:
+        recipes.recipe_from_mapping({"rules": [{"path_regex": pattern, "qtype": "int8"}]})
+    assert "fix what RE2 names" in str(e.value) and "rewrite the pattern" not in str(e.value)
+
+
 def test_python_regex_features_people_use_still_work():
     recipe = recipes.recipe_from_mapping(
         {"rules": [{"path_regex": r"(?i).*(?P<layer>dense_\d+)/KERNEL", "qtype": "int8"}]}

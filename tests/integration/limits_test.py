@@ -17,7 +17,7 @@ from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
-from qmill.server import auth
+from qmill.server import auth, limits
 from qmill.server import errors as server_errors
 
 KiB = 1024
@@ -212,3 +212,79 @@ def test_a_call_without_room_queues_is_counted_and_goes_when_room_comes(make_ser
     assert done["outcome"].quantized
     assert running.server.metrics.value("qmill_waiting_calls") == 0
     _eventually(lambda: _gauge(running) == 0)
+
+
+MiB = 1024 * KiB
+
+
+def _claiming(nbytes: int, sent: int) -> list[pb.QuantizeParamsRequest]:
+    """A header claiming an nbytes float32 tensor and chunks of its first `sent` bytes, made
+    without the tensor (a hostile client need not have it)."""
+    header = pb.TensorHeader(
+        path="w/huge", dtype=pb.DTYPE_F32, shape=[nbytes // 4], byte_length=nbytes, crc32c=0
+    )
+    chunks = [
+        pb.TensorChunk(offset=offset, data=bytes(min(wire.MAX_CHUNK_BYTES, sent - offset)))
+        for offset in range(0, sent, wire.MAX_CHUNK_BYTES)
+    ]
+    return [
+        pb.QuantizeParamsRequest(header=header),
+        *(pb.QuantizeParamsRequest(chunk=chunk) for chunk in chunks),
+    ]
+
+
+def test_a_stalled_client_claiming_the_maximum_locks_no_one_out(make_server):
+    # Issue 39: a raw client announced a tensor of the largest size allowed (the whole tenant
+    # allowance), sent 1 KiB and stalled; every other client of the tenant then waited out
+    # max_wait_seconds and got RESOURCE_EXHAUSTED. What arrives is reserved, not what is claimed.
+    limit = 256 * MiB
+    running = make_server(
+        max_tensor_bytes=limit,
+        max_tenant_inflight_bytes=limit,
+        max_inflight_bytes=2 * limit,
+        max_wait_seconds=0.5,
+        idle_timeout_seconds=600,  # this test is about what it holds, not how long
+    )
+    limiter = running.server.limiter
+    stalled = Stalled(running.address, [RECIPE, *_claiming(limit, KiB)], timeout=600)
+    try:
+        _eventually(lambda: limiter.by_tenant.get("default", 0) > 0)
+        assert limiter.by_tenant["default"] <= limits.RESERVE_STEP_BYTES
+        # An honest client of the same tenant, tensors of several steps each, beside it.
+        creds = credentials.Credentials()
+        tensors = [(f"t{i}/kernel", np.ones((6 * MiB, 2), np.float32)) for i in range(3)]
+        with Client(running.address, timeout=120, credentials=creds) as client:
+            outcomes = list(client.quantize(INT8, tensors))
+        assert [o.quantized for o in outcomes] == [True] * 3
+        assert limiter.waits == 0  # it never even queued
+        # The stalled call was still there all along, holding what it had been charged.
+        assert not stalled.call.done() and running.server.streams.active == 1
+        assert 0 < limiter.by_tenant["default"] <= limits.RESERVE_STEP_BYTES
+    finally:
+        stalled.close()
+    _eventually(lambda: _gauge(running) == 0 and not limiter.by_tenant)
+
+
+def test_a_client_silent_mid_tensor_is_ended_after_the_idle_timeout(make_server):
+    running = make_server(idle_timeout_seconds=1.0)
+    size = 64 * MiB  # a reservation that grows: two steps and more are sent, then nothing
+    stalled = Stalled(running.address, [RECIPE, *_claiming(size, 40 * MiB)], timeout=600)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stalled.call)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        details = e.value.details()
+        assert f"nothing received for 1 s after {40 * MiB} of {size} bytes" in details
+        assert "--idle-timeout" in details
+        assert running.server.limiter.peak >= 40 * MiB  # the bytes sent had been reserved
+        _eventually(lambda: _gauge(running) == 0 and not running.server.limiter.by_tenant)
+        # A client that pauses between tensors (nothing held) is not cut: that is no stall.
+        quiet = Stalled(running.address, [RECIPE], timeout=600)
+        try:
+            time.sleep(2.5)
+            assert not quiet.call.done()
+        finally:
+            quiet.close()
+        assert _quantize(running.address, 64 * KiB).quantized
+    finally:
+        stalled.close()

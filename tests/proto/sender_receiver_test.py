@@ -9,9 +9,11 @@ from qmill.proto.v1 import qmill_pb2 as pb
 
 
 def test_send_wraps_header_and_chunks_in_the_rpcs_message_and_receiver_restores_the_tensor():
-    array = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(1024, -1)  # 12 MiB: 3 chunks
+    # Three chunks' worth (qmill sends 4 MiB - 1 KiB a chunk: wire.CHUNK_BYTES).
+    array = np.arange(3 * wire.CHUNK_BYTES // 4, dtype=np.float32).reshape(1280, -1)
     messages = list(wire.send(pb.QuantizeParamsRequest, "header", "w/kernel", array))
     assert [m.WhichOneof("item") for m in messages] == ["header", "chunk", "chunk", "chunk"]
+    assert all(m.ByteSize() <= 4 * 1024 * 1024 for m in messages)  # gRPC's default limit
     receiver = wire.Receiver()
     receiver.announce(messages[0].header)
     for message in messages[1:-1]:
