@@ -93,6 +93,11 @@ def _use_float64() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def gpu_route() -> bool:
+    """Whether ÷, √ and sums take the GPU's route in this process now (see above)."""
+    return _use_float64()
+
+
 def wide_dtype(dtype: jnp.dtype) -> np.dtype:
     """The dtype arithmetic on `dtype` values is carried out in."""
     return np.dtype(jnp.float32) if np.dtype(dtype) in _NARROW else np.dtype(dtype)
