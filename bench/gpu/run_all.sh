@@ -97,6 +97,9 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$XLA_DUMP" \
     step parity_detail 60 "$PY" bench/gpu/parity_detail.py --hlo "$OUT/parity-hlo.txt"
 echo "=== divisions in the PTX of parity_detail's programs (none on a CPU):"
 grep -rhoE "(div|rcp)\.[a-z.]*f(32|64)" --include='*.ptx' "$XLA_DUMP" 2>/dev/null | sort | uniq -c
+echo "=== fdiv types in their optimized LLVM IR (double only: the float64 route held):"
+grep -rhoE "fdiv (<[0-9]+ x )?(float|double)" --include='*ir-with-opt.ll' "$XLA_DUMP" 2>/dev/null |
+    sort | uniq -c
 step engine 90 "$PY" bench/engine_bench.py "${ENGINE[@]}" --json "$OUT/engine.json"
 step e2e 120 "$PY" bench/e2e_bench.py "${E2E[@]}" --server-platforms default,cpu \
     --server-log "$OUT/servers.log" --json "$OUT/e2e.json"
