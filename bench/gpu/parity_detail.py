@@ -3,16 +3,18 @@
     python bench/gpu/parity_detail.py [--cases 8,13,28,...] [--hlo PATH] [--float64]
 
 device_parity.py counts, per golden case, the elements where qmill on this device differs from
-the CPU fixtures (on an H200, 2026-11-26: 16 cases, bench/results/h200-2026-11-26/parity.json).
+the CPU fixtures (on an H200, 2026-11-26 and -27: the same 16 cases,
+bench/results/h200-2026-11-27/; their causes: docs/numerics.md, "On a GPU").
 This says why, for the cases given (default: those 16). For up to 6 differing codes of each case
 it prints the input value, its block's scale, and the code each candidate formula gives when
 computed exactly on the host in numpy (IEEE float32, as XLA:CPU does):
   recip  round(x * f32(1 / s))   the reciprocal multiply a broadcast division compiles to
   div    round(f32(x / s))       a correctly rounded true division
-beside the device's code and the fixture's. Scales that differ are printed the same way, with
-float32 bits. The optimized HLO of each case's quantization is appended to PATH (one file), to
-see what XLA did with the float64 route (numerics._correctly_rounded). On the CPU every case
-agrees (a check that the script runs); `--float64` forces the GPU's route on the CPU.
+beside the device's code and the fixture's (with the stored scale: where scale_dtype is
+narrower, as in case 151, the codes used the unrounded one). Scales that differ are printed the
+same way, with float32 bits. The optimized HLO of each case's quantization is appended to PATH
+(one file), to see what XLA did with the float64 route (numerics._correctly_rounded). On the CPU
+every case agrees (a check that the script runs); `--float64` forces the GPU's route on the CPU.
 """
 
 from __future__ import annotations

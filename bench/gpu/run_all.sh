@@ -5,7 +5,9 @@
 #   run_all.log  this script's output (environment, every step's output)
 #   servers.log  the `qmill serve` processes' and the flow's commands' output
 #   steps.jsonl  one line per step: name, exit code (124: its timeout), seconds
-#   parity.json  tests/engine/device_parity.py: qmill vs CPU fixtures vs reference, per case
+#   parity.json  tests/engine/device_parity.py: qmill vs CPU fixtures vs reference, per case;
+#                --require-equal: the step exits 1 (steps.jsonl "rc": 1) unless all 167 cases ran
+#                and equal the CPU fixtures; its last line says PASS or FAIL (issue 37)
 #   parity-hlo.txt  bench/gpu/parity_detail.py: the optimized HLO of the cases that differed on
 #                the H200 (its per-element account of each differing code goes to run_all.log)
 #   engine.json  bench/engine_bench.py --size 8192 (baseline: a jitted copy, same run)
@@ -19,6 +21,8 @@
 # process group), capped so that the script ends within QMILL_GPU_BUDGET_S (default 400) seconds.
 # QMILL_GPU_DRY=1: the same steps, small, on this machine's CPU with .venv (a check before the
 # device run, so that nothing fails there on a typo).
+# QMILL_GPU_STEPS=parity,parity_detail (say): only the steps named (default: all), for a short
+# device lease.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 START=$(date +%s)
@@ -44,6 +48,13 @@ exec > >(tee -a "$OUT/run_all.log") 2>&1
 step() {  # step NAME SECONDS COMMAND...: runs COMMAND under timeout, records its exit code
     local name=$1 limit=$2 left t0 rc
     shift 2
+    case ",${QMILL_GPU_STEPS:-$name}," in
+    *",$name,"*) ;;
+    *)
+        echo "=== $name not in QMILL_GPU_STEPS=$QMILL_GPU_STEPS"
+        return
+        ;;
+    esac
     left=$((BUDGET - ($(date +%s) - START) - 20))
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 15 ]; then
@@ -76,8 +87,19 @@ import qmill.engine, qmill.server, qmill.cli, qmill.checkpoints, qmill.client, q
 print('qmill from', qmill.engine.__file__)
 "
 
-step parity 95 "$PY" tests/engine/device_parity.py --max-seconds 75 --spread 7 --json "$OUT/parity.json"
-step parity_detail 60 "$PY" bench/gpu/parity_detail.py --hlo "$OUT/parity-hlo.txt"
+step parity 95 "$PY" tests/engine/device_parity.py --max-seconds 80 --spread 7 --require-equal \
+    --json "$OUT/parity.json"
+# The PTX of the cases that differed on 2026-11-27, to see which divisions the device runs:
+# div.rn.f64 only (the float64 route held), or div.full.f32 (LLVM folded it back to float32).
+XLA_DUMP=${QMILL_GPU_TMP:-/tmp}/xla-dump
+rm -rf "$XLA_DUMP"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$XLA_DUMP" \
+    step parity_detail 60 "$PY" bench/gpu/parity_detail.py --hlo "$OUT/parity-hlo.txt"
+echo "=== divisions in the PTX of parity_detail's programs (none on a CPU):"
+grep -rhoE "(div|rcp)\.[a-z.]*f(32|64)" --include='*.ptx' "$XLA_DUMP" 2>/dev/null | sort | uniq -c
+echo "=== fdiv types in their optimized LLVM IR (double only: the float64 route held):"
+grep -rhoE "fdiv (<[0-9]+ x )?(float|double)" --include='*ir-with-opt.ll' "$XLA_DUMP" 2>/dev/null |
+    sort | uniq -c
 step engine 90 "$PY" bench/engine_bench.py "${ENGINE[@]}" --json "$OUT/engine.json"
 step e2e 120 "$PY" bench/e2e_bench.py "${E2E[@]}" --server-platforms default,cpu \
     --server-log "$OUT/servers.log" --json "$OUT/e2e.json"

@@ -108,7 +108,7 @@ def _scaled(v: jax.Array, factor: float, dtype: jnp.dtype) -> jax.Array:
 def _rms(x: jax.Array, tiles: Sequence[int]) -> jax.Array:
     """sqrt(mean(x²)) per tile, each step rounded to x's dtype as op-by-op evaluation would."""
     square = numerics.fit(numerics.widen(x) ** 2, x.dtype)
-    total = tiling.reduce_tiles(square, tiles, jnp.sum)
+    total = tiling.reduce_tiles(square, tiles, numerics.sum_as_cpu)
     count = x.size // total.size
     mean = numerics.fit(numerics.divide_broadcast(total, float(count), jnp.float32), x.dtype)
     return numerics.fit(numerics.sqrt(mean), x.dtype)

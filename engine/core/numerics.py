@@ -49,25 +49,29 @@ _NARROW = {np.dtype(jnp.bfloat16): (8, 7), np.dtype(jnp.float16): (5, 10)}
 # and true divisions get a divisor XLA can't see as a broadcast (`b + a * 0`, not foldable for
 # floats). All of it stays inside the same fused elementwise loop.
 #
-# Division off the CPU (the aim: the CPU's bits on every backend; on an H200, 2026-11-26, 12 of
-# the 167 golden cases still differ in a few codes, bench/README.md). XLA:GPU lowers float32
-# division to `div.full.f32` (within 2 ulp, not correctly rounded) where XLA:CPU, on which the
-# reference was measured, divides exactly. So
-# on a GPU every array division and square root is done in float64 and rounded to float32
-# (`_correctly_rounded`): float64's are IEEE on every backend, and rounding a float64 quotient or
-# root of float32 operands to float32 gives the correctly rounded float32 result (double rounding
-# is innocuous for ÷ and √ since 53 ≥ 2·24 + 2). These are per-scale ops (a reciprocal per
-# channel or tile), not per-element, except degenerate one-element tiles. On the CPU they stay in
-# float32: XLA:CPU fuses the float64→float32 convert into the elementwise loop, which made bf16
-# int8 quantization ~45 % slower for no change in bits.
+# Off the CPU (the aim: the CPU's bits on every backend; the H200 runs of 2026-11-26/27 and their
+# causes: docs/numerics.md, "On a GPU"). XLA:GPU lowers float32 division to `div.full.f32`
+# (within 2 ulp, not correctly rounded) where XLA:CPU, on which the reference was measured,
+# divides exactly. So on a GPU every array division and square root is done in float64 and
+# rounded to float32 (`_correctly_rounded`): float64's are IEEE on every backend, and rounding a
+# float64 quotient or root of float32 operands to float32 gives the correctly rounded float32
+# result (double rounding is innocuous for ÷ and √ since 53 ≥ 2·24 + 2). LLVM knows that bound
+# too and folds such a division back to float32 when its operands are plain extensions, so they
+# are assembled from bits (`_float64_of`). These are per-scale ops (a reciprocal per channel or
+# tile), not per-element, except degenerate one-element tiles. On the CPU they stay in float32:
+# XLA:CPU fuses the float64→float32 convert into the elementwise loop, which made bf16 int8
+# quantization ~45 % slower for no change in bits. The same switch spells out the CPU's order of
+# a sum (`sum_as_cpu`); E4M3 rounding (`round_e4m3`) is integer arithmetic on every backend.
 
-# None: float64 ÷ and √ on GPUs only; True/False forces it (float64_arithmetic()).
+# None: float64 ÷ and √ (and sums in the CPU's order) on GPUs only; True/False forces it
+# (float64_arithmetic()).
 _FLOAT64_ARITHMETIC: bool | None = None
 
 
 @contextlib.contextmanager
 def float64_arithmetic(enabled: bool | None) -> Iterator[None]:
-    """Forces (or, with None, restores the default of) float64 ÷ and √ within the block.
+    """Forces (or, with None, restores the default of) the GPU's route within the block:
+    float64 ÷ and √, and sums in XLA:CPU's order (`sum_as_cpu`).
 
     For tests and diagnosis on the CPU. Jitted functions already traced keep their choice, so
     jax's caches are cleared on entry and exit. Not thread-safe: process-wide.
@@ -87,6 +91,11 @@ def _use_float64() -> bool:
         return _FLOAT64_ARITHMETIC
     # TPUs are left out: whether XLA:TPU's f64 (emulated, if at all) is IEEE is not known here.
     return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def gpu_route() -> bool:
+    """Whether ÷, √ and sums take the GPU's route in this process now (see above)."""
+    return _use_float64()
 
 
 def wide_dtype(dtype: jnp.dtype) -> np.dtype:
@@ -111,18 +120,106 @@ def const(c: float, dtype: jnp.dtype) -> float:
     return float(np.asarray(c, dtype=dtype).astype(np.float64))
 
 
+def _float64_of(a: jax.Array) -> jax.Array:
+    """float32 `a` as float64, assembled from its bits (call under jax.enable_x64).
+
+    Not `a.astype(float64)`: LLVM's instcombine turns fptrunc(fdiv(fpext a, fpext b)) into a
+    float32 fdiv (the same value where float32 division is IEEE, by the double-rounding bound
+    above), and XLA:GPU lowers that to div.full.f32: the float64 route was silently an
+    approximate float32 division again (H200, 2026-11-27: bench/results/h200-2026-11-27). A
+    float64 made by integer ops is no fpext to LLVM, so the division stays float64.
+    """
+    bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.uint32)
+    man = (bits & 0x7FFFFF).astype(jnp.uint64)
+    exp = ((bits >> 23) & 0xFF).astype(jnp.uint64)
+    sign = (bits >> 31).astype(jnp.uint64) << 63
+    normal = ((exp + (1023 - 127)) << 52) | (man << 29)
+    quiet = jnp.where(man == 0, np.uint64(0), np.uint64(1) << 51)  # a NaN made quiet, as a convert
+    special = (np.uint64(0x7FF) << 52) | quiet | (man << 29)  # inf, NaN
+    # Subnormal: man · 2^-149 with its leading one at bit p: 2^(p - 149) · 1.fraction.
+    p = 31 - jax.lax.clz(bits & 0x7FFFFF).astype(jnp.uint64)
+    fraction = (man - (np.uint64(1) << p)) << (52 - p)
+    subnormal = jnp.where(man == 0, np.uint64(0), ((p + (1023 - 149)) << 52) | fraction)
+    magnitude = jnp.where(exp == 0, subnormal, jnp.where(exp == 0xFF, special, normal))
+    return jax.lax.bitcast_convert_type(sign | magnitude, jnp.float64)
+
+
 def _correctly_rounded(op, *args: jax.Array) -> jax.Array:
     """op on wide float arrays, correctly rounded on every backend (see above), in their dtype."""
     dtype = jnp.result_type(*args)
     if np.dtype(dtype) != np.dtype(np.float32) or not _use_float64():
         return op(*args)
     with jax.enable_x64(True):
-        return op(*(a.astype(jnp.float64) for a in args)).astype(jnp.float32)
+        return op(*(_float64_of(a) for a in args)).astype(jnp.float32)
 
 
 def sqrt(v: jax.Array) -> jax.Array:
     """√v of a wide float array, correctly rounded on every backend."""
     return _correctly_rounded(jnp.sqrt, widen(v))
+
+
+# XLA:CPU sums in a fixed order, and the reference's `rms` scales are its sums: its
+# TreeReductionRewriter (run to a fixed point) cuts every reduced axis longer than 32 into
+# windows of 32 (padded with zeros, the odd element high: XLA's "same" padding), sums each window
+# element by element, and reduces the window sums the same way; 32 or fewer are summed element
+# by element. XLA:GPU sums in a tree of its own. On the GPU route `sum_as_cpu` spells the CPU's
+# order out. Measured equal to XLA:CPU (jax 0.10.2) for one reduced axis of any length, the rms
+# case of a per-channel or one-axis-tiled scale; but XLA:CPU hands a sum whose input has 4096
+# or more elements to YNNPACK, whose order depends on the CPU's vector width: there neither
+# this nor another CPU can promise the bits (docs/numerics.md, "On a GPU").
+_CPU_WINDOW = 32
+# Windows longer than this are summed in a loop, not as one unrolled chain of adds.
+_UNROLL = 64
+
+
+def _sum_in_order(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """Sum over `axes` (kept, size 1), one element after another in row-major order from 0."""
+    rest = [a for a in range(x.ndim) if a not in axes]
+    moved = jnp.transpose(x, (*rest, *axes))
+    flat = moved.reshape((*moved.shape[: len(rest)], -1))
+    n = flat.shape[-1]
+    acc = jnp.zeros(flat.shape[:-1], x.dtype)
+    if n <= _UNROLL:
+        for i in range(n):
+            acc = acc + flat[..., i]
+    else:
+        acc = jax.lax.fori_loop(0, n, lambda i, a: a + flat[..., i], acc)
+    shape = list(x.shape)
+    for a in axes:
+        shape[a] = 1
+    return acc.reshape(shape)
+
+
+def _cpu_sum(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """Sum over `axes` (kept) in XLA:CPU's order: windows of 32 while any axis is longer."""
+    x = settle(x)  # a product feeding the adds stays rounded (no FMA), as the CPU's is
+    while any(x.shape[a] > _CPU_WINDOW for a in axes):
+        pads, split, windows = [], [], []
+        for a, size in enumerate(x.shape):
+            if a not in axes:
+                pads.append((0, 0))
+                split.append(size)
+                continue
+            w = min(size, _CPU_WINDOW)
+            pad = -size % w
+            pads.append((pad // 2, pad - pad // 2))
+            split += [(size + pad) // w, w]
+            windows.append(len(split) - 1)
+        summed = _sum_in_order(jnp.pad(x, pads).reshape(split), tuple(windows))
+        x = summed.reshape([n for i, n in enumerate(split) if i not in windows])
+    return _sum_in_order(x, axes)
+
+
+def sum_as_cpu(x: jax.Array, axis: tuple[int, ...], keepdims: bool = True) -> jax.Array:
+    """jnp.sum(x, axis, keepdims=True) with XLA:CPU's rounding on every backend (see above).
+
+    On the CPU (unless forced) it is jnp.sum itself; elsewhere the order is written out.
+    """
+    assert keepdims, "kept axes only"
+    axes = tuple(sorted({a % x.ndim for a in axis}))
+    if not _use_float64():
+        return jnp.sum(x, axis=axes, keepdims=True)
+    return _cpu_sum(x, axes)
 
 
 def reciprocal(b: jax.Array | float, dtype: jnp.dtype) -> jax.Array | float:
@@ -224,6 +321,38 @@ def _torch_mx_scale(absmax: jax.Array, bound: float, dtype: jnp.dtype) -> jax.Ar
     return widen(jax.lax.bitcast_convert_type(pattern.astype(uint), dtype))
 
 
+# E4M3's largest value, and the scale compressed-tensors puts in place of an E4M3 scale of 0.
+_E4M3_MAX = 448.0
+_E4M3_ZERO_SCALE = 0.125
+
+
+def round_e4m3(v: jax.Array) -> jax.Array:
+    """v (a wide float) rounded to a float8_e4m3fn value, in v's dtype: as XLA's convert rounds
+    (to nearest even; past 464 and for ±inf a NaN), by integer arithmetic on v's bits.
+
+    Not `v.astype(float8_e4m3fn).astype(v.dtype)`: XLA:GPU (with its default
+    xla_allow_excess_precision) removes such a chain of converts, so nvfp4's scales went
+    unrounded there (H200, 2026-11-27). Nothing here is a convert it could drop.
+    """
+    dtype = np.dtype(v.dtype)
+    uint = {4: jnp.uint32, 8: jnp.uint64}[dtype.itemsize]
+    nmant = int(np.finfo(dtype).nmant)
+    bits = jax.lax.bitcast_convert_type(v, uint)
+    sign = bits & (uint(1) << (8 * dtype.itemsize - 1))
+    mag = bits ^ sign
+    # Normal E4M3 (>= 2^-6): keep 3 fraction bits, ties to even; a carry moves the exponent up.
+    drop = nmant - 3
+    lsb = (mag >> drop) & 1
+    rounded = ((mag + ((uint(1) << (drop - 1)) - 1) + lsb) >> drop) << drop
+    too_big = rounded > jax.lax.bitcast_convert_type(jnp.asarray(_E4M3_MAX, dtype), uint)
+    # Below 2^-6 E4M3 is subnormal: multiples of 2^-9, ties to even. Exact float steps.
+    small = jnp.abs(v) < 2.0**-6
+    sub = jax.lax.bitcast_convert_type(jnp.round(jnp.abs(v) * 2.0**9) * 2.0**-9, uint)
+    nan = jax.lax.bitcast_convert_type(jnp.asarray(np.nan, dtype), uint)
+    out = jnp.where(small, sub, jnp.where(too_big, nan, rounded))
+    return jax.lax.bitcast_convert_type(sign | out, dtype)
+
+
 def _replace_tiny(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     # A scale this small would overflow x / scale; 1 keeps all-zero blocks exact.
     tiny = float(np.sqrt(ml_dtypes.finfo(dtype).tiny))
@@ -238,11 +367,6 @@ TORCH = "torch"
 ARITHMETICS = ("", TORCH)
 
 
-# E4M3's largest value, and the scale compressed-tensors puts in place of an E4M3 scale of 0.
-_E4M3_MAX = 448.0
-_E4M3_ZERO_SCALE = 0.125
-
-
 def nv_global_scales(
     absmax: jax.Array, bound: float, global_scale: float | jax.Array, dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
@@ -251,9 +375,10 @@ def nv_global_scales(
     0.125); the codes divide by that E4M3 scale / g in float32. Returns (E4M3 scale, divisor)."""
     g = jnp.asarray(global_scale, jnp.float32)
     local = _divide_by(absmax, bound, dtype, True).astype(jnp.float32)
-    scaled = jnp.clip(local * g, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
-    scale = jnp.where(scaled == 0, jnp.float8_e4m3fn(_E4M3_ZERO_SCALE), scaled)
-    wide = scale.astype(jnp.float32)
+    # Rounded by round_e4m3, not by a convert there and back, which XLA:GPU would drop.
+    rounded = round_e4m3(jnp.clip(local * g, -_E4M3_MAX, _E4M3_MAX))
+    wide = jnp.where(rounded == 0, jnp.float32(_E4M3_ZERO_SCALE), rounded)
+    scale = wide.astype(jnp.float8_e4m3fn)
     divisor = divide_exact(wide, jnp.broadcast_to(g, wide.shape), jnp.float32)
     return scale, divisor
 
@@ -294,7 +419,7 @@ def compute_scale_zero_point(
     elif qt.scale_rounding == qtypes.POW2:
         scale = _snap_pow2(scale, dtype)
     elif qt.scale_rounding == qtypes.E4M3:
-        scale = widen(scale.astype(dtype).astype(jnp.float8_e4m3fn).astype(dtype))
+        scale = round_e4m3(fit(scale, dtype))
     if not torch:
         scale = _replace_tiny(scale, dtype)
     elif qt.scale_rounding != qtypes.POW2:  # an MX scale is never 0 (2^-127 at least)

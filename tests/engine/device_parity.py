@@ -6,11 +6,15 @@ itself no longer matches its CPU fixtures. This script runs the reference (Qwix 
 oracle, never a dependency) and qmill side by side on the default device, for every golden case,
 and prints where qmill differs from the reference on that device and where either differs from
 the CPU fixtures. qmill aims at the CPU fixtures' bits on every device (numerics, "Division off
-the CPU": ÷ and √ go through float64 on GPUs; on an H200 12 of 167 cases still differ), so
-"qmill-vs-cpu" is the column to watch; "qmill-vs-ref" on a GPU only shows where the reference
-itself drifts. Run by hand where qwix is importable:
+the CPU": ÷ and √ in float64 built from bits, sums in the CPU's order; E4M3 by integer ops),
+so "qmill-vs-cpu" is the column to watch; "qmill-vs-ref" on a GPU only shows where the
+reference itself drifts. Run by hand where qwix is importable:
 
     python tests/engine/device_parity.py [--json PATH] [--max-seconds S] [--spread N]
+                                         [--require-equal] [--gpu-route]
+
+`--require-equal` is the device check of issue 37: it exits 1 unless every case ran and every
+one equals the CPU fixtures (qmill-vs-cpu), printing PASS or FAIL as its last line.
 
 `--json` also writes every case's differing element counts (0 = same bits) per comparison;
 `--max-seconds` starts no case after S seconds (the summary then says how many ran): on a GPU
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 import jax
@@ -30,7 +35,7 @@ import numpy as np
 import qwix
 from qwix._src.core import qarray as ref_qarray
 
-from qmill.engine import qarray
+from qmill.engine import numerics, qarray
 
 _DATA = np.load(pathlib.Path(__file__).parent / "golden" / "cases.npz")
 _META = json.loads(str(_DATA["meta"]))
@@ -84,10 +89,28 @@ def main() -> None:
         help="run every N-th case first, then the next N-th...: a run cut short by --max-seconds "
         "still covers every kind of case (the golden cases are grouped by qtype)",
     )  # fmt: skip
+    parser.add_argument(
+        "--require-equal", action="store_true",
+        help="exit 1 unless all cases ran and qmill equals the CPU fixtures in every one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-route", action="store_true",
+        help="force the GPU's arithmetic (numerics.float64_arithmetic) on any device: on a CPU, "
+        "a check that it gives the fixtures' bits",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.gpu_route:
+        with numerics.float64_arithmetic(True):
+            _run(args)
+    else:
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     device = jax.devices()[0]
-    print(f"device {device.device_kind}, jax {jax.__version__}")
+    route = numerics.gpu_route()
+    print(f"device {device.device_kind}, jax {jax.__version__}, GPU route {route}")
     bad_vs_ref = bad_ref_vs_cpu = bad_vs_cpu = 0
     rows = []
     order = [c for k in range(args.spread) for c in _META[k :: args.spread]]
@@ -143,6 +166,13 @@ def main() -> None:
         doc = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,
                    summary=summary, cases=rows)  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.require_equal:
+        equal = len(rows) - bad_vs_cpu
+        if len(rows) == len(_META) and bad_vs_cpu == 0:
+            print(f"PASS: {equal}/{len(_META)} cases equal the CPU fixtures")
+        else:
+            print(f"FAIL: {equal}/{len(_META)} cases equal the CPU fixtures ({len(rows)} ran)")
+            sys.exit(1)
 
 
 if __name__ == "__main__":
