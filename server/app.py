@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import errno
+import logging
 import pathlib
 import signal
 import socket
