@@ -48,6 +48,9 @@ class ReportRow:
     bytes_after: int
     reason: str = ""
     tiles: str = ""
+    # What quantized it when a calibration was given: "GPTQ", "AWQ", "SmoothQuant" or "RTN"
+    # (round to nearest: no statistics for it); "" otherwise.
+    method: str = ""
 
 
 def quantize_checkpoint(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import pathlib
 import sys
 import threading
@@ -20,7 +21,14 @@ from rich import box
 from rich.console import Console
 
 from qmill import checkpoints
-from qmill.checkpoints import ct_writer, formats, hf_folder, pipeline, quantization_config
+from qmill.checkpoints import (
+    calibration_coverage,
+    ct_writer,
+    formats,
+    hf_folder,
+    pipeline,
+    quantization_config,
+)
 from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import errors as checkpoint_errors
 from qmill.client import credentials, recipes, report, report_table, retry
@@ -155,10 +163,18 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
-    if args.format == formats.COMPRESSED_TENSORS and "calibration_stats" in calibration:
-        # Statistics in hand: an AWQ / SmoothQuant calibration is refused before any work.
+    methods: dict[str, str] = {}  # with statistics in hand: each quantized tensor's method
+    if "calibration_stats" in calibration:
         what = f"--calibration {args.calibration}"
-        ct_writer.check_calibration(calibration["calibration_stats"], what)
+        if args.format == formats.COMPRESSED_TENSORS:
+            # An AWQ / SmoothQuant calibration is refused before any work.
+            ct_writer.check_calibration(calibration["calibration_stats"], what)
+        # Statistics that match no tensor are refused; those that miss some say which.
+        methods, missing = calibration_coverage.methods_by_tensor(
+            args.source, recipe, calibration["calibration_stats"], what
+        )
+        if missing:
+            print(calibration_coverage.missing_note(missing, len(methods)), file=sys.stderr)
 
     def attempt(restart: bool) -> list[pipeline.ReportRow]:
         backend = _backend(args)
@@ -187,6 +203,8 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         retry_if=lambda _: answered.is_set(),
     )
     seconds = time.monotonic() - started
+    if methods:
+        rows = [dataclasses.replace(r, method=methods.get(r.path, "")) for r in rows]
     summary = report.Summary(
         rows,
         seconds,

@@ -138,7 +138,7 @@ class Summary:
             name = (
                 f"kept: {r.reason or 'kept'}"
                 if r.qtype == "kept"
-                else f"{r.dtype} → {r.qtype} {_tiling(r)}"
+                else f"{r.dtype} → {r.qtype} {_tiling(r)}" + (f", {r.method}" if r.method else "")
             )
             out.setdefault(name, []).append(r)
         return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("kept"), kv[0])))
@@ -204,8 +204,22 @@ def render(summary: Summary, table: str = "summary", *, plan: bool = False) -> G
         title = f"lowest SQNR (dB): {len(worst)} of {len(summary.quantized)} quantized tensors"
         parts.append(_rows_table(title + " (--table full: all)", worst))
     parts.append(_groups_table(summary, sqnr=not plan))
+    calibrated = sorted({r.method for r in summary.rows} - {"", "RTN"})
+    if calibrated:
+        parts.append(Text(calibrated_note(calibrated)))
     parts.append(Text(totals_line(summary, plan=plan)))
     return Group(*parts)
+
+
+def calibrated_note(methods: Sequence[str]) -> str:
+    """Why a calibrated method's weight SQNR is not the number to compare with RTN's."""
+    return (
+        f"{' / '.join(methods)}: the SQNR above is the weight's; "
+        f"{'these methods minimise' if len(methods) > 1 else 'it minimises'} the layer's output "
+        "error on the calibration inputs instead, so a weight SQNR below round-to-nearest's "
+        "(RTN) is expected, not a regression: compare the model's outputs "
+        "(docs/calibrated-methods.md)"
+    )
 
 
 def totals_line(summary: Summary, *, plan: bool = False) -> str:

@@ -58,3 +58,57 @@ def test_a_refused_call_prints_one_line_and_no_traceback(make_server, tmp_path):
         assert run.returncode == 1, run.stderr
         assert run.stderr.startswith("qmill: error: UNAUTHENTICATED: missing bearer token")
         assert run.stderr.count("\n") == 1, run.stderr
+
+
+def _gptq_stats(path, weights: dict[str, int]) -> None:
+    """A GPTQ statistics file as `qmill calibrate --stats-output` writes it: for each weight, the
+    input Hessian's sum over `count` rows (here a random positive-definite one)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    stats = {}
+    for weight, features in weights.items():
+        x = rng.normal(size=(4 * features, features)).astype(np.float32)
+        stats[f"{weight}_gptq/count"] = np.array(4 * features, np.int32)
+        stats[f"{weight}_gptq/sum_of_hessian"] = x.T @ x
+    np.savez(path, **stats)
+
+
+def test_statistics_that_name_no_tensor_are_refused_before_any_work(tmp_path):
+    # A model's statistics under other paths than the checkpoint's: a plain round-to-nearest
+    # output, rc 0, used to come out as if calibrated.
+    _gptq_stats(tmp_path / "stats.npz", {"model/decoder/dense/kernel": 64})
+    out = tmp_path / "out.npz"
+    run = _qmill(
+        "quantize", str(processes.SOURCE), "-o", str(out), "--calibration",
+        str(tmp_path / "stats.npz"),
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert "name none of the 4 tensors the recipe quantizes" in run.stderr
+    assert "model/decoder/dense/kernel" in run.stderr  # a statistic's name ...
+    assert "params/Dense_1/kernel" in run.stderr  # ... and a tensor's
+    assert not out.exists()
+
+
+def test_the_report_says_which_method_quantized_each_tensor(tmp_path):
+    # Dense_1's kernel (128, 64) is (in, out): GPTQ's Hessian is over its 128 inputs.
+    _gptq_stats(tmp_path / "stats.npz", {"params/Dense_1/kernel": 128})
+    run = _qmill(
+        "quantize", str(processes.SOURCE), "-o", str(tmp_path / "out.npz"), "--calibration",
+        str(tmp_path / "stats.npz"), "--report-json", str(tmp_path / "report.json"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    # The three tensors without statistics are named: they are rounded to nearest.
+    assert "3 of 4 quantized tensors have no statistics" in run.stderr
+    assert "params/Conv_0/kernel" in run.stderr
+    assert ", GPTQ" in run.stdout and ", RTN" in run.stdout  # the groups name the method
+    # The weight SQNR is explained, not left to read as GPTQ's regression.
+    assert "GPTQ: the SQNR above is the weight's" in " ".join(run.stdout.split())
+    import json
+
+    rows = {r["path"]: r["method"] for r in json.loads((tmp_path / "report.json").read_text())[
+        "tensors"]}  # fmt: skip
+    assert rows["params/Dense_1/kernel"] == "GPTQ"
+    assert rows["params/Conv_0/kernel"] == "RTN"
+    assert rows["step"] == ""
