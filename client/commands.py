@@ -31,7 +31,7 @@ from qmill.checkpoints import (
 )
 from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import errors as checkpoint_errors
-from qmill.client import credentials, recipes, report, report_table, retry
+from qmill.client import credentials, recipes, report, report_table, retry, serving
 
 if TYPE_CHECKING:
     from qmill.client import client as client_lib
@@ -220,10 +220,13 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(report.render(summary, args.table))
     if args.report_json:
         report.write_json(summary, args.report_json)
-    note = _safetensors_folder_note(args.output)
-    if note:
-        sys.stdout.flush()  # after the totals, not inside them
-        print(note, file=sys.stderr)
+    for note in (
+        _safetensors_folder_note(args.output),
+        serving.qmill_layout_warning(args.output, args.recipe),
+    ):
+        if note:
+            sys.stdout.flush()  # after the totals, not inside them
+            print(note, file=sys.stderr)
     return 0
 
 
