@@ -171,6 +171,11 @@ def _open_directory(path: pathlib.Path) -> protocols.TensorSource:
     if weights is not None:
         if hf_folder.is_hf_folder(path):
             return hf_folder.HfFolderSource(path, weights)
+        # Weights beside other files (a tokenizer, a README, 1_Pooling/) but no config.json:
+        # written out as the same folder, so that those files are not silently dropped.
+        folder = hf_folder.HfFolderSource(path, weights, has_config=False)
+        if any(folder.other_files()):
+            return folder
         return weights
     raise ValueError(
         f"{path} is a directory without a checkpoint qmill reads; expected {_ACCEPTED}"

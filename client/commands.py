@@ -281,9 +281,14 @@ def _folder_lines(source: hf_folder.HfFolderSource) -> list[str]:
     """What a Hugging Face model folder holds besides its tensors."""
     config = source.config
     architectures = ", ".join(config.get("architectures") or []) or "-"
-    lines = [
+    title = (
         f"Hugging Face model folder {source.folder}: model_type "
-        f"{config.get('model_type', '-')}, architectures {architectures}",
+        f"{config.get('model_type', '-')}, architectures {architectures}"
+        if source.has_config
+        else f"folder {source.folder}: no config.json (no model transformers or vLLM can load)"
+    )
+    lines = [
+        title,
         "weights: "
         + ", ".join(f"{p.name} ({p.stat().st_size:,} bytes)" for p in source.weight_files()),
     ]
@@ -295,7 +300,8 @@ def _folder_lines(source: hf_folder.HfFolderSource) -> list[str]:
             "weights in other formats (left out when quantized): "
             + ", ".join(str(p) for p in left_out)
         )
-    lines.append(quantization_config.describe(config))
+    if source.has_config:  # else the tensors' names say it (the last line of inspect)
+        lines.append(quantization_config.describe(config))
     return lines
 
 

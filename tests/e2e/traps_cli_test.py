@@ -112,3 +112,41 @@ def test_the_report_says_which_method_quantized_each_tensor(tmp_path):
     assert rows["params/Dense_1/kernel"] == "GPTQ"
     assert rows["params/Conv_0/kernel"] == "RTN"
     assert rows["step"] == ""
+
+
+def _model_folder_without_config(tmp_path):
+    """tiny-bert as a user might have it: weights, tokenizer, README, 1_Pooling/, but the
+    config.json lost."""
+    import shutil
+
+    from examples import make_inputs
+
+    make_inputs.tiny_bert(tmp_path / "tiny-bert")
+    folder = tmp_path / "no-config"
+    shutil.copytree(tmp_path / "tiny-bert", folder)
+    (folder / "config.json").unlink()
+    return folder
+
+
+def test_a_folder_without_config_json_keeps_its_other_files(tmp_path):
+    folder = _model_folder_without_config(tmp_path)
+    out = tmp_path / "out"
+    run = _qmill("quantize", str(folder), "-o", str(out), "--recipe", "int4", "-q")
+    assert run.returncode == 0, run.stderr
+    others = ["README.md", "tokenizer_config.json", "vocab.txt", "1_Pooling/config.json"]
+    for name in others:
+        assert (out / name).read_bytes() == (folder / name).read_bytes(), name
+    assert not (out / "config.json").exists()  # none made up
+    # The shards keep their names, as a folder with a config.json's do.
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(
+        p.name for p in folder.glob("*.safetensors")
+    )
+
+
+def test_compressed_tensors_output_of_a_folder_without_config_json_is_refused(tmp_path):
+    folder = _model_folder_without_config(tmp_path)
+    out = tmp_path / "out"
+    run = _qmill("quantize", str(folder), "-o", str(out), "--recipe", "W4A16")
+    assert run.returncode == 1
+    assert "has no config.json" in run.stderr and run.stderr.count("\n") == 1
+    assert not out.exists()
