@@ -67,6 +67,7 @@ def quantize_checkpoint(
     max_tensor_bytes: int | None = None,
     mapped_reads: bool = False,
     in_place: bool = True,
+    on_resume: Callable[[int, int], None] | None = None,
 ) -> list[ReportRow]:
     """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
 
@@ -139,6 +140,9 @@ def quantize_checkpoint(
                 )
                 with writer:
                     ordered = _InOrder(source, entries, partial, writer, check, in_place)
+                    done = sum(e.path in partial.completed for e in entries)
+                    if done and on_resume is not None:
+                        on_resume(done, len(entries))  # (tensors already written, all)
                     rows = _run(source, entries, recipe, backend, partial, progress, ordered)
                     if isinstance(source, ct_blocks.PaddedSource):
                         rows = {path: source.as_stored(path, row) for path, row in rows.items()}

@@ -28,6 +28,7 @@ from qmill.checkpoints import (
     hf_folder,
     pipeline,
     quantization_config,
+    staging,
 )
 from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import errors as checkpoint_errors
@@ -190,6 +191,12 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
                 restart=restart,
                 # The tensors only go out on the wire: read-only views of the file will do.
                 mapped_reads=bool(args.server),
+                on_resume=lambda done, total: print(
+                    f"qmill: resumed: {done} of {total} tensors already written "
+                    f"(in {args.output}{staging.PARTIAL_SUFFIX}; --restart starts over)",
+                    file=sys.stderr,
+                    flush=True,
+                ),
             )
 
     # Only the first attempt may discard a partial output; retries resume it. A server that

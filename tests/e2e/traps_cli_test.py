@@ -3,6 +3,7 @@ user runs it — the `qmill` CLI in a child process."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -150,3 +151,19 @@ def test_compressed_tensors_output_of_a_folder_without_config_json_is_refused(tm
     assert run.returncode == 1
     assert "has no config.json" in run.stderr and run.stderr.count("\n") == 1
     assert not out.exists()
+
+
+def test_a_resumed_run_says_so(tmp_path):
+    out = tmp_path / "out.npz"
+    first = subprocess.Popen(
+        [*processes.qmill(1.0), "quantize", str(processes.SOURCE), "-o", str(out), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    processes.wait_for_finished_tensors(out, 1, first)
+    processes.kill(first)
+    run = _qmill("quantize", str(processes.SOURCE), "-o", str(out), "-q")
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"^qmill: resumed: [1-5] of 6 tensors already written", run.stderr, re.M)
+    fresh = _qmill("quantize", str(processes.SOURCE), "-o", str(tmp_path / "fresh.npz"), "-q")
+    assert "resumed" not in fresh.stderr
