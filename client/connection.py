@@ -133,8 +133,14 @@ class Connection(_Base):
         timeout: float | None = DEFAULT,
     ) -> Any:
         """The response of one call (a request iterator for a client stream), through `then`."""
-        with errors.mapped():
-            response = self._method(service, method)(request, timeout=self._timeout(timeout))
+        if isinstance(request, Iterator):
+            request = _Requests(request)  # a client stream's requests end with the call
+        try:
+            with errors.mapped():
+                response = self._method(service, method)(request, timeout=self._timeout(timeout))
+        finally:
+            if isinstance(request, _Requests):
+                request.end()
         return response if then is None else then(response)
 
     def stream(
