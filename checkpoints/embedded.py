@@ -144,4 +144,6 @@ def _quantize_one(
         sqnr_db=result.quality.sqnr_db,
         mean_relative_error=result.quality.mean_relative_error,
         input_bytes=nbytes,
+        output_sqnr_db=result.quality.output_sqnr_db,
+        rtn_output_sqnr_db=result.quality.rtn_output_sqnr_db,
     )

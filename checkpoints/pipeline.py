@@ -51,6 +51,10 @@ class ReportRow:
     # What quantized it when a calibration was given: "GPTQ", "AWQ", "SmoothQuant" or "RTN"
     # (round to nearest: no statistics for it); "" otherwise.
     method: str = ""
+    # GPTQ's output SQNR on the calibration inputs, and round to nearest's (outcome.py); NaN
+    # where not measured.
+    output_sqnr_db: float = float("nan")
+    rtn_output_sqnr_db: float = float("nan")
 
 
 def quantize_checkpoint(
@@ -437,4 +441,6 @@ def _quantized_row(entry: protocols.TensorEntry, outcome: outcome_lib.TensorOutc
         bytes_before=entry.nbytes,
         bytes_after=outcome.output_bytes,
         tiles=",".join(f"{a}:{t}" for a, t in tiles.items()),
+        output_sqnr_db=outcome.output_sqnr_db,
+        rtn_output_sqnr_db=outcome.rtn_output_sqnr_db,
     )

@@ -108,11 +108,15 @@ def test_the_report_says_which_method_quantized_each_tensor(tmp_path):
     assert "GPTQ: the SQNR above is the weight's" in " ".join(run.stdout.split())
     import json
 
-    rows = {r["path"]: r["method"] for r in json.loads((tmp_path / "report.json").read_text())[
-        "tensors"]}  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = {r["path"]: r["method"] for r in report["tensors"]}
     assert rows["params/Dense_1/kernel"] == "GPTQ"
     assert rows["params/Conv_0/kernel"] == "RTN"
     assert rows["step"] == ""
+    # What GPTQ minimises, measured beside round to nearest's on the same inputs.
+    assert "output (RTN)" in run.stdout
+    gptq = next(r for r in report["tensors"] if r["path"] == "params/Dense_1/kernel")
+    assert gptq["output_sqnr_db"] > 0 and gptq["rtn_output_sqnr_db"] > 0
 
 
 def _model_folder_without_config(tmp_path):
