@@ -171,3 +171,17 @@ def test_a_resumed_run_says_so(tmp_path):
     assert re.search(r"^qmill: resumed: [1-5] of 6 tensors already written", run.stderr, re.M)
     fresh = _qmill("quantize", str(processes.SOURCE), "-o", str(tmp_path / "fresh.npz"), "-q")
     assert "resumed" not in fresh.stderr
+
+
+def test_a_second_server_on_the_same_port_exits_naming_it():
+    # gRPC's SO_REUSEPORT let it start and log "serving on 127.0.0.1:PORT"; clients then
+    # alternated between the two servers.
+    port = processes.free_port()
+    (first,) = processes.serve(port)
+    try:
+        second = _qmill("serve", "--port", str(port))
+    finally:
+        processes.kill(first)
+    assert second.returncode == 1
+    assert second.stderr.startswith(f"qmill serve: port {port} on 127.0.0.1 is already in use")
+    assert second.stderr.count("\n") == 1, second.stderr  # nothing else: no gRPC bind errors
