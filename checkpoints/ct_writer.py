@@ -56,6 +56,13 @@ def check_source(source: Any, recipe: dict[str, Any]) -> ct_schemes.Scheme:
             "compressed-tensors weights are PyTorch Linear weights (out, in): drop the recipe's "
             f"convention {recipe['convention']!r} or set it to 'torch'"
         )
+    if getattr(source, "has_config", True) is False:
+        raise ValueError(
+            f"{source.folder} has no config.json: vLLM and transformers read a "
+            "compressed-tensors model's scheme from it, so the output would load as nothing. "
+            "Put the model's config.json (from where the model came) in the folder and run "
+            "again"
+        )
     config = getattr(source, "config", {})
     if isinstance(config, dict) and "quantization_config" in config:
         method = (config["quantization_config"] or {}).get("quant_method", "unknown")

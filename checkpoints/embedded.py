@@ -88,16 +88,14 @@ class EmbeddedClient:
         lm_calibration.py), handed back as it is."""
         from qmill.engine.modelfree import leaf, recipes  # lazy: imported by load_engine
 
-        quantize, method_of = leaf.quantize_leaf, _round_to_nearest
+        quantize = leaf.quantize_leaf
         if calibration_stats:
             # Only then: engine.contrib imports the providers (flax.nnx, optax: ~0.3 s).
             from qmill.engine.contrib import leaf as contrib_leaf
 
-            stats = contrib_leaf.method_stats(calibration_stats)
-            quantize = contrib_leaf.quantizer(stats)
-            method_of = _stats_method(stats)
+            quantize = contrib_leaf.quantizer(contrib_leaf.method_stats(calibration_stats))
         if precomputed:
-            quantize, method_of = _precomputed(precomputed, quantize, method_of)
+            quantize = _precomputed(precomputed, quantize)
 
         try:
             engine_recipe = recipes.recipe_from_mapping(recipe)
@@ -109,7 +107,7 @@ class EmbeddedClient:
             item = next(source, None)
             if item is None:
                 return None
-            return _quantize_one(*item, engine_recipe, quantize, method_of)
+            return _quantize_one(*item, engine_recipe, quantize)
 
         with futures.ThreadPoolExecutor(1, thread_name_prefix="qmill-embedded") as worker:
             pending = worker.submit(next_outcome)
@@ -118,31 +116,12 @@ class EmbeddedClient:
                 yield done
 
 
-def _round_to_nearest(path: str) -> str:
-    return "rtn"
-
-
-def _stats_method(stats: Mapping[str, tuple[str, Any]]) -> Callable[[str], str]:
-    """The method contrib's quantizer runs on a path (its lookup, a leading params/ aside)."""
-
-    def method_of(path: str) -> str:
-        found = stats.get(path) or stats.get(path.removeprefix("params/"))
-        return "rtn" if found is None else found[0]
-
-    return method_of
-
-
-def _precomputed(
-    loaders: Mapping[str, Callable[[], Any]], quantize: Any, method_of: Callable[[str], str]
-) -> tuple[Any, Callable[[str], str]]:
+def _precomputed(loaders: Mapping[str, Callable[[], Any]], quantize: Any) -> Any:
     def quantize_or_load(array: np.ndarray, plan: Any) -> Any:
         load = loaders.get(plan.path)
         return quantize(array, plan) if load is None else load()
 
-    def method(path: str) -> str:
-        return "gptq" if path in loaders else method_of(path)
-
-    return quantize_or_load, method
+    return quantize_or_load
 
 
 def _quantize_one(
@@ -150,7 +129,6 @@ def _quantize_one(
     array: np.ndarray,
     engine_recipe: Any,
     quantize: Any,
-    method_of: Callable[[str], str] = _round_to_nearest,
 ) -> outcome.TensorOutcome:
     from qmill.engine.modelfree import layout  # lazy: imported by load_engine
 
@@ -180,9 +158,10 @@ def _quantize_one(
             "channelwise_axes": plan.channelwise_axes,
             "tiled_axes": dict(plan.tiled_axes),
             "calibration_method": plan.calibration_method,
-            "method": method_of(path),
         },
         sqnr_db=result.quality.sqnr_db,
         mean_relative_error=result.quality.mean_relative_error,
         input_bytes=nbytes,
+        output_sqnr_db=result.quality.output_sqnr_db,
+        rtn_output_sqnr_db=result.quality.rtn_output_sqnr_db,
     )

@@ -33,6 +33,20 @@ _ACCEPTED = (
     ".npz file"
 )
 _ZIP_MAGIC = b"PK\x03\x04"
+# A Hub model id as a user types it (meta-llama/Llama-3.1-8B): one slash, no path-like start.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# PyTorch's pickled weights: never opened (unpickling runs code), refused with the way out.
+_PICKLES = re.compile(r".*\.(bin|pt|pth|ckpt)")
+
+
+def _pickles_message(path: pathlib.Path, names: list[str]) -> str:
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"{path} holds PyTorch pickled weights ({shown}), which qmill never opens (unpickling "
+        "can run code): convert them to safetensors first (transformers: "
+        "AutoModel.from_pretrained(FOLDER).save_pretrained(NEW_FOLDER) writes safetensors), or "
+        "download the model's *.safetensors files instead"
+    )
 
 
 def open_source(path: str | os.PathLike) -> protocols.TensorSource:
@@ -42,9 +56,16 @@ def open_source(path: str | os.PathLike) -> protocols.TensorSource:
         FileNotFoundError: nothing at `path`.
         ValueError: `path` holds no checkpoint qmill reads; the message names those it does.
     """
-    path = pathlib.Path(path)
+    given, path = str(path), pathlib.Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        hint = ""
+        if _HUB_ID.fullmatch(given):
+            hint = (
+                f"; if {given} is a Hugging Face Hub id, download it first (qmill reads local "
+                f"folders): hf download {given} --local-dir {path.name}, then quantize "
+                f"{path.name}"
+            )
+        raise FileNotFoundError(f"checkpoint {path} does not exist{hint}")
     if path.is_dir():
         return _open_directory(path)
     files.require_regular_file(path)
@@ -58,6 +79,9 @@ def open_source(path: str | os.PathLike) -> protocols.TensorSource:
     # No telling suffix: sniff the first bytes.
     with open(path, "rb") as f:
         magic = f.read(4)
+    # torch.save's zip archive, or its older bare pickle (protocol 2+ starts with 0x80).
+    if _PICKLES.fullmatch(name) and (magic == _ZIP_MAGIC or magic[:1] == b"\x80"):
+        raise ValueError(_pickles_message(path, [name]))
     if magic == _ZIP_MAGIC:
         return npz_source.NpzSource(path)
     if safetensors_header.looks_like_safetensors(path):
@@ -171,7 +195,15 @@ def _open_directory(path: pathlib.Path) -> protocols.TensorSource:
     if weights is not None:
         if hf_folder.is_hf_folder(path):
             return hf_folder.HfFolderSource(path, weights)
+        # Weights beside other files (a tokenizer, a README, 1_Pooling/) but no config.json:
+        # written out as the same folder, so that those files are not silently dropped.
+        folder = hf_folder.HfFolderSource(path, weights, has_config=False)
+        if any(folder.other_files()):
+            return folder
         return weights
+    pickles = sorted(p.name for p in path.iterdir() if _PICKLES.fullmatch(p.name))
+    if pickles:
+        raise ValueError(_pickles_message(path, pickles))
     raise ValueError(
         f"{path} is a directory without a checkpoint qmill reads; expected {_ACCEPTED}"
     )

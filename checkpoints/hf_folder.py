@@ -1,10 +1,12 @@
 """Hugging Face model folders: `config.json` + `*.safetensors` (+ index) in, the same folder out.
 
 A folder holding a `config.json` and safetensors weights is read as a safetensors checkpoint
-(HfFolderSource). Written back (HfFolderWriter), the output is the same folder: the weight files
-under their own names (shards and index rewritten), every other file -- tokenizer files,
-`1_Pooling/`, READMEs -- copied byte for byte, and `config.json` with a `quantization_config`
-that says how the weights were quantized (quantization_config.build). Everything is staged beside
+(HfFolderSource); so is one with other files beside its weights but no config.json (a model
+folder that lost it), whose files are copied all the same, with no config written. Written back
+(HfFolderWriter), the output is the same folder: the weight files under their own names (shards
+and index rewritten), every other file -- tokenizer files, `1_Pooling/`, READMEs -- copied byte
+for byte, and `config.json` with a `quantization_config` that says how the weights were
+quantized (quantization_config.build). Everything is staged beside
 the destination and renamed into place at once, as every other output is.
 
 Not copied: the source's safetensors files and index (rewritten), float weights in other formats
@@ -70,12 +72,22 @@ class HfFolderSource:
     # their turn comes instead of after the last result (pipeline._InOrder).
     concurrent_reads = safetensors_source.SafetensorsSource.concurrent_reads
 
-    def __init__(self, folder: pathlib.Path, weights: safetensors_source.SafetensorsSource):
+    def __init__(
+        self,
+        folder: pathlib.Path,
+        weights: safetensors_source.SafetensorsSource,
+        *,
+        has_config: bool = True,
+    ):
+        """`has_config` False: a folder of weights and other files (tokenizer, README, ...)
+        without a config.json, whose other files are copied all the same; it has no config to
+        record the quantization in."""
         self.folder = folder
         self.weights = weights
         self.separator = weights.separator
+        self.has_config = has_config
         try:
-            self.config = read_config(folder)
+            self.config = read_config(folder) if has_config else {}
         except ValueError:
             weights.close()
             raise
@@ -208,11 +220,12 @@ class HfFolderWriter:
                 target = self._out.staging / relative
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(self._source.folder / relative, target)  # follows symlinks
-            config = dict(self._source.config)
-            config["quantization_config"] = self._quantization_config(left_out)
-            # HF's own writer: two-space indent, keys in their order, a final newline.
-            text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
-            (self._out.staging / CONFIG).write_text(text, encoding="utf-8")
+            if self._source.has_config:
+                config = dict(self._source.config)
+                config["quantization_config"] = self._quantization_config(left_out)
+                # HF's own writer: two-space indent, keys in their order, a final newline.
+                text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+                (self._out.staging / CONFIG).write_text(text, encoding="utf-8")
             self._out.commit()
         except BaseException:
             self.abort()

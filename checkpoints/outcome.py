@@ -30,6 +30,10 @@ class TensorOutcome:
     sqnr_db: float = float("nan")
     mean_relative_error: float = float("nan")
     input_bytes: int = 0
+    # A calibrated method's output SQNR, and round to nearest's on the same inputs (in-process
+    # GPTQ: engine/modelfree/leaf.Quality); NaN where not measured.
+    output_sqnr_db: float = float("nan")
+    rtn_output_sqnr_db: float = float("nan")
 
     @property
     def output_bytes(self) -> int:

@@ -48,9 +48,13 @@ class ReportRow:
     bytes_after: int
     reason: str = ""
     tiles: str = ""
-    # How the codes were found: "rtn" (round to nearest), "gptq", "awq", "smoothquant"; ""
-    # where the backend does not say (a server).
+    # What quantized it when a calibration was given: "GPTQ", "AWQ", "SmoothQuant" or "RTN"
+    # (round to nearest: no statistics for it); "" otherwise.
     method: str = ""
+    # GPTQ's output SQNR on the calibration inputs, and round to nearest's (outcome.py); NaN
+    # where not measured.
+    output_sqnr_db: float = float("nan")
+    rtn_output_sqnr_db: float = float("nan")
 
 
 def quantize_checkpoint(
@@ -67,6 +71,7 @@ def quantize_checkpoint(
     max_tensor_bytes: int | None = None,
     mapped_reads: bool = False,
     in_place: bool = True,
+    on_resume: Callable[[int, int], None] | None = None,
 ) -> list[ReportRow]:
     """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
 
@@ -139,6 +144,9 @@ def quantize_checkpoint(
                 )
                 with writer:
                     ordered = _InOrder(source, entries, partial, writer, check, in_place)
+                    done = sum(e.path in partial.completed for e in entries)
+                    if done and on_resume is not None:
+                        on_resume(done, len(entries))  # (tensors already written, all)
                     rows = _run(source, entries, recipe, backend, partial, progress, ordered)
                     if isinstance(source, ct_blocks.PaddedSource):
                         rows = {path: source.as_stored(path, row) for path, row in rows.items()}
@@ -433,5 +441,6 @@ def _quantized_row(entry: protocols.TensorEntry, outcome: outcome_lib.TensorOutc
         bytes_before=entry.nbytes,
         bytes_after=outcome.output_bytes,
         tiles=",".join(f"{a}:{t}" for a, t in tiles.items()),
-        method=outcome.how.get("method", ""),
+        output_sqnr_db=outcome.output_sqnr_db,
+        rtn_output_sqnr_db=outcome.rtn_output_sqnr_db,
     )

@@ -282,6 +282,14 @@ def calibrate(
     return done
 
 
+def method_of(row: Any, done: lm_calibration.LmOutcome) -> str:
+    """A report row's method, as for a --calibration run: GPTQ for the calibrated linears,
+    RTN for what else the recipe quantized, "" for what it kept."""
+    if row.path in done.methods:
+        return done.methods[row.path].upper()
+    return "" if row.qtype == "kept" else "RTN"
+
+
 def report_fields(req: lm_calibration.LmRequest, done: lm_calibration.LmOutcome) -> dict:
     """What --report-json adds: the perplexity, each layer's GPTQ losses, the options."""
     return {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import pathlib
 import sys
 import threading
@@ -21,16 +22,26 @@ from rich.console import Console
 
 from qmill import checkpoints
 from qmill.checkpoints import (
+    calibration_coverage,
     ct_writer,
     formats,
     hf_folder,
     lm_calibration,
     pipeline,
     quantization_config,
+    staging,
 )
 from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import errors as checkpoint_errors
-from qmill.client import calibrated_lm, credentials, recipes, report, report_table, retry
+from qmill.client import (
+    calibrated_lm,
+    credentials,
+    recipes,
+    report,
+    report_table,
+    retry,
+    serving,
+)
 
 if TYPE_CHECKING:
     from qmill.client import client as client_lib
@@ -171,10 +182,18 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
             args.source, args.output, overwrite=args.overwrite, output_format=args.format
         )
         calibrated = calibrated_lm.calibrate(args, recipe, lm)
-    if args.format == formats.COMPRESSED_TENSORS and "calibration_stats" in calibration:
-        # Statistics in hand: an AWQ / SmoothQuant calibration is refused before any work.
+    methods: dict[str, str] = {}  # with statistics in hand: each quantized tensor's method
+    if "calibration_stats" in calibration:
         what = f"--calibration {args.calibration}"
-        ct_writer.check_calibration(calibration["calibration_stats"], what)
+        if args.format == formats.COMPRESSED_TENSORS:
+            # An AWQ / SmoothQuant calibration is refused before any work.
+            ct_writer.check_calibration(calibration["calibration_stats"], what)
+        # Statistics that match no tensor are refused; those that miss some say which.
+        methods, missing = calibration_coverage.methods_by_tensor(
+            args.source, recipe, calibration["calibration_stats"], what
+        )
+        if missing:
+            print(calibration_coverage.missing_note(missing, len(methods)), file=sys.stderr)
 
     def attempt(restart: bool) -> list[pipeline.ReportRow]:
         backend = _backend(args)
@@ -192,6 +211,12 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
                 restart=restart,
                 # The tensors only go out on the wire: read-only views of the file will do.
                 mapped_reads=bool(args.server),
+                on_resume=lambda done, total: print(
+                    f"qmill: resumed: {done} of {total} tensors already written "
+                    f"(in {args.output}{staging.PARTIAL_SUFFIX}; --restart starts over)",
+                    file=sys.stderr,
+                    flush=True,
+                ),
             )
 
     # Only the first attempt may discard a partial output; retries resume it. A server that
@@ -205,6 +230,10 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         retry_if=lambda _: answered.is_set(),
     )
     seconds = time.monotonic() - started
+    if methods:
+        rows = [dataclasses.replace(r, method=methods.get(r.path, "")) for r in rows]
+    if calibrated is not None:
+        rows = [dataclasses.replace(r, method=calibrated_lm.method_of(r, calibrated)) for r in rows]
     summary = report.Summary(
         rows,
         seconds,
@@ -223,10 +252,13 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(report.render(summary, args.table))
     if args.report_json:
         report.write_json(summary, args.report_json)
-    note = _safetensors_folder_note(args.output)
-    if note:
-        sys.stdout.flush()  # after the totals, not inside them
-        print(note, file=sys.stderr)
+    for note in (
+        _safetensors_folder_note(args.output),
+        serving.qmill_layout_warning(args.output, args.recipe),
+    ):
+        if note:
+            sys.stdout.flush()  # after the totals, not inside them
+            print(note, file=sys.stderr)
     return 0
 
 
@@ -293,9 +325,14 @@ def _folder_lines(source: hf_folder.HfFolderSource) -> list[str]:
     """What a Hugging Face model folder holds besides its tensors."""
     config = source.config
     architectures = ", ".join(config.get("architectures") or []) or "-"
-    lines = [
+    title = (
         f"Hugging Face model folder {source.folder}: model_type "
-        f"{config.get('model_type', '-')}, architectures {architectures}",
+        f"{config.get('model_type', '-')}, architectures {architectures}"
+        if source.has_config
+        else f"folder {source.folder}: no config.json (no model transformers or vLLM can load)"
+    )
+    lines = [
+        title,
         "weights: "
         + ", ".join(f"{p.name} ({p.stat().st_size:,} bytes)" for p in source.weight_files()),
     ]
@@ -307,7 +344,8 @@ def _folder_lines(source: hf_folder.HfFolderSource) -> list[str]:
             "weights in other formats (left out when quantized): "
             + ", ".join(str(p) for p in left_out)
         )
-    lines.append(quantization_config.describe(config))
+    if source.has_config:  # else the tensors' names say it (the last line of inspect)
+        lines.append(quantization_config.describe(config))
     return lines
 
 

@@ -8,6 +8,7 @@ once for both kinds of connection (an upload: start, send, ask where to resume, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -43,6 +44,37 @@ Step = tuple[str, str, Any]
 Conversation = Generator[Step, Any, T]
 # `timeout=DEFAULT`: the connection's own.
 DEFAULT: Any = object()
+
+
+class _Requests:
+    """A call's request iterator that ends with the call.
+
+    grpc reads a stream's requests in a thread of its own, which goes on reading (a checkpoint's
+    next tensor) after the call has failed; if the process exits meanwhile, that read fails on
+    the interpreter's shut-down executors and grpc logs "Exception iterating requests!" with a
+    traceback, after the one-line error. Once ended, no more requests are read, and what the
+    read under way raises is dropped: the call's own error is the one that counts.
+    """
+
+    def __init__(self, requests: Iterator[Any]) -> None:
+        self._requests = requests
+        self._ended = threading.Event()
+
+    def __iter__(self) -> _Requests:
+        return self
+
+    def __next__(self) -> Any:
+        if self._ended.is_set():
+            raise StopIteration
+        try:
+            return next(self._requests)
+        except Exception:
+            if self._ended.is_set():
+                raise StopIteration from None
+            raise
+
+    def end(self) -> None:
+        self._ended.set()
 
 
 class _Base:
@@ -101,8 +133,14 @@ class Connection(_Base):
         timeout: float | None = DEFAULT,
     ) -> Any:
         """The response of one call (a request iterator for a client stream), through `then`."""
-        with errors.mapped():
-            response = self._method(service, method)(request, timeout=self._timeout(timeout))
+        if isinstance(request, Iterator):
+            request = _Requests(request)  # a client stream's requests end with the call
+        try:
+            with errors.mapped():
+                response = self._method(service, method)(request, timeout=self._timeout(timeout))
+        finally:
+            if isinstance(request, _Requests):
+                request.end()
         return response if then is None else then(response)
 
     def stream(
@@ -119,6 +157,8 @@ class Connection(_Base):
 
         The call is cancelled when the caller stops early.
         """
+        if isinstance(request, Iterator):
+            request = _Requests(request)
         call = self._method(service, method)(request, timeout=self._timeout(timeout))
         try:
             with errors.mapped():
@@ -130,6 +170,8 @@ class Connection(_Base):
                     finish()
         finally:
             call.cancel()
+            if isinstance(request, _Requests):
+                request.end()
 
     def drive(self, conversation: Conversation[T]) -> T:
         """Runs a conversation: each step's call, its response (or QmillError) sent back."""

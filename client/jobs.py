@@ -245,7 +245,16 @@ def run_command(client: ServiceClient, args: Any, print_line: Any) -> int:
             print_line(describe(job))
         return 0
     if args.jobs_command == "cancel":
-        print_line(describe(jobs.cancel(args.job_id)))
+        job = jobs.cancel(args.job_id)
+        print_line(describe(job))
+        if job.state in (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED):
+            # Cancelling changed nothing: said, not left to a state a reader may skim. Still
+            # exit 0, as for a job cancelled twice: the job is not running either way.
+            print(
+                f"qmill: job {job.job_id} had already {state_name(job.state)}: nothing was "
+                "cancelled",
+                file=sys.stderr,
+            )
         return 0
     return _watch(jobs, args.job_id, print_line)
 

@@ -67,8 +67,8 @@ def load(spec: Recipe) -> dict[str, Any]:
     """
     if isinstance(spec, Mapping):
         return copy.deepcopy(dict(spec))
-    if isinstance(spec, str) and spec in PRESETS:
-        return copy.deepcopy(PRESETS[spec])
+    if isinstance(spec, str) and spec.lower() in PRESETS:  # any case, as the schemes' names
+        return copy.deepcopy(PRESETS[spec.lower()])
     if isinstance(spec, str) and (scheme := ct_schemes.scheme_named(spec)) is not None:
         return ct_schemes.recipe_for(scheme)
     path = pathlib.Path(spec)

@@ -95,11 +95,6 @@ def _tiling(r: pipeline.ReportRow) -> str:
     return f"tiles {r.tiles}" if r.tiles else "per channel"
 
 
-def _method(r: pipeline.ReportRow) -> str:
-    """A calibrated method's name after the group (round to nearest says nothing)."""
-    return f" · {r.method.upper()}" if r.method not in ("", "rtn") else ""
-
-
 def disk_bytes(path: str | os.PathLike) -> int:
     """Bytes of the files at `path`: one file, every file under a directory, or for a safetensors
     index the index and the shards it names."""
@@ -146,7 +141,7 @@ class Summary:
             name = (
                 f"kept: {r.reason or 'kept'}"
                 if r.qtype == "kept"
-                else f"{r.dtype} → {r.qtype} {_tiling(r)}{_method(r)}"
+                else f"{r.dtype} → {r.qtype} {_tiling(r)}" + (f", {r.method}" if r.method else "")
             )
             out.setdefault(name, []).append(r)
         return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("kept"), kv[0])))
@@ -180,20 +175,36 @@ def _rows_table(
     return report_table.PathTable(title, columns, cells, whole=whole)
 
 
+def _median(values: Sequence[float]) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    return _db(statistics.median(values)) if values else "-"
+
+
 def _groups_table(summary: Summary, *, sqnr: bool = True) -> Table:
     table = Table(title="by what became of them", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("group", overflow="fold", ratio=1)
     table.add_column("tensors", justify="right")
     table.add_column("bytes", justify="right", no_wrap=True)
+    # A calibrated method's own measure (GPTQ: the layer's output on the calibration inputs),
+    # beside round to nearest's on the same inputs: the comparison the weight SQNR is not.
+    outputs = sqnr and any(not math.isnan(r.output_sqnr_db) for r in summary.rows)
     if sqnr:
         table.add_column("SQNR min/median", justify="right", no_wrap=True)
+    if outputs:
+        table.add_column("output (RTN)", justify="right", no_wrap=True)
     for name, rows in summary.groups().items():
         values = [r.sqnr_db for r in rows if not math.isnan(r.sqnr_db)]
         quality = f"{_db(min(values))} / {_db(statistics.median(values))}" if values else "-"
         before = sum(r.bytes_before for r in rows)
         after = sum(r.bytes_after for r in rows)
         cells = [name, str(len(rows)), f"{_short(before)} → {_short(after)}"]
-        table.add_row(*cells, *([quality] if sqnr else []))
+        if sqnr:
+            cells.append(quality)
+        if outputs:
+            method = _median([r.output_sqnr_db for r in rows])
+            rtn = _median([r.rtn_output_sqnr_db for r in rows])
+            cells.append("-" if method == "-" else f"{method} ({rtn})")
+        table.add_row(*cells)
     return table
 
 
@@ -212,8 +223,28 @@ def render(summary: Summary, table: str = "summary", *, plan: bool = False) -> G
         title = f"lowest SQNR (dB): {len(worst)} of {len(summary.quantized)} quantized tensors"
         parts.append(_rows_table(title + " (--table full: all)", worst))
     parts.append(_groups_table(summary, sqnr=not plan))
+    calibrated = sorted({r.method for r in summary.rows} - {"", "RTN"})
+    if calibrated:
+        outputs = any(not math.isnan(r.output_sqnr_db) for r in summary.rows)
+        parts.append(Text(calibrated_note(calibrated, outputs=outputs)))
     parts.append(Text(totals_line(summary, plan=plan)))
     return Group(*parts)
+
+
+def calibrated_note(methods: Sequence[str], *, outputs: bool = False) -> str:
+    """Why a calibrated method's weight SQNR is not the number to compare with RTN's."""
+    compare = (
+        "the output column is that error as an SQNR (median), with round to nearest's on the "
+        "same inputs in brackets"
+        if outputs
+        else "compare the model's outputs"
+    )
+    return (
+        f"{' / '.join(methods)}: the SQNR above is the weight's; "
+        f"{'these methods minimise' if len(methods) > 1 else 'it minimises'} the layer's output "
+        "error on the calibration inputs instead, so a weight SQNR below round-to-nearest's "
+        f"(RTN) is expected, not a regression: {compare} (docs/calibrated-methods.md)"
+    )
 
 
 def totals_line(summary: Summary, *, plan: bool = False) -> str:

@@ -5,9 +5,9 @@ table can only fold it somewhere. Folding at a fixed column cut names in two (`g
 `ight`), which a reader then cannot search for. Here every other column keeps its natural width
 and the path column takes what is left of the console's width; a path wider than that is either
 elided in the middle at a separator (`model.layers.1.….gate_proj.weight`: the start and the
-tensor's own name stay), or, where every path must be whole (`--table full`, a plan, `inspect`),
-broken onto more lines after a `.` or `/`. Only a single name wider than the whole column is cut
-inside itself.
+tensor's own name stay, and never a part that tells the path from another row's), or, where
+every path must be whole (`--table full`, a plan, `inspect`), broken onto more lines after a `.`
+or `/`. Only a single name wider than the whole column is cut inside itself.
 """
 
 from __future__ import annotations
@@ -29,9 +29,15 @@ def _pieces(path: str) -> list[str]:
     return _SEPARATED.findall(path)
 
 
-def elide(path: str, width: int) -> str:
+def elide(path: str, width: int, others: Sequence[str] = ()) -> str:
     """`path` in at most `width` characters, the fewest whole pieces of its middle replaced by
-    `…` (its root and its last name stay). Only a name wider than `width` is cut."""
+    `…` (its root and its last name stay). Only a name wider than `width` is cut.
+
+    What remains must tell `path` from every one of `others` (the table's other paths): a
+    middle whose removal leaves a start and an end that another path also has (`layer.0` /
+    `layer.1`: the part that tells rows apart) is not elided; when no elision is unambiguous,
+    the path is wrapped whole onto more lines instead.
+    """
     if len(path) <= width:
         return path
     budget = width - len(ELLIPSIS)
@@ -39,12 +45,26 @@ def elide(path: str, width: int) -> str:
     lengths = [len(p) for p in pieces]
     excess = len(path) - budget
     centre = (len(pieces) - 1) / 2
+    others = [o for o in others if o != path]
+
+    def unambiguous(head: str, tail: str) -> bool:
+        return not any(
+            o.startswith(head) and o.endswith(tail) and len(o) > len(head) + len(tail)
+            for o in others
+        )
+
+    fits = False
     for k in range(1, len(pieces) - 1):  # the fewest pieces dropped, never the first or last
         windows = [i for i in range(1, len(pieces) - k) if sum(lengths[i : i + k]) >= excess]
-        if windows:
-            # Of those, the one that drops the fewest characters, then the most central.
-            i = min(windows, key=lambda i: (sum(lengths[i : i + k]), abs(i + (k - 1) / 2 - centre)))
-            return "".join(pieces[:i]) + ELLIPSIS + "".join(pieces[i + k :])
+        # Of those, the one that drops the fewest characters, then the most central.
+        windows.sort(key=lambda i: (sum(lengths[i : i + k]), abs(i + (k - 1) / 2 - centre)))
+        for i in windows:
+            head, tail = "".join(pieces[:i]), "".join(pieces[i + k :])
+            if unambiguous(head, tail):
+                return head + ELLIPSIS + tail
+        fits = fits or bool(windows)
+    if fits:  # every elision that fits drops what tells this path from another
+        return wrap(path, width)
     # Even root + last name are too wide: cut inside, keeping both ends of the path.
     return path[: budget // 2] + ELLIPSIS + path[len(path) - (budget - budget // 2) :]
 
@@ -105,7 +125,8 @@ class PathTable:
         table.add_column("path", width=width, no_wrap=True)
         for c in self.columns:
             table.add_column(c.header, justify=c.justify, no_wrap=True)  # type: ignore[arg-type]
-        fit = wrap if self.whole else elide
+        paths = [r[0] for r in self.rows]
         for path, *cells in self.rows:
-            table.add_row(fit(path, width), *cells)
+            fitted = wrap(path, width) if self.whole else elide(path, width, paths)
+            table.add_row(fitted, *cells)
         yield table

@@ -79,10 +79,50 @@ def tiny_bert(folder: pathlib.Path) -> None:
 
 
 _WORDS = (
-    "the a model layer weight scale group token text news market city people year water "
-    "report said will would could new old first last small large early late north south "
-    "council government police court school river road train ship plane storm fire rain"
-).split()
+    "the",
+    "a",
+    "model",
+    "layer",
+    "weight",
+    "scale",
+    "group",
+    "token",
+    "text",
+    "news",
+    "market",
+    "city",
+    "people",
+    "year",
+    "water",
+    "report",
+    "said",
+    "will",
+    "would",
+    "could",
+    "new",
+    "old",
+    "first",
+    "last",
+    "small",
+    "large",
+    "early",
+    "late",
+    "north",
+    "south",
+    "council",
+    "government",
+    "police",
+    "court",
+    "school",
+    "river",
+    "road",
+    "train",
+    "ship",
+    "plane",
+    "storm",
+    "fire",
+    "rain",
+)
 
 
 def _text(rng: np.random.Generator, sentences: int) -> str:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import pathlib
 import signal
+import socket
 from concurrent import futures
 
 import grpc
@@ -51,6 +53,7 @@ class Server:
         """`job_peer_backends` makes the fan-out backend of batch jobs under --job-peers; the
         composition root (qmill.cli.serve) supplies it, as the server does not import clients."""
         self.config = config
+        _check_port_free(config)  # before anything is started that would have to be stopped
         # Before any service compiles: programs compiled by an earlier server load from disk.
         log.info("compilation cache: %s", compilation_cache.enable() or "off")
         for warning in tls.check_transport(config):
@@ -216,6 +219,9 @@ def _grpc_server(
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        # gRPC sets SO_REUSEPORT by default: a second server on the same port would start, and
+        # the kernel would share the connections between the two.
+        ("grpc.so_reuseport", 0),
     ]
     # No compression: tensor bytes barely compress, and it would cost CPU on both sides.
     return grpc.aio.server(
@@ -237,12 +243,46 @@ def _add_health(
     return servicer
 
 
+def _port_in_use(config: config_lib.ServerConfig) -> errors.FailedPrecondition:
+    return errors.FailedPrecondition(
+        f"port {config.port} on {config.host} is already in use (another qmill serve?): stop "
+        "that server or choose another --port (--port 0 picks a free one)"
+    )
+
+
+def _check_port_free(config: config_lib.ServerConfig) -> None:
+    """Refuses a port another socket listens on, before gRPC logs its own bind errors.
+
+    Raises:
+        errors.FailedPrecondition: the port is taken.
+    """
+    if config.port == 0 or config.host.startswith("unix"):
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            config.host.strip("[]"), config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError:
+        return  # an address gRPC itself will refuse, with its own message
+    with socket.socket(family, kind, proto) as probe:
+        # As gRPC binds: a port in TIME_WAIT is free; one with a listener is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise _port_in_use(config) from None
+
+
 def _bind(server: grpc.aio.Server, config: config_lib.ServerConfig) -> int:
     address, credentials = f"{config.host}:{config.port}", tls.server_credentials(config)
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:  # gRPC's "Failed to bind": taken between the check and now
+        raise _port_in_use(config) from None
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     return port

@@ -16,6 +16,7 @@ tree has it. Each method computes exactly what its quantize_params computes for 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,13 +114,21 @@ def quantize_leaf(
             f"match the tensor's {w.shape[1]} input features (axis {axis}); was the calibration "
             "made for this model?"
         )
-    beside = {}
+    beside, outputs = {}, {}
     if method == "gptq":
         # gptq_core compiles quantize_weight as one function: the model path's bits.
         q, _ = gptq_core.quantize_weight(
             w, averaged[key], how, blocksize=blocksize, percdamp=percdamp
         )
         deq = qarray.dequantize(restore(q))
+        # What GPTQ minimises, beside round to nearest's on the same inputs: the report shows
+        # both, as the weight's SQNR alone reads as a regression (it is not what GPTQ lowers).
+        outputs = {
+            "output_sqnr_db": _output_sqnr(w, qarray.dequantize(q), averaged[key]),
+            "rtn_output_sqnr_db": _output_sqnr(
+                w, qarray.dequantize(qarray.quantize(w, how)), averaged[key]
+            ),
+        }
     elif method == "awq":
         # As awq.quantize_params: eagerly, op by op, as the model path runs it.
         q, scales = awq_core.quantize_weight(w, averaged[key], how, n_grid=n_grid)
@@ -131,7 +140,22 @@ def quantize_leaf(
         q = qarray.quantize(w * averaged[key], how)
         beside[BESIDE[method]] = averaged["inv_sq_scale"]
         deq = restore(qarray.dequantize(q) * averaged["inv_sq_scale"])
-    return _result(x, restore(q), plan, deq, beside)
+    return _result(x, restore(q), plan, deq, beside, outputs)
+
+
+@jax.jit
+def _output_energies(w: jax.Array, w_hat: jax.Array, hessian: jax.Array) -> tuple[Any, Any]:
+    w = w.astype(jnp.float32)
+    e = w - w_hat.astype(jnp.float32)
+    h = hessian.astype(jnp.float32)
+    return jnp.sum((w @ h) * w), jnp.sum((e @ h) * e)
+
+
+def _output_sqnr(w: jax.Array, w_hat: jax.Array, hessian: jax.Array) -> float:
+    """10·log10(tr(W H Wᵀ) / tr(E H Eᵀ)), E = W − Ŵ: the SQNR of the layer's output x·Wᵀ over
+    inputs x whose second moments are H (weights as (rows, inputs))."""
+    signal, noise = _output_energies(w, w_hat, hessian)
+    return leaf_lib.quality(float(signal), float(noise), 1.0, 1.0).sqnr_db
 
 
 def _result(
@@ -140,6 +164,7 @@ def _result(
     plan: layout.LeafPlan,
     deq: jax.Array,
     beside: dict[str, jax.Array],
+    outputs: dict[str, float] | None = None,
 ) -> leaf_lib.LeafResult:
     """The LeafResult of `q` (in the tensor's layout), measured against `deq`, the float weight
     it stands for."""
@@ -153,7 +178,10 @@ def _result(
         qvalue=qvalue,
         scale=np.asarray(scale),
         zero_point=None if q.zero_point is None else np.asarray(q.zero_point),
-        quality=leaf_lib.measure(np.asarray(x, np.float32), np.asarray(deq, np.float32)),
+        quality=dataclasses.replace(
+            leaf_lib.measure(np.asarray(x, np.float32), np.asarray(deq, np.float32)),
+            **(outputs or {}),
+        ),
         packed_as=packed_as,
         beside={name: np.asarray(v) for name, v in beside.items()},
     )

@@ -29,6 +29,11 @@ class Quality:
     sqnr_db: float
     # mean|x − x̂| / mean|x|; 0 when the round trip is exact, +inf for noise on a zero signal.
     mean_relative_error: float
+    # A calibrated method's own measure, where its statistics give it (GPTQ: the layer's output
+    # on the calibration inputs, 10·log10(tr(W H Wᵀ) / tr(E H Eᵀ)), E = W − Ŵ, H their second
+    # moments); NaN otherwise. rtn_output_sqnr_db: the same for round to nearest, for comparison.
+    output_sqnr_db: float = math.nan
+    rtn_output_sqnr_db: float = math.nan
 
 
 def quality(signal: float, noise: float, abs_x: float, abs_err: float) -> Quality:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qmill import checkpoints
-from qmill.checkpoints import examples
+from qmill.checkpoints import examples, formats
 
 ACCEPTED = "Orbax PyTree checkpoint directory, a .safetensors file, a sharded safetensors set"
 
@@ -103,3 +103,21 @@ def test_a_fifo_is_refused_before_anything_reads_from_it(tmp_path):
     os.mkfifo(shards / "model.safetensors")
     with pytest.raises(ValueError, match="FIFO"):
         checkpoints.open_source(shards)
+
+
+def test_a_hub_id_and_pickled_weights_get_the_way_out(tmp_path, monkeypatch):
+    # A Hub id used to get only "does not exist"; a pytorch_model.bin folder only "a directory
+    # without a checkpoint qmill reads".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"hf download meta-llama/Llama-3\.1-8B"):
+        formats.open_source("meta-llama/Llama-3.1-8B")
+    with pytest.raises(FileNotFoundError) as e:
+        formats.open_source("./nothere")
+    assert "Hub" not in str(e.value)
+    folder = tmp_path / "torch-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a pickle, never opened")
+    for path in (folder, folder / "pytorch_model.bin"):
+        with pytest.raises(ValueError, match=r"pytorch_model\.bin.*convert them to safetensors"):
+            formats.open_source(path)

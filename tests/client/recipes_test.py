@@ -29,9 +29,12 @@ def test_recipe_file(tmp_path):
 def test_bad_recipe_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="neither a preset"):
         recipes.load("int9")
-    # A preset in the wrong case, or one letter off, gets a suggestion; nonsense does not.
+    # A preset in any case is the preset, as a scheme's name is (INT8 as W4A16 or w4a16).
+    assert recipes.load("INT8") == recipes.load("int8") == recipes.PRESETS["int8"]
+    assert recipes.load("Nf4") == recipes.PRESETS["nf4"]
+    # A preset one letter off gets a suggestion; nonsense does not.
     with pytest.raises(ValueError, match=r"did you mean int8\?$"):
-        recipes.load("INT8")
+        recipes.load("int-8")
     with pytest.raises(ValueError, match=r"did you mean nf4\?$"):
         recipes.load("nf5")
     with pytest.raises(ValueError, match=r"nor a file$"):

@@ -119,6 +119,35 @@ def test_elide_and_wrap_cut_no_name_that_fits(width):
     assert len(single) == width and single.startswith("x") and single.endswith("y")
 
 
+def test_the_summary_never_elides_what_tells_two_rows_apart():
+    # The layer index used to be the elided middle: two rows read
+    # `encoder.layer.….output.dense.weight`, and `model.layers.….mlp.up_proj.weight` hid which.
+    paths = [
+        "encoder.layer.0.output.dense.weight",
+        "encoder.layer.1.output.dense.weight",
+        "encoder.layer.0.attention.output.dense.weight",
+        "encoder.layer.1.attention.output.dense.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.12.mlp.up_proj.weight",
+    ]
+    shown = [report_table.elide(p, 28, paths) for p in paths]
+    for path, text in zip(paths, shown, strict=True):
+        assert all(len(line) <= 28 for line in text.splitlines())
+        if "…" not in text:  # wrapped whole: no elision was unambiguous
+            assert text.replace("\n", "") == path
+            continue
+        head, tail = text.split("…")
+        # No other path has this start and end: the row names one tensor.
+        assert [p for p in paths if p.startswith(head) and p.endswith(tail)] == [path]
+    # Rendered in the summary table, every row still names its own tensor.
+    summary = report.Summary([_row(p) for p in paths], 1.0, "src", "out", {})
+    console = Console(width=60, record=True, force_terminal=False)
+    console.print(report.render(summary))
+    text = console.export_text()
+    assert text.count("encoder.layer.….output.dense.weight") == 0
+    assert text.count("model.layers.….mlp.up_proj.weight") == 0
+
+
 def test_json_report_has_totals_recipe_timings_and_the_worst(tmp_path):
     summary = _summary()
     report.write_json(summary, tmp_path / "r.json")

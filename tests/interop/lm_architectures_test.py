@@ -64,7 +64,7 @@ def test_gptq_output_loads_with_the_reported_perplexity(name, tmp_path, capsys):
     )  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     rows = json.loads(report.read_text())
-    gptq = [r["path"] for r in rows["tensors"] if r["method"] == "gptq"]
+    gptq = [r["path"] for r in rows["tensors"] if r["method"] == "GPTQ"]
     assert len(gptq) == CASES[name][2] * SMALL["num_hidden_layers"], gptq
 
     model = transformers.AutoModelForCausalLM.from_pretrained(

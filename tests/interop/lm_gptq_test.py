@@ -106,7 +106,7 @@ def test_every_linear_is_gptqd_and_the_rest_kept(gptq_run):
     methods = {row["path"]: row["method"] for row in report["tensors"]}
     linears = [p for p in methods if p.endswith("proj.weight")]
     assert len(linears) == LINEARS
-    assert {methods[p] for p in linears} == {"gptq"}, methods
+    assert {methods[p] for p in linears} == {"GPTQ"}, methods
     assert {methods[p] for p in methods if p not in linears} == {""}  # kept: embedding, norms
     layers = report["calibration"]["layers"]
     assert [entry["layer"] for entry in layers] == list(range(LAYERS))
