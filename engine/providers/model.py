@@ -90,7 +90,7 @@ def _wrap_method(method: Callable[..., Any]) -> Callable[..., Any]:
         with _running(provider, self):
             out = method(self, *args, **kwargs)
         hook = getattr(provider, "model_output", None)
-        out = out if hook is None else hook(self, out)
+        out = out if hook is None else hook(self, out, method.__name__)
         return provider.process_model_output(method.__name__, out)
 
     return wrapper
