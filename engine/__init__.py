@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from qmill.engine.ops.ragged_dot import ragged_dot_general as ragged_dot_general
     from qmill.engine.programs import zoo as zoo
     from qmill.engine.providers import checkpoint_utils as checkpoint_utils
+    from qmill.engine.providers import model as model
     from qmill.engine.providers import qconfig as qconfig
     from qmill.engine.providers.base import QuantizationProvider as QuantizationProvider
     from qmill.engine.providers.checkpoint_utils import (
@@ -92,6 +93,8 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "zoo": ("qmill.engine.programs.zoo", None),
     "checkpoint_utils": ("qmill.engine.providers.checkpoint_utils", None),
     "qconfig": ("qmill.engine.providers.qconfig", None),
+    # The reference's model module (quantize_model, quantize_linen_model).
+    "model": ("qmill.engine.providers.model", None),
     "QuantizationProvider": ("qmill.engine.providers.base", "QuantizationProvider"),
     "process_prequantized_params": (
         "qmill.engine.providers.checkpoint_utils",

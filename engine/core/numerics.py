@@ -364,7 +364,10 @@ def _replace_tiny(scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
 # zero scale replaced by the dtype's eps (not 1). Same bits for bfloat16 tensors (a quotient of
 # two bf16 values is never within float32 rounding of a bf16 tie), different for float32/16.
 TORCH = "torch"
-ARITHMETICS = ("", TORCH)
+# The reference's with qarray.USE_RECIPROCAL_FOR_QUANTIZATION set (AQT's): x times the scale's
+# reciprocal, both in x's dtype, instead of x / scale.
+RECIPROCAL = "reciprocal"
+ARITHMETICS = ("", TORCH, RECIPROCAL)
 
 
 def nv_global_scales(

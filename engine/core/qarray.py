@@ -20,6 +20,7 @@ themselves (leaf.py does).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -134,6 +135,13 @@ def validate(qa: QArray) -> None:  # the reference's validate_qarray
         raise ValueError(f"scale must be floating point, got {np.dtype(qa.scale.dtype).name}")
 
 
+# The reference's flag (read at each call): multiply by the scale's reciprocal instead of dividing
+# by the scale when quantizing (AQT's arithmetic; faster under some fusions, the codes may differ
+# by one where the reciprocal rounds). Only qarray's quantize and quantize_with_scale_zero_point
+# (and so the providers and ops) read it; the model-free path keeps the division.
+USE_RECIPROCAL_FOR_QUANTIZATION = False
+
+
 def quantize_with_scale_zero_point(
     array: jax.Array,
     qtype: Any,
@@ -144,7 +152,10 @@ def quantize_with_scale_zero_point(
     """Quantizes with a given scale (and zero point): q = convert(x / scale (+ zp) (+ noise))."""
     array = qarray_parts.check_input(array)
     qt = qtypes.get(qtype)
-    codes = qarray_parts.encode(array, qt, scale, zero_point, noise_fn, as_bytes=False)
+    reciprocal = USE_RECIPROCAL_FOR_QUANTIZATION
+    codes = qarray_parts.encode(
+        array, qt, scale, zero_point, noise_fn, as_bytes=False, reciprocal=reciprocal
+    )
     return QArray(codes, scale, zero_point, qt.name)
 
 
@@ -178,6 +189,8 @@ def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -
     """
     array = qarray_parts.check_input(array)
     scale_dtype = qarray_parts.dtype_name(scale_dtype)
+    if USE_RECIPROCAL_FOR_QUANTIZATION and not how.arithmetic:
+        how = dataclasses.replace(how, arithmetic=numerics.RECIPROCAL)
     if isinstance(array, jax.core.Tracer):
         return _quantize(array, how, scale_dtype)
     as_bytes = _packs_on_host(array, how.qtype)

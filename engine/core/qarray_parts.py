@@ -136,9 +136,11 @@ def encode(
     noise_fn: NoiseFn | None,
     as_bytes: bool,
     torch: bool = False,
+    reciprocal: bool = False,
 ) -> jax.Array:
     """convert(x / scale (+ zp) (+ noise)); `as_bytes` as in numerics.to_qtype; `torch`: every
-    division a true one, as PyTorch divides by a broadcast scale."""
+    division a true one, as PyTorch divides by a broadcast scale; `reciprocal`: x times the
+    scale's reciprocal (numerics.RECIPROCAL)."""
 
     def shift(x: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
         # In the input dtype with the scale (and zero point) cast to it; see numerics on exactness.
@@ -148,7 +150,13 @@ def encode(
             s = jnp.where(s == 0, jnp.ones_like(s), s)
         # bfloat16 quotients round the same either way (numerics.TORCH): the faster multiply.
         exact = torch and np.dtype(x.dtype) != np.dtype(jnp.bfloat16)
-        if s.shape == x.shape or exact:
+        if reciprocal:
+            # The reciprocal rounded to x's dtype (jnp.reciprocal on bf16 rounds it, where XLA's
+            # own rewrite of a broadcast division keeps it in float32), then the product.
+            r = numerics.reciprocal(s, x.dtype)
+            r = numerics.opaque(r, x) if isinstance(r, float) else numerics.fit(r, x.dtype)
+            y = numerics.fit(numerics.widen(x) * r, x.dtype)
+        elif s.shape == x.shape or exact:
             y = numerics.divide_exact(x, s, x.dtype)
         else:
             y = numerics.divide_broadcast(x, s, x.dtype)
@@ -179,7 +187,10 @@ def quantize_parts(
     torch = how.arithmetic == numerics.TORCH
     scale, zero_point = numerics.compute_scale_zero_point(calib, how.qtype, torch=torch)
     qt = qtypes.get(how.qtype)
-    codes = encode(array, qt, scale, zero_point, how.noise_fn, as_bytes, torch=torch)
+    reciprocal = how.arithmetic == numerics.RECIPROCAL
+    codes = encode(
+        array, qt, scale, zero_point, how.noise_fn, as_bytes, torch=torch, reciprocal=reciprocal
+    )
     # The codes use the scale in the input's dtype; only the stored scale takes scale_dtype.
     scale_dtype = scale_dtype or how.scale_dtype
     return codes, scale if scale_dtype is None else scale.astype(scale_dtype), zero_point

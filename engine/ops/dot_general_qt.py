@@ -7,6 +7,12 @@ each operand's gradient when that side has a grad qtype. For dlhs (g contracted 
 rhs's free axes) g gets a scale per index of its batch and lhs axes, optionally tiled along the
 last contracted axis (``dlhs_tile_size``); for drhs likewise with the rhs axes. The residuals
 are the fake-quantized operands, so the backward pass sees the values the forward pass used.
+
+Residual quantization (``dlhs_residual_*`` / ``drhs_residual_*``, as the reference's): where the
+backward pass would read an operand unquantized (``use_original_residuals``, no forward qtype on
+that side, or a tiled / mx forward quantization, whose blocks run along the wrong axis for the
+backward dot), it reads it quantized with the residual qtype instead, one scale per index of the
+axes the backward dot keeps (tiled by that gradient's tile size along the axis it contracts).
 """
 
 from __future__ import annotations
@@ -58,9 +64,27 @@ class DotGeneralQtConfig:
     disable_gradient_clipping: bool = False
     # The backward pass uses the operands as given instead of their fake-quantized values.
     use_original_residuals: bool = False
+    # How the backward pass quantizes an operand it reads unquantized (see the module): the rhs
+    # for the lhs gradient (dlhs_residual_*), the lhs for the rhs gradient (drhs_residual_*).
+    dlhs_residual_qtype: Any = None
+    dlhs_residual_calibration_method: str = "absmax"
+    dlhs_residual_disable_channelwise_axes: bool = False
+    drhs_residual_qtype: Any = None
+    drhs_residual_calibration_method: str = "absmax"
+    drhs_residual_disable_channelwise_axes: bool = False
     # N:M sparsity of the rhs (a sparsity.SparsityRule's weight settings), applied before it is
     # quantized; pruned weights get no gradient.
     sparsity_rule: sparsity.SparsityRule | None = None
+
+    def __hash__(self) -> int:
+        # A static jit argument, as the reference's: a 2-D tile_size dict hashes as its items.
+        return hash(tuple(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted(value.items()))
+    return tuple(value) if isinstance(value, list) else value
 
 
 # A pytree, as the reference's: the noise functions (whose keys are arrays) are its children, so
@@ -150,14 +174,31 @@ def _clip(grad: jax.Array, x: jax.Array | None, how: qarray.HowToQuantize | None
     return qarray.clip_gradient_to_calibration(grad, x, calibration, how.calibration_method)
 
 
-def qt_call(op, layout, lhs_how, rhs_how, dlhs: GradQuant, drhs: GradQuant, lhs, rhs, keep=None):
+def qt_call(
+    op,
+    layout,
+    lhs_how,
+    rhs_how,
+    dlhs: GradQuant,
+    drhs: GradQuant,
+    lhs,
+    rhs,
+    keep=None,
+    residual_hows=(None, None),
+):
     """op(lhs, rhs) with the operands fake-quantized and the gradients quantized as given.
 
     ``keep`` (Residuals) says what the backward pass keeps; the default is the conv's: the
-    fake-quantized operands, no gradient clipping.
+    fake-quantized operands, no gradient clipping. ``residual_hows``: (lhs as the rhs gradient
+    reads it, rhs as the lhs gradient reads it), each quantized from the operand as given, or
+    None for the residual ``keep`` says.
     """
     keep = keep or Residuals(clip_gradients=False)
     hows = (lhs_how, rhs_how)
+    if residual_hows != (None, None):
+        return _qt_call_quantized_residuals(
+            op, layout, hows, dlhs, drhs, lhs, rhs, keep, residual_hows
+        )
 
     @jax.custom_vjp
     def run(a, b):
@@ -180,6 +221,83 @@ def qt_call(op, layout, lhs_how, rhs_how, dlhs: GradQuant, drhs: GradQuant, lhs,
 
     run.defvjp(fwd, bwd)
     return run(lhs, rhs)
+
+
+def _qt_call_quantized_residuals(op, layout, hows, dlhs, drhs, lhs, rhs, keep, residual_hows):
+    """qt_call where at least one gradient reads a residual quantized on its own."""
+
+    @jax.custom_vjp
+    def run(a, b):
+        return op(fake_quant(a, hows[0]), fake_quant(b, hows[1]))
+
+    @interception.disable_interceptions
+    def fwd(a, b):
+        qa, qb = fake_quant(a, hows[0]), fake_quant(b, hows[1])
+        clip = tuple(x if _clips(h, keep) else None for x, h in zip((a, b), hows, strict=True))
+        operands = (a, b) if keep.original else (qa, qb)
+        # The residuals each gradient reads: its own quantization of the operand as given.
+        res_a = operands[0] if residual_hows[0] is None else fake_quant(a, residual_hows[0])
+        res_b = operands[1] if residual_hows[1] is None else fake_quant(b, residual_hows[1])
+        return op(qa, qb), ((operands[0], res_b), (res_a, operands[1]), clip)
+
+    def bwd(residuals, g):
+        for_da, for_db, (a, b) = residuals
+        _, vjp_a = jax.vjp(op, *for_da)
+        da, _ = vjp_a(quantize_grad(g, layout, "lhs", dlhs))
+        _, vjp_b = jax.vjp(op, *for_db)
+        _, db = vjp_b(quantize_grad(g, layout, "rhs", drhs))
+        return _clip(da, a, hows[0]), _clip(db, b, hows[1])
+
+    run.defvjp(fwd, bwd)
+    return run(lhs, rhs)
+
+
+def _backward_dimension_numbers(dimension_numbers, ndims, for_dlhs: bool):
+    """The dot_general dimension numbers of one operand's gradient: g (the output gradient,
+    axes batch, lhs free, rhs free) contracted with the other operand (the residual)."""
+    (lhs_ca, rhs_ca), (lhs_ba, rhs_ba) = dimension_numbers
+    lhs_free = [a for a in range(ndims[0]) if a not in lhs_ca and a not in lhs_ba]
+    rhs_free = [a for a in range(ndims[1]) if a not in rhs_ca and a not in rhs_ba]
+    batch = tuple(range(len(lhs_ba)))
+    lhs_pos = tuple(range(len(batch), len(batch) + len(lhs_free)))
+    rhs_pos = tuple(range(len(batch) + len(lhs_free), len(batch) + len(lhs_free) + len(rhs_free)))
+    if for_dlhs:  # g · rhs over rhs's free axes
+        return ((rhs_pos, tuple(rhs_free)), (batch, tuple(rhs_ba)))
+    return ((lhs_pos, tuple(lhs_free)), (batch, tuple(lhs_ba)))
+
+
+def _reads_unquantized(how: qarray.HowToQuantize | None, keep: Residuals) -> bool:
+    """Whether the backward pass would read this operand as given (see the module)."""
+    if keep.original or how is None:
+        return True
+    return bool(how.tiled_axes) or qtypes.get(how.qtype).required_tile is not None
+
+
+def residual_hows(
+    config: Any, dimension_numbers, ndims, hows, keep: Residuals
+) -> tuple[qarray.HowToQuantize | None, qarray.HowToQuantize | None]:
+    """(lhs for the rhs gradient, rhs for the lhs gradient) as the config's residual fields
+    quantize them; None where no residual qtype applies."""
+    out = []
+    for operand, prefix, tile in ((0, "drhs", "drhs_tile_size"), (1, "dlhs", "dlhs_tile_size")):
+        qtype = getattr(config, f"{prefix}_residual_qtype", None)
+        if qtype is None or not _reads_unquantized(hows[operand], keep):
+            out.append(None)
+            continue
+        dn = _backward_dimension_numbers(dimension_numbers, ndims, for_dlhs=prefix == "dlhs")
+        n_batch = len(dimension_numbers[1][0])
+        g_ndim = n_batch + sum(ndims[i] - len(dimension_numbers[0][i]) - n_batch for i in (0, 1))
+        how = dot_general_lib.get_how_to_quantize(
+            dimension_numbers=dn,
+            ndims=(g_ndim, ndims[operand]),
+            for_lhs=False,
+            qtype=qtype,
+            tile_size=getattr(config, tile),
+            calibration_method=getattr(config, f"{prefix}_residual_calibration_method"),
+        )
+        per_tensor = getattr(config, f"{prefix}_residual_disable_channelwise_axes")
+        out.append(_maybe_per_tensor(how, per_tensor))
+    return out[0], out[1]
 
 
 def forward_hows(
@@ -218,6 +336,69 @@ def grad_quants(config: Any) -> tuple[GradQuant, GradQuant]:
     return side("dlhs"), side("drhs")
 
 
+def _noop(method: str) -> bool:
+    return qarray.is_gradient_clipping_noop(method)
+
+
+def dot_general_qt_fwd_bwd(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    lhs_calibration: dict[str, jax.Array] | None,
+    rhs_calibration: dict[str, jax.Array] | None,
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    config: DotGeneralQtConfig,
+) -> jax.Array:
+    """dot_general_qt with the operands' calibrations given (the reference's custom-VJP entry,
+    e.g. for static ranges): a side with a calibration is fake-quantized to its qtype with the
+    scale it gives, a side with None stays as it is; the backward pass is dot_general_qt's, the
+    gradients clipped to the given calibrations. The calibrations get no gradient."""
+    ndims = (lhs.ndim, rhs.ndim)
+    layout = op_adapter.dot_general_grad_layout(dimension_numbers, ndims)
+    keep = Residuals.of(config)
+    dlhs, drhs = grad_quants(config)
+    sides = (
+        (config.lhs_qtype, config.lhs_calibration_method),
+        (config.rhs_qtype, config.rhs_calibration_method),
+    )
+
+    def op(a, b):
+        return jax.lax.dot_general(a, b, dimension_numbers)
+
+    def quantized(x, calibration, side):
+        if calibration is None:
+            return x
+        scale, zero_point = qarray.compute_scale_zero_point(calibration, sides[side][0])
+        q = qarray.quantize_with_scale_zero_point(
+            jax.lax.stop_gradient(x), sides[side][0], scale.astype(x.dtype), zero_point
+        )
+        return qarray.dequantize(q).astype(x.dtype)
+
+    @jax.custom_vjp
+    def run(a, b, cal_a, cal_b):
+        return op(quantized(a, cal_a, 0), quantized(b, cal_b, 1))
+
+    @interception.disable_interceptions
+    def fwd(a, b, cal_a, cal_b):
+        qa, qb = quantized(a, cal_a, 0), quantized(b, cal_b, 1)
+        operands = (a, b) if keep.original else (qa, qb)
+        return op(qa, qb), (operands, (a, b), (cal_a, cal_b))
+
+    def bwd(residuals, g):
+        operands, originals, calibrations = residuals
+        _, vjp = jax.vjp(op, *operands)
+        da, _ = vjp(quantize_grad(g, layout, "lhs", dlhs))
+        _, db = vjp(quantize_grad(g, layout, "rhs", drhs))
+        grads = []
+        for grad, x, cal, (_, method) in zip((da, db), originals, calibrations, sides, strict=True):
+            if cal is not None and keep.clip_gradients and not _noop(method):
+                grad = qarray.clip_gradient_to_calibration(grad, x, cal, method)
+            grads.append(grad)
+        return grads[0], grads[1], None, None
+
+    run.defvjp(fwd, bwd)
+    return run(lhs, rhs, lhs_calibration, rhs_calibration)
+
+
 def dot_general_qt(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -242,4 +423,5 @@ def dot_general_qt(
         # Before quantization, as the reference: the kept weights get the whole range.
         rhs = sparsity.sparsify(rhs, config.sparsity_rule)
     keep = Residuals.of(config)
-    return qt_call(op, layout, hows[0], hows[1], *grad_quants(config), lhs, rhs, keep)
+    residuals = residual_hows(config, dimension_numbers, ndims, hows, keep)
+    return qt_call(op, layout, hows[0], hows[1], *grad_quants(config), lhs, rhs, keep, residuals)

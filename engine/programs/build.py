@@ -29,7 +29,7 @@ from qmill.engine.programs.program import (
     stat_qtypes,
 )
 from qmill.engine.providers import model as model_lib
-from qmill.engine.providers import odml, qt
+from qmill.engine.providers import odml, odml_names, qt
 
 
 def _abstract(inputs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
@@ -110,7 +110,10 @@ def calibration_program(
     exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
         _avals(params_tree), _avals(stats_tree), *specs
     )
-    data = serialize(CALIBRATE, exported, stat_qtypes(stats_tree, rules))
+    # An ODML calibration names statistics as the reference (jnp.dot "dot<n>", one statistic for
+    # sibling ops): the header says which PTQ ops each one's static scale is for.
+    aliases = odml_names.aliases_by_stat(getattr(provider, "stat_aliases", {}))
+    data = serialize(CALIBRATE, exported, stat_qtypes(stats_tree, rules), aliases)
     return data, flat_paths(params_tree)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.core import averaging, qarray
 from qmill.engine.modeling import rules as rules_lib
-from qmill.engine.providers import odml, odml_boundary
+from qmill.engine.providers import odml_boundary
 
 MAGIC = b"QMILLPRG\x01\n"
 FORMAT = "qmill.program/1"
@@ -64,6 +64,10 @@ class Program:
     # calibrate: statistic path ('/'-joined, e.g. "Dense_0/dot_general0_lhs") -> the act qtype
     # its static scale is computed for.
     stat_qtypes: Mapping[str, str]
+    # calibrate: statistic path -> the PTQ statistic paths it serves, where they are not just its
+    # own (an ODML calibration: jnp.dot's "dot0_lhs" serves "dot_general0_lhs", a sibling op's
+    # shared statistic serves the sibling too; providers/odml_names.py). Absent: its own path.
+    stat_aliases: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
     # Hex SHA-256 of the whole artifact: names the model + rules a calibration belongs to.
     sha256: str
 
@@ -108,7 +112,12 @@ def flat_paths(tree: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- serialization
 
 
-def serialize(kind: str, exported: jax.export.Exported, stat_qtypes: Mapping[str, str]) -> bytes:
+def serialize(
+    kind: str,
+    exported: jax.export.Exported,
+    stat_qtypes: Mapping[str, str],
+    stat_aliases: Mapping[str, Sequence[str]] | None = None,
+) -> bytes:
     args, _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
     inputs = args[2:] if kind == CALIBRATE else args
     header = json.dumps(
@@ -116,6 +125,7 @@ def serialize(kind: str, exported: jax.export.Exported, stat_qtypes: Mapping[str
             "format": FORMAT,
             "kind": kind,
             "stat_qtypes": dict(stat_qtypes),
+            "stat_aliases": {k: list(v) for k, v in (stat_aliases or {}).items()},
             # For clients without jax (qmill.checkpoints.model_fn.read_header): batch shapes.
             "inputs": [[list(a.shape), np.dtype(a.dtype).name] for a in inputs],
         }
@@ -147,6 +157,8 @@ def load(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, platform: str = "cp
     try:
         header = json.loads(data[start : start + n])
         kind, stat_qtypes = header["kind"], dict(header["stat_qtypes"])
+        # Programs built before issue 40 have no aliases: every statistic serves its own path.
+        stat_aliases = {k: tuple(v) for k, v in header.get("stat_aliases", {}).items()}
         if header.get("format") != FORMAT or kind not in (CALIBRATE, EXPORT):
             raise ValueError(f"format {header.get('format')!r}, kind {kind!r}")
         exported = jax.export.deserialize(bytearray(data[start + n :]))
@@ -172,6 +184,7 @@ def load(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, platform: str = "cp
         kind=kind,
         exported=exported,
         stat_qtypes=stat_qtypes,
+        stat_aliases=stat_aliases,
         sha256=hashlib.sha256(data).hexdigest(),
     )
     if kind == CALIBRATE:
@@ -276,23 +289,28 @@ def calibrate_step(program: Program) -> Callable[..., Any]:
 
 
 def static_scales(
-    quant_stats: Mapping[str, Any], stat_qtypes: Mapping[str, str]
+    quant_stats: Mapping[str, Any],
+    stat_qtypes: Mapping[str, str],
+    stat_aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Static activation scales from merged statistics, keyed as a PTQ model's params:
     ``<module>/<op>_<side>_scale/array`` (and ``..._zero_point`` when asymmetric), with the
-    arithmetic of providers.ptq.quantize_params. Statistics of the model output are skipped (only
-    a LiteRT export uses them)."""
+    arithmetic of providers.ptq.quantize_params; a statistic with ``stat_aliases`` gives the
+    scale of each PTQ op it serves. Statistics of the model inputs / output are skipped (only a
+    LiteRT export uses them)."""
     out: dict[str, np.ndarray] = {}
+    aliases = stat_aliases or {}
     for path, qtype in stat_qtypes.items():
-        if path.split("/")[-1].startswith(odml.MODEL_OUTPUT):
+        if odml_boundary.is_boundary_stat(path.split("/")[-1]):
             continue
         stat = {k: jnp.asarray(v) for k, v in _subtree(quant_stats, path).items()}
         if int(stat["count"]) == 0:
             raise ProgramError(f"quant_stats for {path} hold no batches (count 0)")
         scale, zero_point = qarray.compute_scale_zero_point(averaging.calibration(stat), qtype)
-        out[f"{path}_scale/array"] = np.asarray(scale)
-        if zero_point is not None:
-            out[f"{path}_zero_point"] = np.asarray(zero_point)
+        for ptq_path in aliases.get(path, (path,)):
+            out[f"{ptq_path}_scale/array"] = np.asarray(scale)
+            if zero_point is not None:
+                out[f"{ptq_path}_zero_point"] = np.asarray(zero_point)
     return out
 
 
@@ -315,7 +333,7 @@ def stat_qtypes(stats: Any, rules: Sequence[rules_lib.QuantizationRule]) -> dict
         if contrib_leaf.method_of(path) is not None:
             continue
         module, _, name = path.rpartition("/")
-        if name.startswith(odml.MODEL_OUTPUT):
+        if odml_boundary.is_boundary_stat(name):
             rule = odml_boundary.static_rule(rules)
         else:
             m = _OP_ID.fullmatch(name)

@@ -82,14 +82,7 @@ class QuantizationProvider:
         if index is not None:
             with self._used_lock:
                 self._used.add(index)
-        op_id = None
-        if call is not None:
-            # Linen: variables live in the module's scope, which nn.share_scope gives to several
-            # modules; they are told apart by name (clones of one module keep its name).
-            scope = getattr(module, "scope", None) if isinstance(module, nn.Module) else None
-            name = getattr(module, "name", None)
-            index = provenance.next_op_index(call, op_name, scope, name)
-            op_id = f"{op_name}{index}"
+        op_id = None if call is None else f"{op_name}{op_index(module, call, op_name)}"
         return rule, op_id, module
 
     # Seeds' spelling, kept for subclasses written against it.
@@ -163,6 +156,14 @@ class OpsProvider(QuantizationProvider):
             "jax.numpy.einsum": self.einsum,
             "jax.lax.ragged_dot": self.ragged_dot,
         }
+
+
+def op_index(module: Any, call: Any, counter: str) -> int:
+    """The next index of ``counter`` (an op name) in the current call of ``module``."""
+    # Linen: variables live in the module's scope, which nn.share_scope gives to several
+    # modules; they are told apart by name (clones of one module keep its name).
+    scope = getattr(module, "scope", None) if isinstance(module, nn.Module) else None
+    return provenance.next_op_index(call, counter, scope, getattr(module, "name", None))
 
 
 def is_quantized(x: Any) -> bool:

@@ -10,6 +10,7 @@ such a checkpoint: one per module holding quantized weights.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,8 @@ from flax import nnx
 from qmill.engine.core import qarray, qtypes
 from qmill.engine.modeling import flax_util, rules
 from qmill.engine.providers import ptq
+
+logger = logging.getLogger(__name__)
 
 _QUANTIZED_KEYS = frozenset({"qvalue", "scale", "zero_point"})
 _DEFAULT = object()
@@ -199,10 +202,11 @@ def process_prequantized_params(
         float checkpoint param where the model holds a quantized one (use quantize_params).
     """
     if not isinstance(template_params, nnx.Module):
+        # The reference's message first (code matching it keeps working), then the fix.
         raise TypeError(
-            "process_prequantized_params only supports NNX models (an NNX model, possibly "
-            f"abstract), got {type(template_params).__name__}; for Linen, build the param tree "
-            "with quantize_params."
+            "process_prequantized_params only supports NNX PTQ/QT models. Got "
+            f"{type(template_params)}. It fills NNX models (possibly abstract, nnx.eval_shape); "
+            "for Linen, build the param tree with quantize_params."
         )
     out: dict[tuple[Any, ...], Any] = {}
     flat = flax.traverse_util.flatten_dict(dict(checkpoint_params), is_leaf=_is_quantized_entry)
@@ -261,7 +265,8 @@ def restore_quantization_rules(
     One rule per module holding ``{"qvalue", ...}`` entries: module_path is the module's path
     with integer keys (layer indices) as ``[^/]+``; weight_qtype the qvalue's dtype;
     "minmax" where a zero point is stored, else "absmax"; act_qtype the weight qtype unless
-    given (None: weight-only). Later entries of a module replace earlier ones.
+    given (None: weight-only). Later entries of a module replace earlier ones, with a warning
+    where they ask for another rule (as the reference).
 
     Args:
       checkpoint_params: the checkpoint, as for process_prequantized_params.
@@ -281,7 +286,7 @@ def restore_quantization_rules(
         parts = ["[^/]+" if isinstance(p, int) else re.escape(str(p)) for p in module]
         module_path = "/".join(parts)
         weight_qtype = qtypes.name(jnp.asarray(entry["qvalue"]).dtype)
-        found[module_path] = rule_type(
+        rule = rule_type(
             module_path=module_path,
             weight_qtype=weight_qtype,
             act_qtype=weight_qtype if act_qtype is _DEFAULT else act_qtype,
@@ -289,4 +294,14 @@ def restore_quantization_rules(
             tile_size=tile_size,
             **kwargs,
         )
+        if module_path in found and found[module_path] != rule:
+            # As the reference: one module's params quantized two ways can't both be replayed.
+            logger.warning(
+                "Conflicting quantization rules reconstructed for %s. Existing: %s, New: %s. "
+                "The existing rule will be overwritten.",
+                module_path,
+                found[module_path],
+                rule,
+            )
+        found[module_path] = rule
     return list(found.values())

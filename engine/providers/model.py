@@ -90,7 +90,7 @@ def _wrap_method(method: Callable[..., Any]) -> Callable[..., Any]:
         with _running(provider, self):
             out = method(self, *args, **kwargs)
         hook = getattr(provider, "model_output", None)
-        out = out if hook is None else hook(self, out)
+        out = out if hook is None else hook(self, out, method.__name__)
         return provider.process_model_output(method.__name__, out)
 
     return wrapper
@@ -151,9 +151,7 @@ def quantize_model(
             raise ModelInputsError(
                 "Linen models take no inputs here; call init/apply on the quantized model."
             )
-        cls = _subclass(_float_class(type(model)), methods, {_PROVIDER_ATTR: provider})
-        provider.quantization_completed = True
-        return cls(**_linen_fields(model))
+        return quantize_linen_model(model, provider, methods)
     if not isinstance(model, nnx.Module):
         raise ModelInputsError(f"expected a Linen or NNX module, got {type(model).__name__}")
     skip_init = bool(model_inputs_kwargs.pop("skip_nnx_init", False))
@@ -174,6 +172,17 @@ def quantize_model(
     quantized = _quantize_nnx(model, provider, methods, model_inputs, model_inputs_kwargs, rngs)
     provider.quantization_completed = True
     return quantized
+
+
+def quantize_linen_model(
+    model: nn.Module, provider: base.QuantizationProvider, methods: Collection[str]
+) -> nn.Module:
+    """The Linen half of quantize_model (the reference's public name): a module of a subclass of
+    the model's class whose ``methods`` run under ``provider`` (a quantized model's float class
+    is used again, not subclassed twice)."""
+    cls = _subclass(_float_class(type(model)), tuple(methods), {_PROVIDER_ATTR: provider})
+    provider.quantization_completed = True
+    return cls(**_linen_fields(model))
 
 
 class ModelInputsError(ValueError, TypeError):

@@ -8,8 +8,12 @@ Lingo:
                   axis (``quantization_dimension``, -1 per tensor). The LiteRT converter in strict
                   QDQ mode turns each one into a quantized tensor with exactly those parameters.
   model output    LiteRT kernels are integer end to end only when the graph's output is quantized
-                  too; its static range is the statistic ``model_output`` at the top of
-                  quant_stats, which OdmlQatProvider records.
+                  too; its static range is the statistic ``final_output0`` at the top of
+                  quant_stats (the reference's name), which OdmlQatProvider records.
+  statistics      named as the reference's (odml_names.py): jnp.dot is the op ``dot``, and ops
+                  reading one activation under one rule share the first one's fake quant and
+                  statistic. ``stat_aliases`` says which statistic serves each op a PtqProvider
+                  model looks up (quantize_params: pass ``odml_names.ptq_stats(...)``).
 
 What LiteRT can store, and so what these providers accept: one scale per tensor or per channel
 along one axis (no sub-channel tiles), symmetric weights, per-tensor activations with static
@@ -30,6 +34,7 @@ from qmill.engine.core import averaging, qarray, qtypes
 from qmill.engine.modeling import flax_util
 from qmill.engine.modeling import rules as rules_mod
 from qmill.engine.providers import odml_boundary as boundary
+from qmill.engine.providers import odml_names as names
 from qmill.engine.providers import qt
 
 COMPOSITE_NAME = "quant.fake_quant"
@@ -139,7 +144,46 @@ def _check_static(rule: rules_mod.QuantizationRule, where: str) -> None:
         )
 
 
-class OdmlQatProvider(qt.QtProvider):
+class _OdmlOps(qt.QtProvider):
+    """What both ODML providers share: the reference's op names (jnp.dot is ``dot``) and the
+    sharing of one fake quant among sibling ops within a model call."""
+
+    def __init__(self, rules: Sequence[rules_mod.QuantizationRule] | None) -> None:
+        super().__init__(boundary.odml_rules(rules))
+        self._shared = names.SharedInputs()
+        # PTQ statistic path -> the path of the statistic that holds its range, for every op
+        # input with a static range seen so far (see odml_names.ptq_stats).
+        self.stat_aliases: dict[str, str] = {}
+
+    def numpy_dot(self, a, b, precision=None, preferred_element_type=None, **kwargs):
+        """jnp.dot: the op ``dot`` (its own rule lookup and numbering), as the reference's ODML
+        providers name it. Matmuls (``x @ w``) stay dot_generals, as there."""
+        if a.ndim == 0 or b.ndim == 0:
+            return jnp.dot(a, b, precision=precision, preferred_element_type=None, **kwargs)
+        rhs_contract = 0 if b.ndim == 1 else b.ndim - 2
+        dn = (((a.ndim - 1,), (rhs_contract,)), ((), ()))
+        return self.named_dot_general("dot", a, b, dn, precision, preferred_element_type)
+
+    def get_intercept_map(self) -> dict[str, Any]:
+        return super().get_intercept_map() | {"jax.numpy.dot": self.numpy_dot}
+
+    def current_rule_and_op_id(self, op_name: str) -> tuple[Any, Any, Any]:
+        rule, op_id, module = super().current_rule_and_op_id(op_name)
+        return rule, names.with_ptq_id(op_name, op_id, module), module
+
+    def shared_act(self, module, x, rule, how, op_id, side, make) -> jax.Array:
+        """make()'s fake quant of the activation x, or a sibling's made earlier in this call
+        under the same rule and how; records which statistic serves this op's PTQ name."""
+        stat = None
+        if op_id is not None and module is not None and rule.resolved_act_static_scale:
+            stat = names.join(module, f"{op_id}_{side}")
+        fq, used = self._shared.get_or_make(x, (rule, how), stat, make)
+        if used is not None:
+            self.stat_aliases[names.join(module, f"{names.ptq_id(op_id)}_{side}")] = used
+        return fq
+
+
+class OdmlQatProvider(_OdmlOps):
     """Quantization-aware training (and calibration) for models exported to LiteRT.
 
     Compared with QtProvider: only what LiteRT stores is accepted (per-channel or per-tensor
@@ -156,7 +200,7 @@ class OdmlQatProvider(qt.QtProvider):
         fixed_range_for_outputs: tuple[float, float] | None = None,
         strict: bool = True,
     ) -> None:
-        super().__init__(boundary.odml_rules(rules))
+        super().__init__(rules)
         # Known ranges of the model's inputs / outputs (e.g. (0, 1) for images): their fake quant
         # uses "fixed,lo,hi" instead of calibrated statistics.
         self._input_range = boundary.fixed_method(fixed_range_for_inputs, "fixed_range_for_inputs")
@@ -190,12 +234,24 @@ class OdmlQatProvider(qt.QtProvider):
                     _check_static(rule, where)
                 h = how.act(for_lhs)
                 name = None if op_id is None else f"{op_id}_{side}"
-                x = qt.ste(x, self.fake_quant_act(module, x, h, rule, name))
+                x = self.shared_act(
+                    module,
+                    x,
+                    rule,
+                    h,
+                    op_id,
+                    side,
+                    lambda x=x, h=h, name=name: qt.ste(
+                        x, self.fake_quant_act(module, x, h, rule, name)
+                    ),
+                )
             operands.append(x)
         return compute(*operands)
 
-    def model_output(self, module: Any, out: Any) -> Any:
-        """Hook of quantize_model: fake-quantizes the model output with its running statistic."""
+    def model_output(self, module: Any, out: Any, method_name: str = "__call__") -> Any:
+        """Hook of quantize_model: fake-quantizes the model output with its running statistic
+        (``final_output<i>``; ``<method>_output<i>`` for another method)."""
+        self._shared.reset()
 
         def fake_quant(rule: rules_mod.QuantizationRule, name: str, y: Any) -> Any:
             if not (isinstance(y, jax.Array) and jnp.issubdtype(y.dtype, jnp.floating)):
@@ -205,11 +261,12 @@ class OdmlQatProvider(qt.QtProvider):
                 fq = self.fake_quant_act(module, y, how, rule, name)
             return qt.ste(y, fq)
 
-        return boundary.map_outputs(self.rules, module, out, fake_quant)
+        return boundary.map_outputs(self.rules, module, out, fake_quant, method_name)
 
     def process_model_inputs(self, model: Any, model_args: Any, model_kwargs: Any) -> Any:
         """With fixed_range_for_inputs: fake-quantizes the model's float inputs with that range,
         recording it as the statistic ``model_input`` (``model_input_<i>``) for the export."""
+        self._shared.reset()
         if self._input_range is None:
             return model, model_args, model_kwargs
 
@@ -224,7 +281,7 @@ class OdmlQatProvider(qt.QtProvider):
         return model, args, kwargs
 
 
-class OdmlConversionProvider(qt.QtProvider):
+class OdmlConversionProvider(_OdmlOps):
     """The model as LiteRT will run it: every fake quant is a ``quant.fake_quant`` composite.
 
     Scales are computed eagerly (in numpy terms) from ``params`` with qmill's own quantization,
@@ -243,7 +300,7 @@ class OdmlConversionProvider(qt.QtProvider):
         *,
         disable_per_channel_weights: bool = False,
     ) -> None:
-        super().__init__(boundary.odml_rules(rules))
+        super().__init__(rules)
         # Float params (pure dict); weights are looked up here when the model sees tracers.
         self._params = flax_util.unbox(params) if params is not None else {}
         # Static-range statistics (pure dict, as QT / OdmlQatProvider collect them).
@@ -269,12 +326,23 @@ class OdmlConversionProvider(qt.QtProvider):
             elif rule.act_qtype is not None:
                 name = _join(path, f"{op_id}_{side}")
                 _check_static(rule, name)
-                x = self._activation(x, rule, self._stat(module, f"{op_id}_{side}"), name)
+                x = self.shared_act(
+                    module,
+                    x,
+                    rule,
+                    how.act(for_lhs),
+                    op_id,
+                    side,
+                    lambda x=x, name=name, side=side: self._activation(
+                        x, rule, self._stat(module, f"{op_id}_{side}", op_id=op_id, side=side), name
+                    ),
+                )
             operands.append(x)
         return compute(*operands)
 
-    def model_output(self, module: Any, out: Any) -> Any:
+    def model_output(self, module: Any, out: Any, method_name: str = "__call__") -> Any:
         """Hook of quantize_model: the output's composite, when quant_stats has its statistic."""
+        self._shared.reset()
 
         def composite(rule: rules_mod.QuantizationRule, name: str, y: Any) -> Any:
             stat = self._stat(module, name, required=False)
@@ -282,10 +350,11 @@ class OdmlConversionProvider(qt.QtProvider):
                 return y
             return self._activation(y, rule, stat, name, kind="output")
 
-        return boundary.map_outputs(self.rules, module, out, composite)
+        return boundary.map_outputs(self.rules, module, out, composite, method_name)
 
     def process_model_inputs(self, model: Any, model_args: Any, model_kwargs: Any) -> Any:
         """The model inputs' composites, where quant_stats has their statistic (see QAT)."""
+        self._shared.reset()
 
         def composite(rule: rules_mod.QuantizationRule, name: str, y: Any) -> Any:
             stat = self._stat(model, name, required=False)
@@ -345,9 +414,16 @@ class OdmlConversionProvider(qt.QtProvider):
             )
         return np.asarray(x)
 
-    def _stat(self, module, name, *, required=True) -> Mapping[str, Any] | None:
+    def _stat(
+        self, module, name, *, required=True, op_id=None, side=None
+    ) -> Mapping[str, Any] | None:
         path = (*flax_util.module_path(module), name)
         stat = _lookup(self._stats, path)
+        for legacy in names.legacy_names(name, op_id, side) if stat is None else ():
+            # A calibration made before qmill followed the reference's names.
+            stat = _lookup(self._stats, (*path[:-1], legacy))
+            if stat is not None:
+                break
         if stat is None and required:
             raise ValueError(
                 f"no quant_stats for {'/'.join(path)}: static-range export needs statistics "

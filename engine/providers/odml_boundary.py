@@ -1,14 +1,17 @@
 """The ODML providers' model boundary: inputs and outputs, and the rules as ODML reads them.
 
 LiteRT kernels are integer end to end only when the graph's inputs and output are quantized too.
-The output's static range is the statistic ``model_output`` (``model_output_<i>`` for several
-outputs) at the top of quant_stats; with a fixed input range, the inputs' is ``model_input``.
+The output's static range is the statistic ``final_output0`` (``final_output<i>`` for the i-th of
+several outputs; ``<method>_output<i>`` for a method other than ``__call__``), at the top of
+quant_stats, named as the reference names it; with a fixed input range, the inputs' is
+``model_input`` (``model_input_<i>``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,8 +23,23 @@ from qmill.engine.core import calibration, qarray
 from qmill.engine.modeling import interception, provenance
 from qmill.engine.modeling import rules as rules_mod
 
-MODEL_OUTPUT = "model_output"
+# The statistic of a model's (first) output, as the reference names it ("final" is its name for
+# __call__); other methods' outputs are "<method>_output<i>".
+MODEL_OUTPUT = "final_output0"
 MODEL_INPUT = "model_input"
+_BOUNDARY_STAT = re.compile(r"\w+_output\d+|model_input(_\d+)?")
+
+
+def output_stat_names(method_name: str, count: int) -> list[str]:
+    """The statistics of a method's ``count`` output leaves: final_output0, final_output1, ..."""
+    prefix = "final" if method_name == "__call__" else method_name
+    return [f"{prefix}_output{i}" for i in range(count)]
+
+
+def is_boundary_stat(name: str) -> bool:
+    """Whether a top-level quant_stats entry is a model input's or output's statistic (only a
+    LiteRT export uses them; op statistics are ``<op><n>_<lhs|rhs>``)."""
+    return _BOUNDARY_STAT.fullmatch(name) is not None
 
 
 def static_rule(rules_: Sequence[rules_mod.QuantizationRule]) -> rules_mod.QuantizationRule | None:
@@ -42,17 +60,16 @@ def map_outputs(
     module: Any,
     out: Any,
     fn: Callable[[rules_mod.QuantizationRule, str, Any], Any],
+    method_name: str = "__call__",
 ) -> Any:
     """The model output with each leaf y replaced by fn(rule, name, y): rule the one quantizing
-    outputs, name "model_output" (or "model_output_<i>" for several leaves). The output as is
-    when no rule quantizes it or the model is not a module."""
+    outputs, name "final_output<i>" for the i-th leaf (output_stat_names). The output as is when
+    no rule quantizes it or the model is not a module."""
     rule = static_rule(rules_)
     if rule is None or module is None:
         return out
     leaves, tree = jax.tree.flatten(out)
-    names = (
-        [MODEL_OUTPUT] if len(leaves) == 1 else [f"{MODEL_OUTPUT}_{i}" for i in range(len(leaves))]
-    )
+    names = output_stat_names(method_name, len(leaves))
     return jax.tree.unflatten(tree, [fn(rule, n, y) for n, y in zip(names, leaves, strict=True)])
 
 

@@ -65,6 +65,14 @@ class WithAux(Generic[A]):
             return flax_util.unbox(self)
         raise TypeError(f"a quantized weight can only be read whole (`[...]`), not with [{key!r}]")
 
+    def astype(self, dtype: Any) -> WithAux[A]:
+        """The weight cast to ``dtype`` (a QArray's scale), its box (axis names) kept, as the
+        reference's."""
+        value = flax_util.unbox(self.array).astype(dtype)
+        if isinstance(self.array, nnx.Variable | nn.meta.AxisMetadata):
+            value = flax_util.update_boxed(self.array, value)
+        return self.replace(array=value)
+
     def reshape(self, *shape: Any) -> WithAux[A]:
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = tuple(shape[0])
@@ -188,7 +196,7 @@ class PtqProvider(base.OpsProvider):
                 x = x.array
             elif quantized:
                 pass  # a QArray the model code took out of its weight (jnp.asarray, .array)
-            elif ref is not None:
+            elif ref is not None and not (for_lhs and _params_frozen(module)):
                 x = self.quantize_weight(module, ref, x, how.weight(for_lhs)).array
             elif rule.act_qtype is not None:
                 name = None if op_id is None else f"{op_id}_{side}"
@@ -202,6 +210,17 @@ class PtqProvider(base.OpsProvider):
 
     def quantize_act(self, module, array, how, rule, act_name) -> qarray.QArray:
         return quantize_act(module, array, how, rule, act_name)
+
+
+def _params_frozen(module: Any) -> bool:
+    """A Linen model applied without mutable params: a float weight can't be replaced by its
+    quantized form. An lhs one (``jnp.asarray(w) @ x``) then computes as an activation, as the
+    reference's PTQ treats every lhs; an rhs one still raises, as there."""
+    return (
+        isinstance(module, nn.Module)
+        and not module.is_initializing()
+        and not module.is_mutable_collection("params")
+    )
 
 
 @functools.cache

@@ -75,10 +75,20 @@ class QtProvider(base.OpsProvider):
     def dot_general(
         self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
     ) -> jax.Array:
+        return self.named_dot_general(
+            "dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs
+        )
+
+    def named_dot_general(
+        self, op_name, lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs
+    ) -> jax.Array:
+        """dot_general, its rule and op id looked up as ``op_name`` (the ODML providers name
+        jnp.dot "dot", as the reference's)."""
+
         def compute(a, b):
             return jax.lax.dot_general(a, b, dimension_numbers, precision, preferred_element_type)
 
-        rule, op_id, module = self.current_rule_and_op_id("dot_general")
+        rule, op_id, module = self.current_rule_and_op_id(op_name)
         if rule is None or rule.weight_qtype is None:
             return jax.lax.dot_general(
                 lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs

@@ -120,6 +120,7 @@ class ProgramSession:
         _check_stats_size(program, max_stats_bytes)
         self.program = program
         self.stat_qtypes = dict(program.stat_qtypes)
+        self.stat_aliases = dict(program.stat_aliases)
         # Each batch is one tensor per model input.
         self.inputs_per_batch = len(program.inputs)
         flat = {k: np.asarray(v) for k, v in params_lib.flatten(params_lib.unwrap(params)).items()}

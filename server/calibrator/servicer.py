@@ -159,6 +159,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 examples=s.examples,
                 stats=stats,
                 stat_qtypes=s.stat_qtypes,
+                stat_aliases=s.stat_aliases,
             )
         )
         ptq = []

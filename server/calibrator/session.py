@@ -26,7 +26,7 @@ from qmill.engine.modeling import flax_util
 from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.programs import program as programs
 from qmill.engine.programs import zoo
-from qmill.engine.providers import odml
+from qmill.engine.providers import odml_names
 from qmill.server import errors
 from qmill.server import params as params_lib
 from qmill.server.calibrator import store
@@ -112,6 +112,10 @@ class Session:
         )
         self.model = qe.quantize_model(self.module, provider)
         abstract = jax.eval_shape(self.model.init, jax.random.key(0), self.input)
+        # An ODML calibration names statistics as the reference does (jnp.dot "dot<n>", one
+        # statistic for sibling ops); the trace above told which PTQ op each one serves.
+        self._ptq_aliases = dict(getattr(provider, "stat_aliases", {}))
+        self.stat_aliases = odml_names.aliases_by_stat(self._ptq_aliases)
         params = params_lib.unwrap(params)
         expected, got = _shapes(abstract["params"]), _shapes(params)
         if expected != got:
@@ -175,7 +179,7 @@ class Session:
         """{path: QArray or array}: the static-range PTQ params made with the merged stats."""
         ptq = qe.quantize_model(self.module, qe.PtqProvider(self.rules))
         abstract = jax.eval_shape(ptq.init, jax.random.key(0), self.input)
-        op_stats = {k: v for k, v in self.stats.items() if not k.startswith(odml.MODEL_OUTPUT)}
+        op_stats = odml_names.ptq_stats(self.stats, self._ptq_aliases)
         tree = qe.quantize_params(self.params, abstract["params"], op_stats)
         return params_lib.flatten(tree)
 

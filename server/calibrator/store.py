@@ -15,7 +15,7 @@ import os
 import pathlib
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,9 @@ class Calibration:
     # Statistic path ('<module>/<op>_<side>') -> the act qtype of its static scale, so that
     # QuantizeParams can turn the stats into PTQ scales by calibration id alone.
     stat_qtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Statistic path -> the PTQ statistic paths its static scale is for, where not just its own
+    # (an ODML calibration's names follow the reference's: engine/providers/odml_names.py).
+    stat_aliases: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
 
 def _host_leaves(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -86,6 +89,7 @@ class CalibrationStore:
             examples=meta["examples"],
             stats=params.unflatten(flat),
             stat_qtypes=meta.get("stat_qtypes", {}),
+            stat_aliases=meta.get("stat_aliases", {}),
         )
 
     # The name other modules use: get(tenant, id) -> Calibration.
@@ -105,6 +109,7 @@ class CalibrationStore:
             "examples": cal.examples,
             "order": list(flat),
             "stat_qtypes": dict(cal.stat_qtypes),
+            "stat_aliases": {k: list(v) for k, v in cal.stat_aliases.items()},
         }
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)

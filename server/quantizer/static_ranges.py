@@ -87,16 +87,16 @@ def scales(
                 f"calibration {ranges.calibration_id} predates static ranges in QuantizeParams; "
                 "calibrate again"
             )
-        stats, qtypes = cal.stats, dict(cal.stat_qtypes)
+        stats, qtypes, aliases = cal.stats, dict(cal.stat_qtypes), dict(cal.stat_aliases)
     else:
         if not ranges.quant_stats:
             raise ValueError("static_ranges: set calibration_id or quant_stats")
-        stats, qtypes = _inline_stats(ranges), dict(ranges.act_qtypes)
+        stats, qtypes, aliases = _inline_stats(ranges), dict(ranges.act_qtypes), {}
         for path in {p.rsplit("/", 1)[0] for p in params_lib.flatten(stats)}:
             if path not in qtypes and contrib_leaf.method_of(path) is None:
                 raise ValueError(f"static_ranges: act_qtypes has no entry for statistic {path}")
     try:
-        return programs.static_scales(stats, qtypes)
+        return programs.static_scales(stats, qtypes, aliases)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"static_ranges: the statistics are incomplete ({exc})") from None
 

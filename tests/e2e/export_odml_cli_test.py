@@ -81,7 +81,7 @@ def test_calibrate_then_export_w8a8_runs_in_litert_like_the_jax_ptq_model(
     # The JAX static-range PTQ model from the same params and the server's merged statistics.
     with np.load(tmp / "stats.npz") as f:
         stats = params_lib.unflatten({k: f[k] for k in f.files})
-    stats.pop("model_output", None)
+    stats.pop("final_output0", None)
     ptq = qe.quantize_model(zoo.BUILTIN["cnn"].build(zoo.CnnConfig()), qe.PtqProvider(W8A8))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), xt[:1])
     ptq_params = qe.quantize_params(params, abstract["params"], stats)

@@ -336,3 +336,45 @@ def test_prequantized_params_requantize_an_entry_without_the_models_zero_point()
     np.testing.assert_allclose(
         qwix.dequantize(requantized), qwix.dequantize(sym), atol=float(sym.scale.max())
     )
+
+
+def test_use_reciprocal_for_quantization_multiplies_by_the_scales_reciprocal(monkeypatch):
+    # The reference's flag (issue 40): x * (1 / scale) in x's dtype instead of x / scale. XLA
+    # already multiplies by the reciprocal of a broadcast scale, so the flag shows where the
+    # scale has x's own shape (a true division otherwise).
+    x = jax.random.normal(jax.random.key(3), (64, 48), jnp.float32) * 3
+    how = qwix.HowToQuantize(qtype="int8", channelwise_axes=(1,))
+    scale = jnp.broadcast_to(qwix.qarray.quantize(x, how).scale, x.shape)
+    divided = qwix.qarray.quantize_with_scale_zero_point(x, "int8", scale, None)
+    # The same conversion to int8 of x * (1 / scale), computed in float32 by numpy (÷ 1 is exact).
+    products = jnp.asarray(np.asarray(x) * (np.float32(1) / np.asarray(scale)))
+    ones = jnp.ones_like(scale)
+    by_reciprocal = qwix.qarray.quantize_with_scale_zero_point(products, "int8", ones, None).qvalue
+    assert (by_reciprocal != divided.qvalue).any()  # the inputs tell the two apart
+    monkeypatch.setattr(qwix.qarray, "USE_RECIPROCAL_FOR_QUANTIZATION", True)
+    q = qwix.qarray.quantize_with_scale_zero_point(x, "int8", scale, None)
+    np.testing.assert_array_equal(q.qvalue, by_reciprocal)
+    # Dynamic quantization (eager and jitted) takes the flag too.
+    per_channel = qwix.qarray.quantize(x, how)
+    want = qwix.qarray.quantize_with_scale_zero_point(x, "int8", per_channel.scale, None)
+    np.testing.assert_array_equal(per_channel.qvalue, want.qvalue)
+    jitted = jax.jit(qwix.qarray.quantize, static_argnums=1)(x, how)
+    np.testing.assert_array_equal(jitted.qvalue, want.qvalue)
+
+
+def test_process_prequantized_params_refuses_a_linen_template_in_the_references_words():
+    with pytest.raises(TypeError, match=r"only supports NNX PTQ/QT models\. Got <class"):
+        checkpoint_utils.process_prequantized_params({}, nn.Dense(4))
+
+
+def test_restore_quantization_rules_warns_about_conflicting_rules(caplog):
+    int8 = {"qvalue": jnp.ones((4, 4), jnp.int8), "scale": jnp.ones((1, 4))}
+    int4 = {"qvalue": jnp.ones((4, 4), jnp.int4), "scale": jnp.ones((1, 4))}
+    with caplog.at_level("WARNING"):
+        rules = checkpoint_utils.restore_quantization_rules({"mlp": {"a": int8, "b": int4}})
+    assert [r.weight_qtype for r in rules] == ["int4"]
+    assert "Conflicting quantization rules reconstructed for mlp" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        checkpoint_utils.restore_quantization_rules({"mlp": {"a": int8, "b": int8}})
+    assert "Conflicting" not in caplog.text

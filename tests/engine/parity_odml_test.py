@@ -1,5 +1,6 @@
-"""Reference behaviours of the ODML providers (issue 30): Linen shared scopes, the interception
-stack, and the statistics' names and sharing (two documented differences)."""
+"""Reference behaviours of the ODML providers (issues 30 and 40): Linen shared scopes, the
+interception stack, and the statistics' names and sharing, as the reference's odml_test has them
+(``final_output0``, jnp.dot as ``dot<n>``, siblings sharing the first one's statistic)."""
 
 import flax
 import jax
@@ -12,7 +13,7 @@ from flax import nnx
 import qmill.engine as qwix
 from qmill.engine import interception
 from qmill.engine.modeling import provenance
-from qmill.engine.providers import odml
+from qmill.engine.providers import odml, odml_names
 
 RULES = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
 
@@ -45,12 +46,8 @@ def test_linen_shared_scope_gives_each_module_its_own_statistics():
     model = qwix.quantize_model(SharedScope(), qwix.OdmlQatProvider(RULES))
     x = jax.random.normal(jax.random.key(1), (2, 16))
     variables = model.init(jax.random.key(0), x)  # raised NameInUseError before
-    # Both ops in the shared scope, numbered apart (jnp.dot counts as dot_general here).
-    assert _stat_names(variables["quant_stats"]) == {
-        "dot_general0_lhs",
-        "dot_general1_lhs",
-        odml.MODEL_OUTPUT,
-    }
+    # Both ops in the shared scope, numbered apart; jnp.dot is the op "dot", as the reference's.
+    assert _stat_names(variables["quant_stats"]) == {"dot0_lhs", "dot1_lhs", "final_output0"}
     # A second run reuses the same statistics, and conversion finds them.
     qat_out, updates = model.apply(variables, x, mutable=["quant_stats"])
     assert _stat_names(updates["quant_stats"]) == _stat_names(variables["quant_stats"])
@@ -72,11 +69,7 @@ def test_shared_scope_numbering_reuses_indices_on_a_second_call():
 
     model = qwix.quantize_model(Twice(), qwix.OdmlQatProvider(RULES))
     variables = model.init(jax.random.key(0), jnp.ones((1, 16)))
-    assert _stat_names(variables["quant_stats"]) == {
-        "dot_general0_lhs",
-        "dot_general1_lhs",
-        odml.MODEL_OUTPUT,
-    }
+    assert _stat_names(variables["quant_stats"]) == {"dot0_lhs", "dot1_lhs", "final_output0"}
 
 
 @pytest.mark.parametrize(
@@ -116,10 +109,8 @@ class NnxMLP(nnx.Module):
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
-def test_statistic_names_as_the_reference_but_the_output(framework):
-    # The op statistics have the reference's names. Deliberate difference
-    # (docs/api-differences.md, ODML statistics): the model output's is "model_output", where
-    # the reference writes "final_output0".
+def test_statistic_names_as_the_reference(framework):
+    # The reference's test_linen / test_nnx: op statistics and the output's "final_output0".
     x = jnp.ones((1, 16))
     if framework == "linen":
         model = qwix.quantize_model(LinenMLP(), qwix.OdmlQatProvider(RULES))
@@ -131,8 +122,41 @@ def test_statistic_names_as_the_reference_but_the_output(framework):
         model(x)
         stats = nnx.to_pure_dict(nnx.state(model, qwix.QuantStat))
         names, ops = _stat_names(stats), ("linear1", "linear2")
-    assert names == {f"{op}/dot_general0_lhs" for op in ops} | {"model_output"}
-    assert odml.MODEL_OUTPUT == "model_output" and "final_output0" not in names
+    assert names == {f"{op}/dot_general0_lhs" for op in ops} | {"final_output0"}
+    assert odml.MODEL_OUTPUT == "final_output0"
+
+
+def test_standard_submodules_number_their_dots_apart():
+    # The reference's test_linen_no_shared_scope.
+    class NoSharedScope(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = NamedParam(features=8, param_name="weight", name="m1")(x)
+            return NamedParam(features=8, param_name="weight", name="m2")(x)
+
+    model = qwix.quantize_model(NoSharedScope(), qwix.OdmlQatProvider(RULES))
+    variables = model.init(jax.random.key(0), jnp.ones((1, 16)))
+    assert _stat_names(variables["quant_stats"]) == {"m1/dot0_lhs", "m2/dot0_lhs", "final_output0"}
+
+
+def test_several_outputs_and_other_methods_name_their_output_statistics():
+    class TwoOutputs(nn.Module):
+        def setup(self):
+            self.a, self.b = nn.Dense(4), nn.Dense(3)
+
+        def __call__(self, x):
+            return self.a(x), self.b(x)
+
+        def encode(self, x):
+            return self.a(x)
+
+    x = jnp.ones((2, 8))
+    provider = qwix.OdmlQatProvider(RULES)
+    model = qwix.quantize_model(TwoOutputs(), provider, methods=["__call__", "encode"])
+    variables = model.init(jax.random.key(0), x)
+    assert {"final_output0", "final_output1"} <= _stat_names(variables["quant_stats"])
+    _, updates = model.apply(variables, x, method="encode", mutable=["quant_stats"])
+    assert "encode_output0" in _stat_names(updates["quant_stats"])
 
 
 class Siblings(nn.Module):
@@ -142,33 +166,119 @@ class Siblings(nn.Module):
         return jnp.multiply(nn.Dense(8, name="sibling1")(x), nn.Dense(8, name="sibling2")(x))
 
 
-def test_sibling_ops_keep_equal_statistics_of_their_own():
-    # Deliberate difference (docs/api-differences.md, ODML statistics): the reference records
-    # one statistic for two ops reading one tensor under one rule (sibling1's); here each op
-    # keeps its own, equal ones, which PTQ's quantize_params looks up by op.
+def test_sibling_ops_share_the_first_ones_statistic():
+    # As the reference: two ops reading one tensor under one rule share one fake quant, and its
+    # statistic is the first op's; the exported model has one quantized tensor for both.
     model = qwix.quantize_model(Siblings(), qwix.OdmlQatProvider(RULES))
     x = jax.random.normal(jax.random.key(1), (4, 8))
     variables = model.init(jax.random.key(0), x)
+    provider = qwix.OdmlQatProvider(RULES)
+    model = qwix.quantize_model(Siblings(), provider)
     qat_out, updates = model.apply(variables, x, mutable=["quant_stats"])
     stats = updates["quant_stats"]
-    assert {"sibling1/dot_general0_lhs", "sibling2/dot_general0_lhs"} <= _stat_names(stats)
-    for key in ("count", "sum_of_absmax"):
-        np.testing.assert_array_equal(
-            stats["sibling1"]["dot_general0_lhs"][key], stats["sibling2"]["dot_general0_lhs"][key]
-        )
+    assert _stat_names(stats) == {
+        "pre_dense/dot_general0_lhs",
+        "sibling1/dot_general0_lhs",
+        "final_output0",
+    }
     conversion = qwix.OdmlConversionProvider(RULES, variables["params"], stats)
     out = qwix.quantize_model(Siblings(), conversion).apply({"params": variables["params"]}, x)
     np.testing.assert_allclose(out, qat_out, atol=1e-5)
+    names = [r.name for r in conversion.records.values() if r.kind == "activation"]
+    assert sorted(names) == ["pre_dense/dot_general0_lhs", "sibling1/dot_general0_lhs"]
+    # A PtqProvider model looks each sibling's statistic up under its own name.
+    assert provider.stat_aliases["sibling2/dot_general0_lhs"] == "sibling1/dot_general0_lhs"
     static = [
         qwix.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)
     ]  # what the ODML providers make of RULES
     ptq = qwix.quantize_model(Siblings(), qwix.PtqProvider(static))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
-    op_stats = {k: v for k, v in stats.items() if k != odml.MODEL_OUTPUT}
+    op_stats = odml_names.ptq_stats(stats, provider.stat_aliases)
     params = qwix.quantize_params(variables["params"], abstract, op_stats)
-    # Equal statistics give the siblings equal static scales (their own, under their own names).
     np.testing.assert_array_equal(
         params["sibling1"]["dot_general0_lhs_scale"].array,
         params["sibling2"]["dot_general0_lhs_scale"].array,
     )
     assert ptq.apply({"params": params}, x).shape == (4, 8)
+
+
+def test_einsum_and_dense_siblings_share_activation_stats():
+    # The reference's test_linen_einsum_and_dense_siblings_share_activation_stats (after 0.1.8;
+    # with a weight LiteRT stores per channel: qmill does not flatten (4, D, 8) einsum weights).
+    class SiblingModel(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(features=16, name="pre_dense")(x)
+            einsum_out = nn.Einsum(
+                shape=(x.shape[-1], 8),
+                einsum_str="BTD,DH->BTH",
+                use_bias=False,
+                name="einsum_sibling",
+            )(x)
+            return einsum_out, nn.Dense(features=8, name="dense_sibling")(x)
+
+    x = jnp.arange(2 * 3 * 16, dtype=jnp.float32).reshape(2, 3, 16)
+    x = x / jnp.max(x)
+    # (batch, sequence) inputs: one activation scale per tensor, as LiteRT stores it.
+    rules = [qwix.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_batch_axes=(0, 1))]
+    model = qwix.quantize_model(SiblingModel(), qwix.OdmlQatProvider(rules))
+    variables = model.init(jax.random.key(0), x)
+    qat_out, updates = model.apply(variables, x, mutable=True)
+    variables = {**variables, **updates}
+    names = _stat_names(variables["quant_stats"])
+    assert "einsum_sibling/einsum0_lhs" in names
+    assert "dense_sibling/dot_general0_lhs" not in names
+    conversion = qwix.OdmlConversionProvider(rules, variables["params"], variables["quant_stats"])
+    out = qwix.quantize_model(SiblingModel(), conversion).apply(variables, x)
+    for q, c in zip(qat_out, out, strict=True):
+        np.testing.assert_allclose(q, c, atol=1e-5)
+
+
+def test_jnp_dot_statistics_serve_the_ptq_model_under_its_dot_general_names():
+    # ODML calls jnp.dot "dot" (as the reference); PtqProvider routes it through dot_general,
+    # numbered with the module's other dot_generals: ptq_stats gives each op its PTQ name.
+    class Mixed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(), (16, 16))
+            y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+            return jnp.dot(jnp.tanh(y), w)
+
+    x = jax.random.normal(jax.random.key(1), (2, 16))
+    provider = qwix.OdmlQatProvider(RULES)
+    model = qwix.quantize_model(Mixed(), provider)
+    variables = model.init(jax.random.key(0), x)
+    _, updates = model.apply(variables, x, mutable=["quant_stats"])
+    stats = updates["quant_stats"]
+    assert _stat_names(stats) == {"dot_general0_lhs", "dot0_lhs", "final_output0"}
+    assert provider.stat_aliases == {
+        "dot_general0_lhs": "dot_general0_lhs",
+        "dot_general1_lhs": "dot0_lhs",
+    }
+    static = [qwix.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
+    ptq = qwix.quantize_model(Mixed(), qwix.PtqProvider(static))
+    abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+    params = qwix.quantize_params(
+        variables["params"], abstract, odml_names.ptq_stats(stats, provider.stat_aliases)
+    )
+    assert {"dot_general0_lhs_scale", "dot_general1_lhs_scale"} <= set(params)
+    assert ptq.apply({"params": params}, x).shape == (2, 16)
+
+
+def test_conversion_reads_calibrations_made_under_the_earlier_names():
+    # qmill's calibrations before issue 40 named the output "model_output" and a jnp.dot's input
+    # "dot_general<n>_lhs"; the conversion provider still finds them.
+    model = qwix.quantize_model(SharedScope(), qwix.OdmlQatProvider(RULES))
+    x = jax.random.normal(jax.random.key(1), (2, 16))
+    variables = model.init(jax.random.key(0), x)
+    qat_out, updates = model.apply(variables, x, mutable=["quant_stats"])
+    stats = dict(updates["quant_stats"])
+    old = {
+        "dot_general0_lhs": stats["dot0_lhs"],
+        "dot_general1_lhs": stats["dot1_lhs"],
+        "model_output": stats["final_output0"],
+    }
+    conversion = qwix.OdmlConversionProvider(RULES, variables["params"], old)
+    out = qwix.quantize_model(SharedScope(), conversion).apply({"params": variables["params"]}, x)
+    np.testing.assert_allclose(out, qat_out, atol=1e-5)
+    assert "final_output0" in conversion.records

@@ -139,3 +139,61 @@ def test_mx_dot_on_the_reference_batched_and_broadcast_shapes():
         mx((2, 4, 32), (1, 4, 1), 2.0), mx((2, 6, 32), (2, 6, 1), 1.0), dims
     )
     np.testing.assert_array_equal(out, jnp.full((2, 4, 6), 64.0))
+
+
+# ---- issue 40: the reference's ptq_test asarray cases ------------------------------------------
+
+
+def _asarray_model():
+    class AsArrayModule(nnx.Module):
+        def __call__(self, x, dtype=None):
+            return jnp.asarray(x, dtype=dtype)
+
+    return qwix.quantize_model(AsArrayModule(), qwix.PtqProvider(RULES), jnp.ones((2, 2)))
+
+
+def test_asarray_of_with_aux_keeps_it_and_casts_it():
+    # The reference's test_asarray_interception_with_aux.
+    model = _asarray_model()
+    wa = qwix.WithAux(jnp.ones((2, 2)), qwix.HowToQuantize(qtype="int8"))
+    assert jax.tree.map(id, model(wa)) == jax.tree.map(id, wa)
+    f16 = model(wa, dtype=jnp.float16)
+    assert isinstance(f16, qwix.WithAux) and f16.dtype == jnp.float16
+    assert (wa.shape, wa.ndim, wa.dtype) == ((2, 2), 2, jnp.float32)
+    # astype keeps the box (the axis names) of the array.
+    boxed = qwix.WithAux(nn.Partitioned(jnp.ones((2, 2)), names=("a", "b")), wa.how)
+    cast = boxed.astype(jnp.float16)
+    assert cast.dtype == jnp.float16 and isinstance(cast.array, nn.Partitioned)
+    assert cast.array.names == ("a", "b")
+    # and casts a QArray's scale.
+    qa = qwix.WithAux(qwix.quantize(jnp.ones((4, 3)), "int8"), wa.how).astype(jnp.bfloat16)
+    assert isinstance(qa.array, qarray.QArray) and qa.array.scale.dtype == jnp.bfloat16
+
+
+def test_asarray_of_a_float_lhs_param_falls_back_in_a_linen_model():
+    # The reference's test_asarray_interception_linen_module: params "quantized" against their
+    # own float shapes stay float; jnp.asarray(w) @ x then computes in float (the reference's
+    # PTQ never takes an lhs for a weight) instead of asking for quantize_params.
+    class LinenAsArrayModule(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.ones, (2, 2))
+            return jnp.asarray(w) @ x
+
+    model = LinenAsArrayModule()
+    variables = model.init(jax.random.key(0), jnp.ones((2, 2)))
+    q_vars = qwix.quantize_params(variables, jax.eval_shape(lambda: variables))
+    out = qwix.quantize_model(model, qwix.PtqProvider(RULES)).apply(q_vars, jnp.ones((2, 2)))
+    np.testing.assert_array_equal(out, jnp.full((2, 2), 2.0))
+
+
+def test_a_float_rhs_param_still_needs_quantize_params():
+    # As the reference (ptq_test.test_nn_ptq): an rhs weight is never silently left float.
+    class Rhs(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x @ jnp.asarray(self.param("w", nn.initializers.ones, (2, 2)))
+
+    variables = Rhs().init(jax.random.key(0), jnp.ones((2, 2)))
+    with pytest.raises(ValueError, match="quantize_params"):
+        qwix.quantize_model(Rhs(), qwix.PtqProvider(RULES)).apply(variables, jnp.ones((2, 2)))

@@ -2,6 +2,7 @@
 range, N:M sparsity before quantizing weights, 2-D tiles given as a dict, the QT config's
 residual options and its pytree form, and stochastic-rounding noise as a pytree."""
 
+import dataclasses
 import functools
 
 import jax
@@ -312,3 +313,129 @@ def test_int8_conv_backward_nchw_on_the_reference_case():
         assert _mae(fq, ours) == pytest.approx(1 / 255, rel=1e-3)
     assert _mae(fp_out, qt_out) <= 0.009 and _mae(fp_g[1], qt_g[1]) <= 0.02  # the reference's
     assert _mae(fp_g[0], qt_g[0]) <= 0.0095  # the reference's: 0.008
+
+
+# ---- issue 40: the residual fields of DotGeneralQtConfig ---------------------------------------
+
+
+def _qt_grads(cfg, lhs, rhs, target=None):
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(a, b):
+        out = dot_qt.dot_general_qt(a, b, dn, cfg)
+        return jnp.sum(out) if target is None else 0.5 * jnp.sum((out - target) ** 2)
+
+    return jax.grad(loss, argnums=(0, 1))(lhs, rhs)
+
+
+def test_fp8_backward_configuration_with_residuals():
+    # The reference's fp8 backward case: grads and residuals in float8, no forward qtype.
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(k1, (16, 32))
+    rhs = jax.random.normal(k2, (32, 16))
+    target = jax.random.normal(k3, (16, 16))
+    cfg = dot_qt.DotGeneralQtConfig(
+        use_original_residuals=False,
+        dlhs_grad_qtype=jnp.float8_e4m3fn,
+        drhs_grad_qtype=jnp.float8_e4m3fn,
+        dlhs_residual_qtype=jnp.float8_e4m3fn,
+        drhs_residual_qtype=jnp.float8_e4m3fn,
+    )
+    ga, gb = _qt_grads(cfg, lhs, rhs, target)
+    assert ga.shape == lhs.shape and gb.shape == rhs.shape
+    assert not jnp.isnan(ga).any() and not jnp.isnan(gb).any()
+    true_ga, true_gb = _qt_grads(dot_qt.DotGeneralQtConfig(), lhs, rhs, target)
+    # Close to the float gradients, not equal to them (the residuals are fp8).
+    for got, want in ((ga, true_ga), (gb, true_gb)):
+        assert 0 < float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.1
+
+
+def test_int8_residuals_quantize_what_the_backward_pass_reads():
+    lhs = jax.random.normal(jax.random.key(1), (8, 32))
+    rhs = jax.random.normal(jax.random.key(2), (32, 4))
+    cfg = dot_qt.DotGeneralQtConfig(
+        lhs_qtype="int8",
+        rhs_qtype="int8",
+        use_original_residuals=True,
+        dlhs_residual_qtype="int8",
+        drhs_residual_qtype="int8",
+    )
+    ga, gb = _qt_grads(cfg, lhs, rhs)
+
+    def fq(x, axis):  # one scale per index of the axis the backward dot keeps
+        how = qwix.HowToQuantize(qtype="int8", channelwise_axes=(axis,))
+        return qwix.qarray.dequantize(qwix.qarray.quantize(x, how))
+
+    g = jnp.ones((8, 4))
+    np.testing.assert_allclose(ga, g @ fq(rhs, 0).T, rtol=1e-6)
+    np.testing.assert_allclose(gb, fq(lhs, 1).T @ g, rtol=1e-6)
+    # Where the backward pass already reads the quantized operands, residual fields change
+    # nothing (as the reference: they apply to residuals not quantized yet).
+    plain = dot_qt.DotGeneralQtConfig(lhs_qtype="int8", rhs_qtype="int8")
+    with_fields = dot_qt.DotGeneralQtConfig(
+        lhs_qtype="int8", rhs_qtype="int8", dlhs_residual_qtype="int8", drhs_residual_qtype="int8"
+    )
+    for a, b in zip(_qt_grads(plain, lhs, rhs), _qt_grads(with_fields, lhs, rhs), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dot_general_qt_fwd_bwd_takes_the_calibrations():
+    # The reference's custom-VJP entry: with each side's own calibration, dot_general_qt.
+    lhs = jax.random.normal(jax.random.key(1), (8, 32))
+    rhs = jax.random.normal(jax.random.key(2), (32, 4))
+    dn = (((1,), (0,)), ((), ()))
+    cfg = dot_qt.DotGeneralQtConfig(
+        lhs_qtype="int8", rhs_qtype="int8", dlhs_grad_qtype="int8", drhs_grad_qtype="int8"
+    )
+
+    def how(for_lhs):
+        return qwix.ops.dot_general.get_how_to_quantize(
+            dimension_numbers=dn, ndims=(2, 2), for_lhs=for_lhs, qtype="int8"
+        )
+
+    cals = (qwix.qarray.calibrate(lhs, how(True)), qwix.qarray.calibrate(rhs, how(False)))
+
+    def given(a, b):
+        return jnp.sum(dot_qt.dot_general_qt_fwd_bwd(a, b, *cals, dn, cfg) ** 2)
+
+    def own(a, b):
+        return jnp.sum(dot_qt.dot_general_qt(a, b, dn, cfg) ** 2)
+
+    np.testing.assert_array_equal(
+        dot_qt.dot_general_qt_fwd_bwd(lhs, rhs, *cals, dn, cfg),
+        dot_qt.dot_general_qt(lhs, rhs, dn, cfg),
+    )
+    for a, b in zip(
+        jax.grad(given, (0, 1))(lhs, rhs), jax.grad(own, (0, 1))(lhs, rhs), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    # None: that side stays float.
+    out = dot_qt.dot_general_qt_fwd_bwd(lhs, rhs, None, None, dn, cfg)
+    np.testing.assert_allclose(out, lhs @ rhs, rtol=1e-5)
+
+
+def test_quantize_linen_model_is_quantize_models_linen_half():
+    model = qwix.model.quantize_linen_model(
+        nn.Dense(4), qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")]), ["__call__"]
+    )
+    x = jnp.ones((2, 8))
+    params = model.init(jax.random.key(0), x)["params"]
+    assert isinstance(params["kernel"], qwix.WithAux)
+    assert model.apply({"params": params}, x).shape == (2, 4)
+
+
+def test_a_config_with_a_2d_tile_size_is_a_static_jit_argument():
+    cfg = dot_qt.DotGeneralQtConfig(
+        lhs_qtype="int8",
+        rhs_qtype="int8",
+        tile_size={0: 2, 1: 2},
+        dlhs_grad_qtype="int8",
+        drhs_grad_qtype="int8",
+    )
+    dn = (((1,), (0,)), ((), ()))
+    lhs, rhs = jnp.ones((4, 8)), jnp.ones((8, 4))
+    loss = lambda a, b, c: jnp.sum(dot_qt.dot_general_qt(a, b, dn, c))  # noqa: E731
+    grad = jax.jit(jax.grad(loss), static_argnums=2)
+    np.testing.assert_array_equal(grad(lhs, rhs, cfg), jax.grad(loss)(lhs, rhs, cfg))
+    same = dataclasses.replace(cfg, tile_size={1: 2, 0: 2})
+    assert hash(same) == hash(cfg) and same == cfg

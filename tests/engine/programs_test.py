@@ -84,6 +84,42 @@ def test_nnx_program_stats_and_scales_equal_local_srq(nnx_program) -> None:
         np.testing.assert_array_equal(value, want[path])
 
 
+class Siblings(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.Dense(6, name="pre")(x)
+        w = self.param("w", nn.initializers.normal(), (6, 2))
+        return nn.Dense(2, name="left")(h) * jnp.dot(h, w)
+
+
+def test_odml_statistics_give_every_ptq_op_its_scale() -> None:
+    # An ODML calibration names statistics as the reference (issue 40): "left" and the jnp.dot
+    # read one tensor and share left's statistic, the dot is "dot0" where PTQ counts it as a
+    # dot_general. The header's aliases give each PTQ op its static scale.
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
+    data, params = program_build.calibration_program(Siblings(), RULES, x)
+    program = programs.load(data)
+    assert set(program.stat_qtypes) == {"pre/dot_general0_lhs", "left/dot_general0_lhs"} | {
+        "final_output0"
+    }
+    assert program.stat_aliases == {
+        "left/dot_general0_lhs": ("dot_general0_lhs", "left/dot_general0_lhs")
+    }
+    stats = _run(data, params, [(x,)])
+    scales = programs.static_scales(stats, program.stat_qtypes, program.stat_aliases)
+    assert set(scales) == {
+        f"{p}_lhs_scale/array" for p in ("pre/dot_general0", "left/dot_general0", "dot_general0")
+    }
+    np.testing.assert_array_equal(
+        scales["dot_general0_lhs_scale/array"], scales["left/dot_general0_lhs_scale/array"]
+    )
+    # They are the keys of the PTQ model's params.
+    ptq = qe.quantize_model(Siblings(), qe.PtqProvider(RULES))
+    abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+    flat = programs.flat_paths(abstract)
+    assert set(scales) <= {p.removesuffix("/value") for p in flat} | set(flat)
+
+
 def test_load_refuses_bad_artifacts(nnx_program) -> None:
     _, data, _ = nnx_program
     with pytest.raises(programs.ProgramError, match="over this server's limit"):

@@ -49,7 +49,7 @@ def test_two_calls_merge_exactly_into_the_one_call_stats(setup):
     second = client.calibrate(_start(uid, calibration_id=cid), batches[2:])
     assert second.summary.calibration_id == cid
     assert second.summary.batches_total == 4 and second.summary.examples_total == len(x)
-    assert set(one.stats) == set(second.stats) and "model_output/count" in one.stats
+    assert set(one.stats) == set(second.stats) and "final_output0/count" in one.stats
     for path, value in one.stats.items():
         assert value.dtype == second.stats[path].dtype
         np.testing.assert_array_equal(value, second.stats[path], err_msg=path)

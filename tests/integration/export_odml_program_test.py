@@ -76,7 +76,7 @@ def test_program_export_runs_in_litert_like_the_jax_ptq_model(client, tmp_path) 
     got, step = _litert((tmp_path / "m.tflite").read_bytes(), x[1024:], m[1024:])
 
     # The JAX static-range PTQ model from the same float params and the server's statistics.
-    stats.pop("model_output")
+    stats.pop("final_output0")
     ptq = qe.quantize_model(model, qe.PtqProvider(RULES), x[:1], m[:1])
     float_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     nnx.update(ptq, qe.quantize_params(float_params, ptq, jax.tree.map(np.asarray, stats)))

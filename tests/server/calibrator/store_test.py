@@ -16,7 +16,7 @@ def _cal(cid, tenant="a", **kw):
                 "sum_of_absmax": np.array([0.1, 1 / 3, 7e-39], np.float32),
             }
         },
-        "model_output": {
+        "final_output0": {
             "count": np.array(3, np.int32),
             "sum_of_minmax": np.zeros((2,), np.float32),
         },
@@ -39,6 +39,17 @@ def test_round_trip_is_exact_and_survives_a_new_store(tmp_path):
         assert flat[path].tobytes() == value.tobytes(), path
     assert (got.batches, got.examples, got.model_key) == (3, 96, '["cnn", {}]')
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{cid}.json", f"{cid}.npz"]
+
+
+def test_statistic_aliases_survive_the_store(tmp_path):
+    # An ODML calibration's jnp.dot statistic serves the PTQ model's dot_general one (issue 40).
+    cid = store_lib.CalibrationStore.new_id()
+    aliases = {"Dense_0/dot0_lhs": ["Dense_0/dot_general0_lhs", "Dense_1/dot_general0_lhs"]}
+    store_lib.CalibrationStore(tmp_path).save(_cal(cid, stat_aliases=aliases))
+    assert store_lib.CalibrationStore(tmp_path).get("a", cid).stat_aliases == aliases
+    cid2 = store_lib.CalibrationStore.new_id()
+    store_lib.CalibrationStore(tmp_path).save(_cal(cid2))
+    assert store_lib.CalibrationStore(tmp_path).get("a", cid2).stat_aliases == {}
 
 
 def test_a_continued_calibration_replaces_the_stored_one(tmp_path):
