@@ -22,15 +22,15 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "gpu"))
 
-import lm_gptq  # noqa: E402  (bench/gpu/lm_gptq.py: the folder)
+import lm_gptq
 
-from qmill.checkpoints import lm_calibration  # noqa: E402
-from qmill.client import recipes as client_recipes  # noqa: E402
-from qmill.engine.contrib import gptq_core  # noqa: E402
-from qmill.engine.contrib import leaf as contrib_leaf  # noqa: E402
-from qmill.engine.lm import config as config_lib  # noqa: E402
-from qmill.engine.lm import forward, sequential  # noqa: E402
-from qmill.engine.modelfree import layout, recipes  # noqa: E402
+from qmill.checkpoints import lm_calibration
+from qmill.client import recipes as client_recipes
+from qmill.engine.contrib import gptq_core
+from qmill.engine.contrib import leaf as contrib_leaf
+from qmill.engine.lm import config as config_lib
+from qmill.engine.lm import forward, sequential
+from qmill.engine.modelfree import layout, recipes
 
 
 def profile_layer(cfg, weights, recipe, layer, hidden, options) -> tuple[tuple, dict]:
