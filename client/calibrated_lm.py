@@ -29,8 +29,8 @@ _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.I)
 def add_arguments(q: argparse.ArgumentParser) -> None:
     """The flags of a calibrated language-model run on `qmill quantize`."""
     g = q.add_argument_group(
-        "calibrated language models (a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, "
-        "Phi-3, Gemma 1/2/3)"
+        "calibrated language models",
+        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3",
     )
     g.add_argument(
         "--method",
@@ -284,18 +284,4 @@ def calibrate(
 
 def report_fields(req: lm_calibration.LmRequest, done: lm_calibration.LmOutcome) -> dict:
     """What --report-json adds: the perplexity, each layer's GPTQ losses, the options."""
-    return {
-        "perplexity": done.perplexity,
-        "calibration": {
-            "method": "gptq",
-            "samples": int(req.calibration_ids.shape[0]),
-            "seq_len": int(req.calibration_ids.shape[1]),
-            "eval_windows": None if req.eval_ids is None else int(req.eval_ids.shape[0]),
-            "gptq": {
-                "block_size": req.blocksize,
-                "dampening": req.percdamp,
-                "actorder": "static" if req.actorder else None,
-            },
-            "layers": done.layers,
-        },
-    }
+    return lm_calibration.report_fields(req, done)
