@@ -112,11 +112,6 @@ def wanted(args: argparse.Namespace) -> bool:
         raise ValueError("--method gptq takes one of --calibration-text or --calibration-ids")
     if args.calibration is not None:
         raise ValueError("--method calibrates the model itself: drop --calibration")
-    if args.server:
-        raise ValueError(
-            "--method gptq runs in process for now: drop --server (the server's side is not "
-            "built yet)"
-        )
     if args.max_ppl_increase is not None and args.eval_text is None and args.eval_ids is None:
         raise ValueError("--max-ppl-increase needs --eval-text or --eval-ids")
     for flag in ("calibration_samples", "calibration_seq_len", "eval_samples"):

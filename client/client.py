@@ -184,6 +184,32 @@ class Client(_Base):
             pass
         return collector.result()
 
+    def calibrate_language_model(
+        self,
+        request: pb.CalibrateLanguageModelRequest,
+        *,
+        on_progress: Callable[[pb.LanguageModelProgress], None] | None = None,
+    ) -> pb.CalibrateLanguageModelSummary:
+        """Calibrates a Hugging Face causal-LM folder whose weight files are uploaded (no
+        timeout: it takes minutes to hours); `on_progress` sees each finished layer. Its summary's
+        calibration_id goes to `quantize(static_ranges=...)`."""
+        summary: list[pb.CalibrateLanguageModelSummary] = []
+
+        def feed(response: pb.CalibrateLanguageModelResponse) -> None:
+            if response.HasField("progress") and on_progress is not None:
+                on_progress(response.progress)
+            elif response.HasField("summary"):
+                summary.append(response.summary)
+
+        stream = self._connection.stream(
+            "Calibrator", "CalibrateLanguageModel", request, feed, timeout=None
+        )
+        for _ in stream:
+            pass
+        if not summary:
+            raise errors.QmillError("DATA_LOSS", "the calibration ended without its summary")
+        return summary[0]
+
     def export_odml(
         self, request: pb.ExportOdmlRequest, output: str | os.PathLike[str]
     ) -> export_lib.ExportResult:

@@ -30,7 +30,15 @@ from qmill.checkpoints import (
 )
 from qmill.checkpoints import dtypes as checkpoint_dtypes
 from qmill.checkpoints import errors as checkpoint_errors
-from qmill.client import calibrated_lm, credentials, recipes, report, report_table, retry
+from qmill.client import (
+    calibrated_lm,
+    credentials,
+    lm_server,
+    recipes,
+    report,
+    report_table,
+    retry,
+)
 
 if TYPE_CHECKING:
     from qmill.client import client as client_lib
@@ -165,12 +173,17 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
-    calibrated = None
+    calibrated = remote = None
     if lm is not None:
         formats.check_destination(
             args.source, args.output, overwrite=args.overwrite, output_format=args.format
         )
-        calibrated = calibrated_lm.calibrate(args, recipe, lm)
+        if args.server:  # the server calibrates (lm_server.py)
+            with _client(args) as client:
+                remote = lm_server.calibrate(client, args, recipe, lm)
+            calibration = remote.quantize_kwargs()
+        else:
+            calibrated = calibrated_lm.calibrate(args, recipe, lm)
     if args.format == formats.COMPRESSED_TENSORS and "calibration_stats" in calibration:
         # Statistics in hand: an AWQ / SmoothQuant calibration is refused before any work.
         what = f"--calibration {args.calibration}"
@@ -180,6 +193,8 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         backend = _backend(args)
         if calibrated is not None:
             backend = lm_calibration.Precomputed(backend, calibrated)
+        elif remote is not None:
+            backend = remote.backend(backend)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.quantize_checkpoint(
                 args.source,
@@ -205,6 +220,11 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         retry_if=lambda _: answered.is_set(),
     )
     seconds = time.monotonic() - started
+    lm_report = None
+    if calibrated is not None:
+        lm_report = calibrated_lm.report_fields(lm, calibrated)
+    elif remote is not None:
+        lm_report = remote.report
     summary = report.Summary(
         rows,
         seconds,
@@ -213,7 +233,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         pipeline.with_default_convention(recipe, _source_format(args.source)),
         disk_before=report.disk_bytes(args.source),
         disk_after=report.disk_bytes(args.output),  # what was written, stat'ed after commit
-        calibration=None if lm is None else calibrated_lm.report_fields(lm, calibrated),
+        calibration=lm_report,
     )
     if calibrated is not None:
         lm_calibration.discard(args.output)  # the output holds it now
@@ -236,6 +256,8 @@ def _language_model(args: argparse.Namespace, out: Console) -> Any:
     if not calibrated_lm.wanted(args):
         return None
     lm_calibration.model_config(args.source)  # an unsupported architecture: refused first
+    if args.server:
+        lm_server.check_server(args)
     lm = calibrated_lm.request(args)
     for line in calibrated_lm.check_memory(args, lm):
         out.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -409,6 +409,61 @@ class UploadStatus(_message.Message):
     expires_unix: float
     def __init__(self, upload_id: _Optional[str] = ..., committed_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., sha256: _Optional[str] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
+class CalibrateLanguageModelRequest(_message.Message):
+    __slots__ = ("config_json", "weight_uploads", "index_json", "recipe", "calibration")
+    class WeightUploadsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    weight_uploads: _containers.ScalarMap[str, str]
+    index_json: str
+    recipe: Recipe
+    calibration: LanguageModelCalibration
+    def __init__(self, config_json: _Optional[str] = ..., weight_uploads: _Optional[_Mapping[str, str]] = ..., index_json: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., calibration: _Optional[_Union[LanguageModelCalibration, _Mapping]] = ...) -> None: ...
+
+class LanguageModelProgress(_message.Message):
+    __slots__ = ("layer", "layers", "loss", "seconds", "eta_seconds")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    layers: int
+    loss: float
+    seconds: float
+    eta_seconds: float
+    def __init__(self, layer: _Optional[int] = ..., layers: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., eta_seconds: _Optional[float] = ...) -> None: ...
+
+class CalibrateLanguageModelResponse(_message.Message):
+    __slots__ = ("progress", "summary")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    progress: LanguageModelProgress
+    summary: CalibrateLanguageModelSummary
+    def __init__(self, progress: _Optional[_Union[LanguageModelProgress, _Mapping]] = ..., summary: _Optional[_Union[CalibrateLanguageModelSummary, _Mapping]] = ...) -> None: ...
+
+class CalibrateLanguageModelSummary(_message.Message):
+    __slots__ = ("calibration_id", "report_json", "resumed_at_layer", "calibrated_tensors")
+    CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORT_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    calibration_id: str
+    report_json: str
+    resumed_at_layer: int
+    calibrated_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, calibration_id: _Optional[str] = ..., report_json: _Optional[str] = ..., resumed_at_layer: _Optional[int] = ..., calibrated_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class CalibrateStart(_message.Message):
     __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "return_ptq_params", "program", "program_upload_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -227,3 +227,95 @@ def test_a_perplexity_gate_fails_the_job_and_writes_nothing(make_server, llama, 
     assert "more than max_ppl_increase -100 %" in last.error, last.error
     assert json.loads(last.calibration_report_json)["perplexity"]["source"] > 0
     assert not dest.exists()
+
+
+# --- `qmill quantize FOLDER --server ... --method gptq`: CalibrateLanguageModel -------------------
+
+
+def _cli_args(llama, ids, output, *extra) -> list[str]:
+    return [
+        "quantize", str(llama), "-o", str(output), "--recipe", "W4A16", "--group-size",
+        str(GROUP), "--method", "gptq", "--calibration-ids", str(ids["calibration"]),
+        "--eval-ids", str(ids["eval"]), "-q", *map(str, extra),
+    ]  # fmt: skip
+
+
+def _lm_request(client: Client, llama, message) -> pb.CalibrateLanguageModelRequest:
+    upload = client.upload(str(llama / "model.safetensors")).upload_id
+    return pb.CalibrateLanguageModelRequest(
+        config_json=(llama / "config.json").read_text(),
+        weight_uploads={"model.safetensors": upload},
+        recipe=recipes.message(_recipe()),
+        calibration=message,
+    )
+
+
+def test_quantize_through_a_server_gives_the_in_process_bytes(
+    make_server, llama, ids, in_process, tmp_path
+):
+    reference, report = in_process
+    server = make_server()
+    output, report_file = tmp_path / "llama-gptq", tmp_path / "report.json"
+    args = _cli_args(llama, ids, output, "--server", server.address, "--report-json", report_file)
+    assert cli.main(args) == 0
+    _same_bytes(output, reference)
+    remote = json.loads(report_file.read_text())
+    assert remote["perplexity"] == report["perplexity"]
+    assert remote["calibration"]["layers"] == [
+        {**entry, "seconds": remote_entry["seconds"]}
+        for entry, remote_entry in zip(
+            report["calibration"]["layers"], remote["calibration"]["layers"], strict=True
+        )
+    ]
+    methods = {row["path"]: row["method"] for row in remote["tensors"]}
+    assert methods == {row["path"]: row["method"] for row in report["tensors"]}
+    assert sorted(methods.values()).count("gptq") == 7 * LAYERS
+
+
+def test_a_calibration_cut_off_resumes_on_the_server_at_the_next_layer(
+    make_server, llama, ids, in_process, tmp_path, monkeypatch
+):
+    server = make_server()
+    _slow_layers(monkeypatch, 0.5, first=1)  # the server stops before layer 2
+    seen = []
+
+    def leave_after_the_first(progress: pb.LanguageModelProgress) -> None:
+        seen.append(progress.layer)
+        raise KeyboardInterrupt  # the client goes away: the call is cancelled
+
+    with Client(server.address, timeout=60) as client:
+        request = _lm_request(client, llama, _message(ids))
+        with pytest.raises(KeyboardInterrupt):
+            client.calibrate_language_model(request, on_progress=leave_after_the_first)
+        assert seen == [0]
+        time.sleep(1.5)  # the server's calibration notices at its next layer
+        layers = []
+        summary = client.calibrate_language_model(
+            request, on_progress=lambda p: layers.append(p.layer)
+        )
+    assert 1 <= summary.resumed_at_layer < LAYERS and layers[0] == summary.resumed_at_layer
+    assert layers[-1] == LAYERS - 1
+    assert len(summary.calibrated_tensors) == 7 * LAYERS
+    # The whole command then finds every layer kept, and writes the in-process bytes.
+    output = tmp_path / "llama-gptq"
+    assert cli.main(_cli_args(llama, ids, output, "--server", server.address)) == 0
+    _same_bytes(output, in_process[0])
+
+
+def test_a_server_refuses_bad_calibrations_with_what_to_fix(make_server, llama, ids):
+    server = make_server()
+    bad_ids = _message(ids, calibration_ids=_inline(np.full((2, 8), VOCAB + 5, np.int32)))
+    with Client(server.address, timeout=60) as client:
+        request = _lm_request(client, llama, bad_ids)
+        with pytest.raises(errors.QmillError) as raised:
+            client.calibrate_language_model(request)
+        assert raised.value.code == "INVALID_ARGUMENT"
+        assert "outside the model's vocabulary of 256" in raised.value.details
+        request = _lm_request(client, llama, _message(ids))
+        request.weight_uploads["model.safetensors"] = "no-such-upload"
+        with pytest.raises(errors.QmillError, match="NOT_FOUND"):
+            client.calibrate_language_model(request)
+        not_done = pb.StaticRanges(calibration_id="lm-" + "0" * 32)
+        with pytest.raises(errors.QmillError, match="NOT_FOUND"):
+            list(client.quantize(_recipe(), [("w", np.ones((4, 4), np.float32))],
+                                 static_ranges=not_done))  # fmt: skip
