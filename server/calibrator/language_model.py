@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -64,6 +65,10 @@ class LmCalibrations:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = pathlib.Path(root)
+        # Calibrations running now: a second call with the same request would share their
+        # directory, so it is refused until the first ends.
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
 
     def _directory(self, tenant: str, calibration_id: str) -> pathlib.Path:
         base = self.root / calibration_id
@@ -117,10 +122,35 @@ class LmCalibrations:
             json.loads(request.config_json)
         except ValueError as e:
             raise ValueError(f"config_json is not JSON: {e}") from None
+        calibration_id = _id(tenant, request)
+        with self._lock:
+            if calibration_id in self._running:
+                raise errors.FailedPrecondition(
+                    f"calibration {calibration_id} is running in another call with the same "
+                    "request; call again once it ends (it resumes from the kept layers)"
+                )
+            self._running.add(calibration_id)
+        try:
+            return self._calibrate(
+                tenant, request, calibration_id, lm_request, content_path, progress, check
+            )
+        finally:
+            with self._lock:
+                self._running.discard(calibration_id)
+
+    def _calibrate(
+        self,
+        tenant: str,
+        request: pb.CalibrateLanguageModelRequest,
+        calibration_id: str,
+        lm_request: lm_calibration.LmRequest,
+        content_path: Callable[[str, str], pathlib.Path],
+        progress: Callable[[lm_calibration.LayerProgress], None],
+        check: Callable[[], None],
+    ) -> Done:
         recipe = recipe_proto.to_mapping(request.recipe)
         if recipe.get("convention") == "auto":
             del recipe["convention"]  # as SubmitJob does: the source format's
-        calibration_id = _id(tenant, request)
         base = self.root / calibration_id
         folder = _lay_out(base, tenant, request, content_path)
         cfg = lm_calibration.check_request(folder, lm_request)

@@ -69,6 +69,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         self._max_program_bytes = max_program_bytes
         self._uploads = uploads_store
         self._calibrations = calibration_store
+        self._language_models = language_model.beside(calibration_store)
         self._max_tensor_bytes = max_tensor_bytes
         self._resolve = resolve
         # Counts the batches held (None: unlimited).
@@ -236,7 +237,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
 
         work = loop.run_in_executor(
             self._executor,
-            language_model.beside(self._calibrations).calibrate,
+            self._language_models.calibrate,
             tenant,
             request,
             self._uploads.content_path,

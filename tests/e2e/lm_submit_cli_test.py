@@ -1,7 +1,7 @@
-"""`qmill submit FOLDER DEST --method gptq --watch` against `qmill serve`, as a user runs them on
-one host: the text is tokenized by the client with the folder's tokenizer.json, the server
-calibrates, and the output is `qmill quantize --method gptq`'s, byte for byte; bad ids are
-refused at submit in one line."""
+"""`qmill submit FOLDER DEST --method gptq --watch` and `qmill quantize FOLDER --server
+--method gptq` against `qmill serve`, as a user runs them on one host: the text is tokenized by
+the client with the folder's tokenizer.json, the server calibrates, and the output is the
+in-process `qmill quantize --method gptq`'s, byte for byte; bad ids are refused in one line."""
 
 from __future__ import annotations
 
@@ -60,6 +60,14 @@ def test_submit_method_gptq_gives_the_in_process_bytes(run_qmill, folder, server
     assert "succeeded: wrote" in submitted.stdout and "perplexity" in submitted.stdout
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (dest / name).read_bytes() == (reference / name).read_bytes(), name
+    remote = tmp_path / "through-the-server"
+    done = run_qmill(
+        "quantize", str(folder), "-o", str(remote), "--server", server, *_lm_flags(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "layer 3/3: GPTQ loss" in done.stderr and "perplexity" in done.stderr
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (remote / name).read_bytes() == (reference / name).read_bytes(), name
 
 
 def test_submit_refuses_bad_ids_in_one_line(run_qmill, folder, server, tmp_path):

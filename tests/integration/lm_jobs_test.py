@@ -171,6 +171,23 @@ def test_a_job_stopped_with_its_server_resumes_at_the_next_layer(
     _same_bytes(dest, in_process[0])
 
 
+def test_a_job_cancelled_while_it_calibrates_leaves_nothing(
+    make_server, llama, ids, tmp_path, monkeypatch
+):
+    _slow_layers(monkeypatch, 0.5, first=1)
+    server = make_server()
+    dest = tmp_path / "cancelled"
+    with Client(server.address, timeout=60) as client:
+        job = _submit(client, llama, dest, _message(ids))
+        for event in client.jobs.watch(job.job_id):
+            if event.message.startswith("layer 1/"):
+                break
+        client.jobs.cancel(job.job_id)
+        last = list(client.jobs.watch(job.job_id))[-1].job
+    assert last.state == pb.JOB_STATE_CANCELLED
+    assert not dest.exists() and not lm_calibration.work_directory(dest).exists()
+
+
 def _inline(array: np.ndarray) -> pb.InlineTensor:
     """Ids as the wire carries them, in their own dtype (lm_jobs.message sends int32)."""
     data = wire.to_bytes(array)
@@ -288,11 +305,18 @@ def test_a_calibration_cut_off_resumes_on_the_server_at_the_next_layer(
         with pytest.raises(KeyboardInterrupt):
             client.calibrate_language_model(request, on_progress=leave_after_the_first)
         assert seen == [0]
-        time.sleep(1.5)  # the server's calibration notices at its next layer
-        layers = []
-        summary = client.calibrate_language_model(
-            request, on_progress=lambda p: layers.append(p.layer)
-        )
+        layers: list[int] = []
+        deadline = time.monotonic() + 60
+        while True:  # the first call's calibration stops at its next layer
+            try:
+                summary = client.calibrate_language_model(
+                    request, on_progress=lambda p: layers.append(p.layer)
+                )
+                break
+            except errors.QmillError as e:
+                assert e.code == "FAILED_PRECONDITION" and "running in another call" in e.details
+                assert time.monotonic() < deadline, "the first call's calibration never stopped"
+                time.sleep(0.2)
     assert 1 <= summary.resumed_at_layer < LAYERS and layers[0] == summary.resumed_at_layer
     assert layers[-1] == LAYERS - 1
     assert len(summary.calibrated_tensors) == 7 * LAYERS
