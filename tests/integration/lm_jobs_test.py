@@ -343,3 +343,32 @@ def test_a_server_refuses_bad_calibrations_with_what_to_fix(make_server, llama, 
         with pytest.raises(errors.QmillError, match="NOT_FOUND"):
             list(client.quantize(_recipe(), [("w", np.ones((4, 4), np.float32))],
                                  static_ranges=not_done))  # fmt: skip
+
+
+def test_the_async_client_calibrates_and_refuses_as_the_client_does(make_server, llama, ids):
+    import asyncio
+
+    from qmill.client import AsyncClient
+
+    server = make_server()
+    with Client(server.address, timeout=60) as client:
+        good = _lm_request(client, llama, _message(ids))
+    bad = pb.CalibrateLanguageModelRequest()
+    bad.CopyFrom(good)
+    bad.calibration.method = "awq"
+
+    async def run() -> pb.CalibrateLanguageModelSummary:
+        async with AsyncClient(server.address, timeout=60) as client:
+            with pytest.raises(errors.QmillError, match="INVALID_ARGUMENT") as raised:
+                await client.calibrate_language_model(bad)
+            assert "not one of: gptq" in raised.value.details
+            layers: list[int] = []
+            summary = await client.calibrate_language_model(
+                good, on_progress=lambda p: layers.append(p.layer)
+            )
+            assert layers == list(range(LAYERS))
+            return summary
+
+    summary = asyncio.run(run())
+    assert summary.resumed_at_layer == 0 and len(summary.calibrated_tensors) == 7 * LAYERS
+    assert json.loads(summary.report_json)["perplexity"]["source"] > 0
