@@ -372,3 +372,11 @@ def test_the_async_client_calibrates_and_refuses_as_the_client_does(make_server,
     summary = asyncio.run(run())
     assert summary.resumed_at_layer == 0 and len(summary.calibrated_tensors) == 7 * LAYERS
     assert json.loads(summary.report_json)["perplexity"]["source"] > 0
+
+
+def test_quantize_with_several_servers_is_refused_before_any_work(llama, ids, tmp_path, capsys):
+    output = tmp_path / "out"
+    args = _cli_args(llama, ids, output, "--server", "127.0.0.1:1,127.0.0.1:2")
+    assert cli.main(args) == 1
+    assert "--method gptq with --server takes one server" in capsys.readouterr().err
+    assert not output.exists()
