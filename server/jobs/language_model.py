@@ -78,10 +78,15 @@ def calibrate(
         lm_calibration.calibrate refuses.
     """
 
+    first: list[int] = []
+
     def progress(p: lm_calibration.LayerProgress) -> None:
+        if not first:
+            first.append(p.layer)
+        kept = f" (resumed after {first[0]} kept layers)" if first[0] else ""
         update(
             message=f"layer {p.layer + 1}/{p.layers}: GPTQ loss {p.loss:.4g}, "
-            f"{p.seconds:.1f} s, ETA {p.eta_seconds:.0f} s"
+            f"{p.seconds:.1f} s, ETA {p.eta_seconds:.0f} s{kept}"
         )
 
     update(message="calibrating")
