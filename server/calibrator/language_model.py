@@ -122,7 +122,13 @@ class LmCalibrations:
             json.loads(request.config_json)
         except ValueError as e:
             raise ValueError(f"config_json is not JSON: {e}") from None
-        calibration_id = _id(tenant, request)
+        # The uploads' contents (their files, named by sha256), not their ids: a file uploaded
+        # again gets a new id, and must find the layers kept for the same bytes.
+        files = {
+            name: content_path(tenant, upload_id)
+            for name, upload_id in request.weight_uploads.items()
+        }
+        calibration_id = _id(tenant, request, files)
         with self._lock:
             if calibration_id in self._running:
                 raise errors.FailedPrecondition(
@@ -132,7 +138,7 @@ class LmCalibrations:
             self._running.add(calibration_id)
         try:
             return self._calibrate(
-                tenant, request, calibration_id, lm_request, content_path, progress, check
+                tenant, request, calibration_id, lm_request, files, progress, check
             )
         finally:
             with self._lock:
@@ -144,7 +150,7 @@ class LmCalibrations:
         request: pb.CalibrateLanguageModelRequest,
         calibration_id: str,
         lm_request: lm_calibration.LmRequest,
-        content_path: Callable[[str, str], pathlib.Path],
+        files: Mapping[str, pathlib.Path],
         progress: Callable[[lm_calibration.LayerProgress], None],
         check: Callable[[], None],
     ) -> Done:
@@ -152,7 +158,7 @@ class LmCalibrations:
         if recipe.get("convention") == "auto":
             del recipe["convention"]  # as SubmitJob does: the source format's
         base = self.root / calibration_id
-        folder = _lay_out(base, tenant, request, content_path)
+        folder = _lay_out(base, tenant, request, files)
         cfg = lm_calibration.check_request(folder, lm_request)
         started: list[int] = []
 
@@ -175,9 +181,16 @@ class LmCalibrations:
         )
 
 
-def _id(tenant: str, request: pb.CalibrateLanguageModelRequest) -> str:
+def _id(
+    tenant: str, request: pb.CalibrateLanguageModelRequest, files: Mapping[str, pathlib.Path]
+) -> str:
+    """A hash of the tenant, the request and the weight files' contents."""
+    same = pb.CalibrateLanguageModelRequest()
+    same.CopyFrom(request)
+    same.weight_uploads.clear()
+    same.weight_uploads.update({name: path.name for name, path in files.items()})
     digest = hashlib.sha256(tenant.encode() + b"\0")
-    digest.update(request.SerializeToString(deterministic=True))
+    digest.update(same.SerializeToString(deterministic=True))
     return PREFIX + digest.hexdigest()[:32]
 
 
@@ -185,12 +198,9 @@ def _lay_out(
     base: pathlib.Path,
     tenant: str,
     request: pb.CalibrateLanguageModelRequest,
-    content_path: Callable[[str, str], pathlib.Path],
+    files: Mapping[str, pathlib.Path],
 ) -> pathlib.Path:
     """The folder again: config.json, the index, and a link to each uploaded weight file."""
-    files: Mapping[str, pathlib.Path] = {
-        name: content_path(tenant, upload_id) for name, upload_id in request.weight_uploads.items()
-    }
     folder = base / "source"
     folder.mkdir(parents=True, exist_ok=True)
     (base / "tenant").write_text(tenant)

@@ -289,6 +289,14 @@ def test_quantize_through_a_server_gives_the_in_process_bytes(
     methods = {row["path"]: row["method"] for row in remote["tensors"]}
     assert methods == {row["path"]: row["method"] for row in report["tensors"]}
     assert sorted(methods.values()).count("gptq") == 7 * LAYERS
+    # The same request again (the weights uploaded again) finds every layer kept.
+    with Client(server.address, timeout=60) as client:
+        layers: list[int] = []
+        again = client.calibrate_language_model(
+            _lm_request(client, llama, _message(ids)), on_progress=lambda p: layers.append(p)
+        )
+    assert again.resumed_at_layer == LAYERS and layers == []
+    assert json.loads(again.report_json)["perplexity"] == report["perplexity"]
 
 
 def test_a_calibration_cut_off_resumes_on_the_server_at_the_next_layer(
