@@ -548,3 +548,38 @@ def tensor_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Tensor name → shape of the folder's weights (headers only)."""
     with _open_weights(pathlib.Path(folder)) as weights:
         return {e.path: tuple(e.shape) for e in weights.entries()}
+
+
+def check_request(folder: str | os.PathLike, request: LmRequest) -> Any:
+    """What `calibrate` refuses before any work, checked without doing any (a server checks a
+    job's request when it is submitted): the folder's LmConfig.
+
+    Raises:
+      ValueError: an unsupported architecture, missing tensors, or token ids of a bad shape or
+        outside the vocabulary.
+    """
+    cfg = model_config(folder)
+    _check_ids(cfg, request)
+    with _open_weights(pathlib.Path(folder)) as weights:
+        _check_tensors(cfg, {e.path: tuple(e.shape) for e in weights.entries()})
+    return cfg
+
+
+def report_fields(request: LmRequest, done: LmOutcome) -> dict[str, Any]:
+    """A calibration's report: the perplexity, each layer's GPTQ losses and the options (what
+    `--report-json` adds, and a job's calibration_report_json)."""
+    return {
+        "perplexity": done.perplexity,
+        "calibration": {
+            "method": "gptq",
+            "samples": int(request.calibration_ids.shape[0]),
+            "seq_len": int(request.calibration_ids.shape[1]),
+            "eval_windows": None if request.eval_ids is None else int(request.eval_ids.shape[0]),
+            "gptq": {
+                "block_size": request.blocksize,
+                "dampening": request.percdamp,
+                "actorder": "static" if request.actorder else None,
+            },
+            "layers": done.layers,
+        },
+    }

@@ -7,8 +7,9 @@
             print(outcome.path, outcome.sqnr_db)
 
 `Client` (and `AsyncClient`, for asyncio) owns one channel and has a method per service:
-capabilities, quantize, upload, quantize_upload, calibrate, export_odml, server_info (admin),
-and `jobs` (submit, get, list, watch, cancel). Every failed call raises `QmillError`.
+capabilities, quantize, upload, quantize_upload, calibrate, calibrate_language_model,
+export_odml, server_info (admin), and `jobs` (submit, get, list, watch, cancel). Every failed
+call raises `QmillError`.
 Importing this package does not import jax, nor, until one of these names is used, gRPC: the
 `qmill` command's in-process runs import only the submodules they use.
 """

@@ -13,6 +13,7 @@ import math
 import pathlib
 import re
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -29,8 +30,8 @@ _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.I)
 def add_arguments(q: argparse.ArgumentParser) -> None:
     """The flags of a calibrated language-model run on `qmill quantize`."""
     g = q.add_argument_group(
-        "calibrated language models (a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, "
-        "Phi-3, Gemma 1/2/3)"
+        "calibrated language models",
+        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3",
     )
     g.add_argument(
         "--method",
@@ -112,11 +113,6 @@ def wanted(args: argparse.Namespace) -> bool:
         raise ValueError("--method gptq takes one of --calibration-text or --calibration-ids")
     if args.calibration is not None:
         raise ValueError("--method calibrates the model itself: drop --calibration")
-    if args.server:
-        raise ValueError(
-            "--method gptq runs in process for now: drop --server (the server's side is not "
-            "built yet)"
-        )
     if args.max_ppl_increase is not None and args.eval_text is None and args.eval_ids is None:
         raise ValueError("--max-ppl-increase needs --eval-text or --eval-ids")
     for flag in ("calibration_samples", "calibration_seq_len", "eval_samples"):
@@ -282,28 +278,14 @@ def calibrate(
     return done
 
 
-def method_of(row: Any, done: lm_calibration.LmOutcome) -> str:
+def method_of(row: Any, calibrated: Collection[str]) -> str:
     """A report row's method, as for a --calibration run: GPTQ for the calibrated linears,
     RTN for what else the recipe quantized, "" for what it kept."""
-    if row.path in done.methods:
-        return done.methods[row.path].upper()
+    if row.path in calibrated:
+        return "GPTQ"
     return "" if row.qtype == "kept" else "RTN"
 
 
 def report_fields(req: lm_calibration.LmRequest, done: lm_calibration.LmOutcome) -> dict:
     """What --report-json adds: the perplexity, each layer's GPTQ losses, the options."""
-    return {
-        "perplexity": done.perplexity,
-        "calibration": {
-            "method": "gptq",
-            "samples": int(req.calibration_ids.shape[0]),
-            "seq_len": int(req.calibration_ids.shape[1]),
-            "eval_windows": None if req.eval_ids is None else int(req.eval_ids.shape[0]),
-            "gptq": {
-                "block_size": req.blocksize,
-                "dampening": req.percdamp,
-                "actorder": "static" if req.actorder else None,
-            },
-            "layers": done.layers,
-        },
-    }
+    return lm_calibration.report_fields(req, done)

@@ -184,6 +184,23 @@ class Client(_Base):
             pass
         return collector.result()
 
+    def calibrate_language_model(
+        self,
+        request: pb.CalibrateLanguageModelRequest,
+        *,
+        on_progress: Callable[[pb.LanguageModelProgress], None] | None = None,
+    ) -> pb.CalibrateLanguageModelSummary:
+        """Calibrates a Hugging Face causal-LM folder whose weight files are uploaded (no
+        timeout: it takes minutes to hours); `on_progress` sees each finished layer. Its summary's
+        calibration_id goes to `quantize(static_ranges=...)`."""
+        collector = _LmCollector(on_progress)
+        stream = self._connection.stream(
+            "Calibrator", "CalibrateLanguageModel", request, collector.feed, timeout=None
+        )
+        for _ in stream:
+            pass
+        return collector.summary()
+
     def export_odml(
         self, request: pb.ExportOdmlRequest, output: str | os.PathLike[str]
     ) -> export_lib.ExportResult:
@@ -292,6 +309,20 @@ class AsyncClient(_Base):
             pass
         return collector.result()
 
+    async def calibrate_language_model(
+        self,
+        request: pb.CalibrateLanguageModelRequest,
+        *,
+        on_progress: Callable[[pb.LanguageModelProgress], None] | None = None,
+    ) -> pb.CalibrateLanguageModelSummary:
+        collector = _LmCollector(on_progress)
+        stream = self._connection.stream(
+            "Calibrator", "CalibrateLanguageModel", request, collector.feed, timeout=None
+        )
+        async for _ in stream:
+            pass
+        return collector.summary()
+
     async def export_odml(
         self, request: pb.ExportOdmlRequest, output: str | os.PathLike[str]
     ) -> export_lib.ExportResult:
@@ -305,3 +336,23 @@ class AsyncClient(_Base):
 
     async def server_info(self) -> pb.ServerInfo:
         return await self._connection.unary("Admin", "GetServerInfo", pb.GetServerInfoRequest())
+
+
+class _LmCollector:
+    """CalibrateLanguageModel's responses: each layer's progress to `on_progress`, the summary
+    kept."""
+
+    def __init__(self, on_progress: Callable[[pb.LanguageModelProgress], None] | None) -> None:
+        self._on_progress = on_progress
+        self._summary: pb.CalibrateLanguageModelSummary | None = None
+
+    def feed(self, response: pb.CalibrateLanguageModelResponse) -> None:
+        if response.HasField("progress") and self._on_progress is not None:
+            self._on_progress(response.progress)
+        elif response.HasField("summary"):
+            self._summary = response.summary
+
+    def summary(self) -> pb.CalibrateLanguageModelSummary:
+        if self._summary is None:
+            raise errors.QmillError("DATA_LOSS", "the calibration ended without its summary")
+        return self._summary

@@ -36,6 +36,7 @@ from qmill.checkpoints import errors as checkpoint_errors
 from qmill.client import (
     calibrated_lm,
     credentials,
+    lm_server,
     recipes,
     report,
     report_table,
@@ -176,12 +177,17 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
-    calibrated = None
+    calibrated = remote = None
     if lm is not None:
         formats.check_destination(
             args.source, args.output, overwrite=args.overwrite, output_format=args.format
         )
-        calibrated = calibrated_lm.calibrate(args, recipe, lm)
+        if args.server:  # the server calibrates (lm_server.py)
+            with _client(args) as client:
+                remote = lm_server.calibrate(client, args, recipe, lm)
+            calibration = remote.quantize_kwargs()
+        else:
+            calibrated = calibrated_lm.calibrate(args, recipe, lm)
     methods: dict[str, str] = {}  # with statistics in hand: each quantized tensor's method
     if "calibration_stats" in calibration:
         what = f"--calibration {args.calibration}"
@@ -232,8 +238,13 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     seconds = time.monotonic() - started
     if methods:
         rows = [dataclasses.replace(r, method=methods.get(r.path, "")) for r in rows]
+    lm_report, gptqd = None, None
     if calibrated is not None:
-        rows = [dataclasses.replace(r, method=calibrated_lm.method_of(r, calibrated)) for r in rows]
+        lm_report, gptqd = calibrated_lm.report_fields(lm, calibrated), calibrated.methods
+    elif remote is not None:
+        lm_report, gptqd = remote.report, remote.tensors
+    if gptqd is not None:
+        rows = [dataclasses.replace(r, method=calibrated_lm.method_of(r, gptqd)) for r in rows]
     summary = report.Summary(
         rows,
         seconds,
@@ -242,7 +253,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         pipeline.with_default_convention(recipe, _source_format(args.source)),
         disk_before=report.disk_bytes(args.source),
         disk_after=report.disk_bytes(args.output),  # what was written, stat'ed after commit
-        calibration=None if lm is None else calibrated_lm.report_fields(lm, calibrated),
+        calibration=lm_report,
     )
     if calibrated is not None:
         lm_calibration.discard(args.output)  # the output holds it now
@@ -268,6 +279,8 @@ def _language_model(args: argparse.Namespace, out: Console) -> Any:
     if not calibrated_lm.wanted(args):
         return None
     lm_calibration.model_config(args.source)  # an unsupported architecture: refused first
+    if args.server:
+        lm_server.check_server(args)
     lm = calibrated_lm.request(args)
     for line in calibrated_lm.check_memory(args, lm):
         out.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -15,9 +15,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from qmill.client import calibrated_lm, errors, lm_jobs, recipes, retry
 from qmill.client import connection as connection_lib
 from qmill.client import credentials as credentials_lib
-from qmill.client import errors, recipes, retry
 from qmill.client.service_client import ServiceClient
 from qmill.proto.v1 import qmill_pb2 as pb
 
@@ -51,10 +51,12 @@ class Jobs:
         request_id: str = "",
         output_format: str = "",
         overwrite: bool = False,
+        language_model: pb.LanguageModelCalibration | None = None,
     ) -> pb.Job:
         """Starts a job (paths are the server's), or returns the one with this request_id.
 
-        `recipe`: a preset name, a TOML recipe file or a mapping.
+        `recipe`: a preset name, a TOML recipe file or a mapping. `language_model`: the source
+        is a Hugging Face causal-LM folder to calibrate first (lm_jobs.message makes it).
         """
         request = pb.SubmitJobRequest(
             source=source,
@@ -63,6 +65,7 @@ class Jobs:
             request_id=request_id,
             output_format=output_format,
             overwrite=overwrite,
+            language_model=language_model,
         )
         return self._connection.unary("Jobs", "SubmitJob", request)
 
@@ -200,7 +203,11 @@ def describe(job: pb.Job) -> str:
 
 def add_commands(sub: Any, recipe_help: str) -> None:
     """Adds the `submit` and `jobs` commands to the CLI's subparsers."""
-    s = sub.add_parser("submit", help="run a quantize job on a server (server-side paths)")
+    s = sub.add_parser(
+        "submit",
+        help="run a quantize job on a server (server-side paths)",
+        epilog=lm_jobs.SUBMIT_HELP,
+    )
     s.add_argument("source", help="checkpoint path on the server")
     s.add_argument("destination", help="where the server writes the quantized checkpoint")
     s.add_argument("--server", required=True, help="HOST:PORT")
@@ -210,8 +217,14 @@ def add_commands(sub: Any, recipe_help: str) -> None:
         choices=("orbax", "safetensors", "npz", "compressed-tensors"),
         help="output format (a compressed-tensors scheme --recipe implies compressed-tensors)",
     )
+    s.add_argument(
+        "--group-size",
+        type=int,
+        help="input features per scale in the recipe's grouped rules (W4A16's default 128)",
+    )
     s.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     s.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    calibrated_lm.add_arguments(s)
     credentials_lib.add_arguments(s)  # --request-id doubles as the job's idempotency key
 
     j = sub.add_parser("jobs", help="list, watch or cancel jobs on a server")
@@ -230,13 +243,17 @@ def run_command(client: ServiceClient, args: Any, print_line: Any) -> int:
     """Runs `submit` or `jobs ...`; returns the exit code (1 when a watched job did not succeed)."""
     jobs = client.jobs
     if args.command == "submit":
+        recipe = recipes.load(args.recipe)
+        if args.group_size is not None:
+            recipe = recipes.with_group_size(recipe, args.group_size)
         job = jobs.submit(
             args.source,
             args.destination,
-            args.recipe,
+            recipe,
             request_id=args.request_id or "",
             output_format=recipes.output_format(args.recipe, args.format) or "",
             overwrite=args.overwrite,
+            language_model=lm_jobs.from_args(args, print_line),
         )
         print_line(describe(job))
         return _watch(jobs, job.job_id, print_line) if args.watch else 0

@@ -7,6 +7,7 @@ what this returns in their RPC's own messages (`messages`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 
 from qmill.checkpoints import dtypes as checkpoint_dtypes
+from qmill.checkpoints import lm_calibration
 from qmill.engine.core import qtypes
 from qmill.engine.modelfree import layout, leaf, recipes
 from qmill.engine.modeling import rules as rules_lib
@@ -180,3 +182,60 @@ def odml_info(tflite: bytes, ops: Sequence[str], quantized_weights: Any) -> pb.O
 def byte_chunks(data: bytes) -> Iterator[pb.TensorChunk]:
     """Opaque bytes (an exported model) in the same chunks as a tensor's."""
     return wire.chunks(np.frombuffer(data, np.uint8))
+
+
+def token_ids(message: pb.InlineTensor, what: str) -> np.ndarray:
+    """An InlineTensor of token ids as an int32 (samples, tokens) array (`what`: the field's
+    name, for the message). Raises ValueError saying what to fix."""
+    header = message.header
+    if header.dtype != pb.DTYPE_INT32:
+        raise ValueError(f"{what} must be DTYPE_INT32 token ids, got {pb.DType.Name(header.dtype)}")
+    shape = tuple(int(d) for d in header.shape)
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 2:
+        raise ValueError(
+            f"{what} must be (samples, tokens) with at least one sample of 2 tokens, got shape "
+            f"{list(shape)}"
+        )
+    if header.crc32c != wire.crc32c(message.data):
+        raise wire.WireError(f"{what}: crc32c mismatch; send the ids again", "DATA_LOSS")
+    try:
+        return wire.from_bytes(message.data, header.dtype, shape).astype(np.int32)
+    except wire.WireError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def lm_options(
+    message: pb.LanguageModelCalibration,
+) -> tuple[lm_calibration.LmRequest, float | None]:
+    """The calibration a language-model job asks for, as lm_calibration.LmRequest, and its
+    perplexity gate (percent, or None). Raises ValueError saying what to fix."""
+    if message.method != "gptq":
+        raise ValueError(f"language_model.method {message.method!r} is not one of: gptq")
+    if not message.HasField("calibration_ids"):
+        raise ValueError("language_model.calibration_ids is unset: send the calibration tokens")
+    calibration = token_ids(message.calibration_ids, "language_model.calibration_ids")
+    evaluation = None
+    if message.HasField("eval_ids"):
+        evaluation = token_ids(message.eval_ids, "language_model.eval_ids")
+    if message.gptq_block_size < 0:
+        raise ValueError(f"gptq_block_size must be positive, got {message.gptq_block_size}")
+    dampening = message.gptq_dampening if message.HasField("gptq_dampening") else 0.01
+    if not math.isfinite(dampening) or dampening < 0:
+        raise ValueError(f"gptq_dampening must be a fraction >= 0, got {dampening}")
+    if message.gptq_actorder not in ("", "static", "none"):
+        raise ValueError(f"gptq_actorder {message.gptq_actorder!r} is not static or none")
+    gate = None
+    if message.HasField("max_ppl_increase"):
+        gate = message.max_ppl_increase
+        if math.isnan(gate):
+            raise ValueError("max_ppl_increase is NaN: give a percentage")
+        if evaluation is None:
+            raise ValueError("max_ppl_increase needs eval_ids (the held-out tokens)")
+    request = lm_calibration.LmRequest(
+        calibration_ids=calibration,
+        eval_ids=evaluation,
+        blocksize=message.gptq_block_size or 128,
+        percdamp=dampening,
+        actorder=message.gptq_actorder != "none",
+    )
+    return request, gate

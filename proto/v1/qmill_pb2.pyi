@@ -409,6 +409,61 @@ class UploadStatus(_message.Message):
     expires_unix: float
     def __init__(self, upload_id: _Optional[str] = ..., committed_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., sha256: _Optional[str] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
+class CalibrateLanguageModelRequest(_message.Message):
+    __slots__ = ("config_json", "weight_uploads", "index_json", "recipe", "calibration")
+    class WeightUploadsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    weight_uploads: _containers.ScalarMap[str, str]
+    index_json: str
+    recipe: Recipe
+    calibration: LanguageModelCalibration
+    def __init__(self, config_json: _Optional[str] = ..., weight_uploads: _Optional[_Mapping[str, str]] = ..., index_json: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., calibration: _Optional[_Union[LanguageModelCalibration, _Mapping]] = ...) -> None: ...
+
+class LanguageModelProgress(_message.Message):
+    __slots__ = ("layer", "layers", "loss", "seconds", "eta_seconds")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    layers: int
+    loss: float
+    seconds: float
+    eta_seconds: float
+    def __init__(self, layer: _Optional[int] = ..., layers: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., eta_seconds: _Optional[float] = ...) -> None: ...
+
+class CalibrateLanguageModelResponse(_message.Message):
+    __slots__ = ("progress", "summary")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    progress: LanguageModelProgress
+    summary: CalibrateLanguageModelSummary
+    def __init__(self, progress: _Optional[_Union[LanguageModelProgress, _Mapping]] = ..., summary: _Optional[_Union[CalibrateLanguageModelSummary, _Mapping]] = ...) -> None: ...
+
+class CalibrateLanguageModelSummary(_message.Message):
+    __slots__ = ("calibration_id", "report_json", "resumed_at_layer", "calibrated_tensors")
+    CALIBRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORT_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    calibration_id: str
+    report_json: str
+    resumed_at_layer: int
+    calibrated_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, calibration_id: _Optional[str] = ..., report_json: _Optional[str] = ..., resumed_at_layer: _Optional[int] = ..., calibrated_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class CalibrateStart(_message.Message):
     __slots__ = ("model", "params_upload_id", "rules", "calibration_id", "return_ptq_params", "program", "program_upload_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -519,23 +574,43 @@ class ExportOdmlResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[OdmlModelInfo, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("source", "destination", "recipe", "request_id", "output_format", "overwrite")
+    __slots__ = ("source", "destination", "recipe", "request_id", "output_format", "overwrite", "language_model")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_MODEL_FIELD_NUMBER: _ClassVar[int]
     source: str
     destination: str
     recipe: Recipe
     request_id: str
     output_format: str
     overwrite: bool
-    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    language_model: LanguageModelCalibration
+    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ..., language_model: _Optional[_Union[LanguageModelCalibration, _Mapping]] = ...) -> None: ...
+
+class LanguageModelCalibration(_message.Message):
+    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_IDS_FIELD_NUMBER: _ClassVar[int]
+    GPTQ_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GPTQ_DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    GPTQ_ACTORDER_FIELD_NUMBER: _ClassVar[int]
+    MAX_PPL_INCREASE_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calibration_ids: InlineTensor
+    eval_ids: InlineTensor
+    gptq_block_size: int
+    gptq_dampening: float
+    gptq_actorder: str
+    max_ppl_increase: float
+    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix", "message")
+    __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix", "message", "calibration_report_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -549,6 +624,7 @@ class Job(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_REPORT_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     source: str
@@ -562,7 +638,8 @@ class Job(_message.Message):
     created_unix: float
     updated_unix: float
     message: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., request_id: _Optional[str] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+    calibration_report_json: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., request_id: _Optional[str] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., error: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., message: _Optional[str] = ..., calibration_report_json: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -348,6 +348,11 @@ class CalibratorStub:
                 request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateRequest.SerializeToString,
                 response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateResponse.FromString,
                 _registered_method=True)
+        self.CalibrateLanguageModel = channel.unary_stream(
+                '/qmill.v1.Calibrator/CalibrateLanguageModel',
+                request_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateLanguageModelRequest.SerializeToString,
+                response_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateLanguageModelResponse.FromString,
+                _registered_method=True)
 
 
 class CalibratorServicer:
@@ -369,6 +374,22 @@ class CalibratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CalibrateLanguageModel(self, request, context):
+        """Calibrates a Hugging Face causal-LM folder layer by layer (GPTQ), as `qmill quantize FOLDER
+        --method gptq` does in process: the folder's weight files are completed uploads (Uploads),
+        the token ids travel in the request. Streams one progress message per decoder layer, then a
+        summary whose calibration_id QuantizeParams takes (static_ranges.calibration_id): its
+        calibrated linears are answered with the kept results, every other tensor as usual, so
+        the output is the in-process run's byte for byte. A call repeated with the same request
+        resumes at the layer after the last one kept (a call cut off keeps what it finished).
+        Errors: NOT_FOUND (an upload), FAILED_PRECONDITION (an incomplete upload), INVALID_ARGUMENT
+        (an unsupported architecture, missing tensors, token ids outside the vocabulary or of a bad
+        shape, bad options).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CalibratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -376,6 +397,11 @@ def add_CalibratorServicer_to_server(servicer, server):
                     servicer.Calibrate,
                     request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateRequest.FromString,
                     response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateResponse.SerializeToString,
+            ),
+            'CalibrateLanguageModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.CalibrateLanguageModel,
+                    request_deserializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateLanguageModelRequest.FromString,
+                    response_serializer=qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateLanguageModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -408,6 +434,33 @@ class Calibrator:
             '/qmill.v1.Calibrator/Calibrate',
             qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateRequest.SerializeToString,
             qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CalibrateLanguageModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/qmill.v1.Calibrator/CalibrateLanguageModel',
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateLanguageModelRequest.SerializeToString,
+            qmill_dot_proto_dot_v1_dot_qmill__pb2.CalibrateLanguageModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

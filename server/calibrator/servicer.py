@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
@@ -23,6 +24,7 @@ from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, codec, errors, limits, params, registry
+from qmill.server.calibrator import language_model
 from qmill.server.calibrator import store as store_lib
 from qmill.server.uploads import store as uploads_lib
 
@@ -67,6 +69,7 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         self._max_program_bytes = max_program_bytes
         self._uploads = uploads_store
         self._calibrations = calibration_store
+        self._language_models = language_model.beside(calibration_store)
         self._max_tensor_bytes = max_tensor_bytes
         self._resolve = resolve
         # Counts the batches held (None: unlimited).
@@ -216,6 +219,64 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 seconds=time.monotonic() - started,
             )
         )
+
+    @errors.streaming
+    async def CalibrateLanguageModel(self, request, context):
+        """A language model calibrated layer by layer (language_model.py) on the engine
+        executor; each finished layer's progress is streamed as it comes."""
+        tenant = auth.current_principal().tenant
+        loop = asyncio.get_running_loop()
+        layers: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()  # the client went away: the calibration stops before a layer
+
+        def progress(p: Any) -> None:
+            loop.call_soon_threadsafe(layers.put_nowait, p)
+
+        def check() -> None:
+            if stop.is_set():
+                raise _Stopped("the call ended; the finished layers are kept for the next one")
+
+        work = loop.run_in_executor(
+            self._executor,
+            self._language_models.calibrate,
+            tenant,
+            request,
+            self._uploads.content_path,
+            progress,
+            check,
+        )
+        # A call the client left ends its calibration at the next layer; nobody awaits it then.
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            while not work.done() or not layers.empty():
+                waiting = asyncio.ensure_future(layers.get())
+                await asyncio.wait({waiting, work}, return_when=asyncio.FIRST_COMPLETED)
+                if not waiting.done():
+                    waiting.cancel()
+                    continue
+                yield pb.CalibrateLanguageModelResponse(progress=_lm_progress(waiting.result()))
+            done = await work
+        finally:
+            stop.set()
+        calls.annotate(calibration=done.calibration_id, resumed_at=done.resumed_at_layer)
+        yield pb.CalibrateLanguageModelResponse(
+            summary=pb.CalibrateLanguageModelSummary(
+                calibration_id=done.calibration_id,
+                report_json=done.report_json,
+                resumed_at_layer=done.resumed_at_layer,
+                calibrated_tensors=done.calibrated_tensors,
+            )
+        )
+
+
+class _Stopped(Exception):
+    """Raised in a language model's calibration whose call ended."""
+
+
+def _lm_progress(p: Any) -> pb.LanguageModelProgress:
+    return pb.LanguageModelProgress(
+        layer=p.layer, layers=p.layers, loss=p.loss, seconds=p.seconds, eta_seconds=p.eta_seconds
+    )
 
 
 def _results(stats: dict[str, Any], ptq: list) -> Iterator[pb.CalibrateResponse]:

@@ -79,6 +79,11 @@ MIGRATIONS = [
     CREATE UNIQUE INDEX {TABLE}_request ON {TABLE} (tenant, request_id) WHERE request_id <> '';
     CREATE INDEX {TABLE}_active ON {TABLE} (created, job_id) WHERE state IN ({_QUEUED}, {_RUNNING});
     """,
+    # 2: a language-model job's calibration request and, once done, its report.
+    f"""
+    ALTER TABLE {TABLE} ADD COLUMN language_model BYTEA NOT NULL DEFAULT ''::bytea;
+    ALTER TABLE {TABLE} ADD COLUMN calibration_report_json TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 _SELECT = ", ".join("recipe_json" if c == "recipe" else c for c in COLUMNS)
@@ -320,4 +325,5 @@ def _tenant_has_room(conn: Any, job_id: str, tenant: str, limit: int) -> bool:
 def _record(row: tuple[Any, ...]) -> JobRecord:
     values = dict(zip(COLUMNS, row, strict=True))
     values["recipe"] = json.loads(values["recipe"])
+    values["language_model"] = bytes(values["language_model"])
     return JobRecord(**values)

@@ -31,6 +31,10 @@ starts.
 
 A job's tensors are counted under --max-inflight-bytes as a stream's are (room.py), so jobs and
 streams together stay within the server's limit.
+
+A language-model job (SubmitJobRequest.language_model) first calibrates its Hugging Face folder
+layer by layer (language_model.py: the CLI's lm_calibration, progress as the job's message), then
+runs the same pipeline with the calibrated results; its kept layers resume it the same way.
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ import time
 import uuid
 from collections.abc import Callable
 
-from qmill.checkpoints import embedded, errors, formats, pipeline, staging
+from qmill.checkpoints import embedded, errors, formats, lm_calibration, pipeline, staging
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors as server_errors
 from qmill.server import limits
+from qmill.server.jobs import language_model as lm_jobs
 from qmill.server.jobs import mirror as mirror_lib
 from qmill.server.jobs import outage as outage_lib
 from qmill.server.jobs import paths as paths_lib
@@ -293,7 +298,18 @@ class JobRunner:
             source, destination = staged.source, staged.destination
             where["destination"] = destination
             mirror = self._mirror(record, staged)
-            with self._new_backend() as backend:
+            calibrated = None
+            if record.language_model:
+                # A Hugging Face causal LM calibrated layer by layer first (language_model.py).
+                lm = lm_jobs.LmJob.decode(record.language_model)
+                update = functools.partial(self._update, record.job_id)
+                calibrated = lm_jobs.calibrate(
+                    lm, source, destination, record.recipe, check=check, update=update
+                )
+            new_backend = self._new_backend
+            if calibrated is not None:
+                new_backend = functools.partial(lm_jobs.backend, calibrated)
+            with new_backend() as backend:
                 pipeline.quantize_checkpoint(
                     source,
                     destination,
@@ -311,6 +327,9 @@ class JobRunner:
                 )
                 spread = peers_lib.describe_spread(backend)
             staged.publish(overwrite=record.overwrite, check=check)
+            if calibrated is not None:
+                lm_calibration.discard(destination)  # the output holds it now
+                spread += lm_jobs.summary(calibrated)
         except _Stop as stop:
             if stop.cancelled:
                 self._remove_partial(destination)
@@ -362,6 +381,7 @@ class JobRunner:
     def _remove_partial(destination: str) -> None:
         path = pathlib.Path(destination).absolute()
         staging.remove(path.with_name(path.name + staging.PARTIAL_SUFFIX))
+        lm_calibration.discard(path)  # a language-model job's kept layers, if any
 
     def _finish(
         self,

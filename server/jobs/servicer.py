@@ -21,6 +21,7 @@ from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, codec, errors, limits
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.jobs import language_model as lm_jobs
 from qmill.server.jobs import object_store, postgres_store, sqlite_store, urls
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import peers as peers_lib
@@ -76,6 +77,13 @@ class JobsServicer(pb_grpc.JobsServicer):
         if recipe["convention"] == "auto":
             # As `qmill quantize` does: no convention → the source format's (job.py fills it).
             del recipe["convention"]
+        language_model = b""
+        if request.HasField("language_model"):
+            # A language model calibrated first: its architecture, tensors and token ids are
+            # checked now (reading config.json and the weights' headers), not in the job.
+            language_model = await asyncio.to_thread(
+                lm_jobs.check_submit, request.language_model, source
+            )
         if not request.overwrite and await _exists(destination, follow=False):
             raise errors.AlreadyExists(
                 f"destination {destination} already exists; set overwrite to replace it"
@@ -89,6 +97,7 @@ class JobsServicer(pb_grpc.JobsServicer):
             recipe=recipe,
             output_format=request.output_format,
             overwrite=request.overwrite,
+            language_model=language_model,
         )
         if created:
             self._runner.submit(record.job_id)

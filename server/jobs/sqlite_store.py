@@ -43,11 +43,18 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT NOT NULL DEFAULT '',
     message TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    language_model BLOB NOT NULL DEFAULT x'',
+    calibration_report_json TEXT NOT NULL DEFAULT ''
 );
 -- A repeated request_id of one tenant names the same job (empty ids are not keys).
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_request ON jobs (tenant, request_id) WHERE request_id != '';
 """
+# Columns added after the table first shipped: a file an older qmill made gets them when opened.
+_ADDED_COLUMNS = {
+    "language_model": "BLOB NOT NULL DEFAULT x''",
+    "calibration_report_json": "TEXT NOT NULL DEFAULT ''",
+}
 
 
 class SqliteJobStore:
@@ -63,6 +70,10 @@ class SqliteJobStore:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for column, declaration in _ADDED_COLUMNS.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {declaration}")
         # Jobs whose cancel was asked while they ran; the runner reads it when renewing.
         self._cancels: set[str] = set()
 
@@ -80,6 +91,7 @@ class SqliteJobStore:
         recipe: dict[str, Any],
         output_format: str,
         overwrite: bool,
+        language_model: bytes = b"",
     ) -> tuple[JobRecord, bool]:
         """A new QUEUED job, or the existing one with this tenant's request_id (created=False)."""
         now = time.time()
@@ -92,6 +104,7 @@ class SqliteJobStore:
             recipe=recipe,
             output_format=output_format,
             overwrite=overwrite,
+            language_model=language_model,
             state=pb.JOB_STATE_QUEUED,
             message="queued",
             created=now,
@@ -224,4 +237,5 @@ def _record(row: tuple[Any, ...]) -> JobRecord:
     values = dict(zip(_COLUMNS, row, strict=True))
     values["recipe"] = json.loads(values["recipe"])
     values["overwrite"] = bool(values["overwrite"])
+    values["language_model"] = bytes(values["language_model"])
     return JobRecord(**values)

@@ -47,6 +47,11 @@ class JobRecord:
     message: str = ""
     created: float = 0.0
     updated: float = 0.0
+    # A language-model job's calibration: the serialized pb.LanguageModelCalibration of its
+    # SubmitJobRequest (b"" for other jobs), kept so a resumed job calibrates the same way.
+    language_model: bytes = b""
+    # What a language-model job's calibration reported (Job.calibration_report_json), once done.
+    calibration_report_json: str = ""
 
     def to_proto(self) -> pb.Job:
         return pb.Job(
@@ -63,6 +68,7 @@ class JobRecord:
             message=self.message,
             created_unix=self.created,
             updated_unix=self.updated,
+            calibration_report_json=self.calibration_report_json,
         )
 
 
@@ -90,7 +96,8 @@ class JobStore(Protocol):
 
     def create(self, **fields: Any) -> tuple[JobRecord, bool]:
         """A new QUEUED job (fields: tenant, request_id, source, destination, recipe,
-        output_format, overwrite), or the tenant's job of that request_id (created=False)."""
+        output_format, overwrite; language_model for a calibrated language model), or the
+        tenant's job of that request_id (created=False)."""
         ...
 
     def find(self, tenant: str, request_id: str) -> JobRecord | None: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -14,6 +15,7 @@ from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, errors, limits
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
+from qmill.server.calibrator import language_model as lm_lib
 from qmill.server.calibrator import store as calibration_store
 from qmill.server.quantizer import capabilities, static_ranges, stream
 
@@ -49,8 +51,11 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
     async def QuantizeParams(self, request_iterator, context):
         stats = stream.CallStats()
         requests, ranges = await static_ranges.split(aiter(request_iterator))
-        scales, methods = {}, {}
-        if ranges is not None:
+        scales, methods, extra = {}, {}, {}
+        if ranges is not None and lm_lib.is_language_model(ranges.calibration_id):
+            # A language model calibrated layer by layer: its linears' results are kept.
+            extra = {"quantize": await self._language_model(ranges.calibration_id)}
+        elif ranges is not None:
             tenant = auth.current_principal().tenant
             loop = asyncio.get_running_loop()
             scales = await loop.run_in_executor(
@@ -61,7 +66,6 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
             )
         # Weights with a method's statistics (GPTQ, AWQ, SmoothQuant) are quantized by it (AWQ and
         # SmoothQuant add their per-channel scale to the result's parts), the rest as usual.
-        extra = {}
         if methods:
             # GPTQ / AWQ / SmoothQuant import Flax (~10-18 MB): only for calls that use them.
             from qmill.engine.contrib import leaf as contrib_leaf
@@ -93,6 +97,17 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
                 tensor_bytes_in=stats.bytes_received,
                 tensor_bytes_out=stats.bytes_sent,
             )
+
+    async def _language_model(self, calibration_id: str) -> Any:
+        if self._calibrations is None:
+            raise errors.NotFound(f"calibration {calibration_id!r} not found")
+        loaders = await asyncio.get_running_loop().run_in_executor(
+            self._executor,
+            lm_lib.beside(self._calibrations).results,
+            auth.current_principal().tenant,
+            calibration_id,
+        )
+        return lm_lib.quantizer(loaders)
 
 
 def add_to_server(servicer: QuantizerServicer, server: grpc.aio.Server) -> None:

@@ -33,11 +33,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(*ports: int) -> list[subprocess.Popen]:
-    """`qmill serve` on each port, started together; returns once every one answers."""
+def serve(*ports: int, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """`qmill serve` on each port (with the flags `extra`), started together; returns once every
+    one answers."""
     servers = [
         subprocess.Popen(
-            [*qmill(), "serve", "--port", str(port), "--grace", "1"],
+            [*qmill(), "serve", "--port", str(port), "--grace", "1", *extra],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

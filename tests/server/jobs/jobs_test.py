@@ -65,6 +65,54 @@ def test_list_update_counts_and_reopen(tmp_path):
     assert reopened.get("missing") is None
 
 
+def test_a_language_model_request_and_its_report_are_kept_and_reopened(tmp_path):
+    path = tmp_path / "jobs.sqlite3"
+    store = sqlite_store.SqliteJobStore(path)
+    request = pb.LanguageModelCalibration(method="gptq", gptq_block_size=64).SerializeToString()
+    job, _ = store.create(
+        tenant="a",
+        request_id="",
+        source="/s",
+        destination="/d",
+        recipe={"rules": [{"qtype": "int4"}]},
+        output_format="",
+        overwrite=False,
+        language_model=request,
+    )
+    store.update(job.job_id, calibration_report_json='{"perplexity": null}')
+    store.close()
+    reopened = sqlite_store.SqliteJobStore(path).get(job.job_id)
+    assert reopened is not None and reopened.language_model == request
+    assert reopened.to_proto().calibration_report_json == '{"perplexity": null}'
+    plain, _ = _create(sqlite_store.SqliteJobStore(path))
+    assert plain.language_model == b"" and plain.to_proto().calibration_report_json == ""
+
+
+def test_a_jobs_file_from_before_language_models_gets_their_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "jobs.sqlite3"
+    old_schema = sqlite_store._SCHEMA.replace(
+        ",\n    language_model BLOB NOT NULL DEFAULT x'',\n"
+        "    calibration_report_json TEXT NOT NULL DEFAULT ''",
+        "",
+    )
+    assert "language_model" not in old_schema
+    with sqlite3.connect(path) as db:
+        db.executescript(old_schema)
+        db.execute(
+            "INSERT INTO jobs (job_id, tenant, request_id, source, destination, recipe_json, "
+            "output_format, overwrite, state, created, updated) "
+            "VALUES ('old', 'a', '', '/s', '/d', '{}', '', 0, 1, 0, 0)"
+        )
+    db.close()
+    store = sqlite_store.SqliteJobStore(path)
+    old = store.get("old")
+    assert old is not None and old.language_model == b"" and old.calibration_report_json == ""
+    new, _ = _create(store)
+    assert store.get(new.job_id) == new
+
+
 # --- Confinement of job paths (server/jobs/paths.py) -------------------------------------------
 
 

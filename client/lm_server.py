@@ -1,0 +1,135 @@
+"""`qmill quantize FOLDER --server HOST:PORT --method gptq`: the server calibrates the language
+model; the client writes the output.
+
+The client uploads the folder's weight files (Uploads: resumable, and a file the server already
+holds is not sent again), then asks CalibrateLanguageModel with config.json, the recipe and the
+token windows; the server runs the in-process calibration on its copy, one layer at a time,
+streaming each layer's progress, and keeps the results under a calibration id. The checkpoint
+pipeline then sends the tensors to QuantizeParams with that id as usual: the calibrated linears
+come back as the server's kept results, every other tensor quantized as any other run's, so the
+output is the in-process run's byte for byte. A run cut short resumes: the uploads are whole
+already, and the same request finds the server's kept layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from typing import Any
+
+from qmill.checkpoints import lm_calibration
+from qmill.client import lm_jobs, recipes
+from qmill.proto.v1 import qmill_pb2 as pb
+
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """A calibration made on the server."""
+
+    calibration_id: str
+    # {"perplexity": ..., "calibration": {...}}: what --report-json adds.
+    report: dict[str, Any]
+    # The tensors QuantizeParams answers from the calibration.
+    tensors: frozenset[str]
+
+    def quantize_kwargs(self) -> dict[str, Any]:
+        """What the backend's quantize calls carry: the calibration id."""
+        return {"static_ranges": pb.StaticRanges(calibration_id=self.calibration_id)}
+
+
+def weight_files(folder: str) -> list[pathlib.Path]:
+    """The folder's safetensors files, as lm_calibration reads them."""
+    path = pathlib.Path(folder)
+    index = path / _INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no safetensors weights")
+    return files
+
+
+def check_server(args: argparse.Namespace) -> None:
+    """The server side takes one server, one stream.
+
+    Raises:
+      ValueError: several servers or streams.
+    """
+    from qmill.client import fanout  # lazy: the gRPC client
+
+    if fanout.is_fanout(args.server) or args.streams != 1:
+        raise ValueError("--method gptq with --server takes one server (and --streams 1)")
+
+
+def calibrate(
+    client: Any,
+    args: argparse.Namespace,
+    recipe: dict[str, Any],
+    request: lm_calibration.LmRequest,
+) -> Remote:
+    """Uploads the weights, has the server calibrate with progress lines on stderr, and applies
+    the perplexity gate.
+
+    Raises:
+      ValueError: the quantized model's perplexity is over --max-ppl-increase.
+      QmillError: what the server refused.
+    """
+    quiet = args.quiet
+    uploads = {}
+    for path in weight_files(args.source):
+        if not quiet:
+            print(f"qmill: uploading {path.name}", file=sys.stderr, flush=True)
+        uploads[path.name] = client.upload(str(path)).upload_id
+    folder = pathlib.Path(args.source)
+    index = folder / _INDEX
+    message = pb.CalibrateLanguageModelRequest(
+        config_json=(folder / "config.json").read_text(),
+        weight_uploads=uploads,
+        index_json=index.read_text() if index.is_file() else "",
+        recipe=recipes.message(recipe),
+        calibration=lm_jobs.message(request),
+    )
+
+    def progress(p: pb.LanguageModelProgress) -> None:
+        if not quiet:
+            print(
+                f"qmill: layer {p.layer + 1}/{p.layers}: GPTQ loss {p.loss:.4g}, "
+                f"{p.seconds:.1f} s, ETA {p.eta_seconds:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    summary = client.calibrate_language_model(message, on_progress=progress)
+    report = json.loads(summary.report_json)
+    _gate(args, report["perplexity"])
+    return Remote(summary.calibration_id, report, frozenset(summary.calibrated_tensors))
+
+
+def _gate(args: argparse.Namespace, ppl: dict[str, float] | None) -> None:
+    """calibrated_lm.calibrate's perplexity line and --max-ppl-increase, for the server's run."""
+    if ppl is None:
+        return
+    increase = 100 * (ppl["quantized"] / ppl["source"] - 1)
+    if not args.quiet:
+        print(
+            f"qmill: perplexity {ppl['source']:.4g} (source) → {ppl['quantized']:.4g} "
+            f"(quantized), {increase:+.2f} %",
+            file=sys.stderr,
+            flush=True,
+        )
+    if args.max_ppl_increase is not None and (
+        math.isnan(increase) or increase > args.max_ppl_increase
+    ):
+        raise ValueError(
+            f"the quantized model's perplexity is {increase:+.2f} % over the source's "
+            f"({ppl['source']:.4g} → {ppl['quantized']:.4g}), more than --max-ppl-increase "
+            f"{args.max_ppl_increase:g} %: nothing was written to {args.output} (the "
+            "calibration is kept on the server; rerun with other settings)"
+        )

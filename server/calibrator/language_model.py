@@ -1,0 +1,228 @@
+"""CalibrateLanguageModel: a Hugging Face causal-LM folder calibrated layer by layer (GPTQ) on the
+server, for `qmill quantize FOLDER --server HOST:PORT --method gptq`.
+
+Design: the client uploads the folder's weight files (Uploads: resumable, crc'd, named by their
+sha256, so a file the server holds is not sent again) and sends config.json, the recipe and the
+token ids in the request. The server lays out the folder again under its data dir (config.json
+and links to the uploaded files) and runs the CLI's own calibration on it
+(checkpoints/lm_calibration.py), so memory is what the in-process run holds (one layer, the
+hidden states, one Hessian) and the results are its results. They stay on the server under a
+calibration id; QuantizeParams with that id (static_ranges.calibration_id) answers the
+calibrated linears with them and quantizes every other tensor as usual, so the client's
+pipeline writes the same bytes as in process. The id is a hash of the request (and tenant): a
+call repeated after an interruption finds the layers kept by the last one and resumes after
+them.
+
+Layout: ``<root>/<id>/`` holds ``tenant``, ``source/`` (the folder) and the kept calibration
+``out.qmill-calibration/`` (lm_calibration's). The server's disk holds the weight files once
+(the uploads); remove a directory to reclaim its (small) results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from qmill.checkpoints import lm_calibration
+from qmill.proto import recipe as recipe_proto
+from qmill.proto.v1 import qmill_pb2 as pb
+from qmill.server import codec, errors
+
+# Language-model calibration ids start with this; other ids are Calibrate's.
+PREFIX = "lm-"
+_FILE = re.compile(r"^[\w.-]+\.safetensors$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """What a call gives back (CalibrateLanguageModelSummary)."""
+
+    calibration_id: str
+    report_json: str
+    resumed_at_layer: int
+    calibrated_tensors: list[str]
+
+
+def is_language_model(calibration_id: str) -> bool:
+    return calibration_id.startswith(PREFIX)
+
+
+def beside(calibrations: Any) -> LmCalibrations:
+    """The language-model calibrations kept beside a CalibrationStore's (`root/language-models`)."""
+    return LmCalibrations(calibrations.root / "language-models")
+
+
+class LmCalibrations:
+    """The language-model calibrations of one server, under `root`. Blocking: call it from an
+    executor."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = pathlib.Path(root)
+        # Calibrations running now: a second call with the same request would share their
+        # directory, so it is refused until the first ends.
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _directory(self, tenant: str, calibration_id: str) -> pathlib.Path:
+        base = self.root / calibration_id
+        owner = base / "tenant"
+        if (
+            not re.fullmatch(PREFIX + r"[0-9a-f]{32}", calibration_id)
+            or not owner.is_file()
+            or owner.read_text() != tenant
+        ):
+            raise errors.NotFound(f"calibration {calibration_id!r} not found")
+        return base
+
+    def results(self, tenant: str, calibration_id: str) -> dict[str, Callable[[], Any]]:
+        """Tensor name → a loader of its LeafResult, for QuantizeParams.
+
+        Raises:
+          errors.NotFound: an unknown id, another tenant's, or one whose calibration is not
+            finished.
+        """
+        work = lm_calibration.work_directory(self._directory(tenant, calibration_id) / "out")
+        results = dict(lm_calibration.results_of(work))
+        if not (work / "done").is_file():
+            raise errors.NotFound(
+                f"calibration {calibration_id!r} is not finished: call CalibrateLanguageModel "
+                "again with the same request to finish it"
+            )
+        return results
+
+    def calibrate(
+        self,
+        tenant: str,
+        request: pb.CalibrateLanguageModelRequest,
+        content_path: Callable[[str, str], pathlib.Path],
+        progress: Callable[[lm_calibration.LayerProgress], None],
+        check: Callable[[], None],
+    ) -> Done:
+        """Runs (or resumes) the calibration a request asks for.
+
+        Raises:
+          ValueError: bad token ids or options, file names, an unsupported architecture,
+            missing tensors.
+          errors.NotFound / errors.FailedPrecondition: an unknown or incomplete upload.
+        """
+        lm_request, _ = codec.lm_options(request.calibration)
+        if not request.weight_uploads:
+            raise ValueError("weight_uploads is empty: upload the folder's .safetensors files")
+        for name in request.weight_uploads:
+            if not _FILE.match(name):
+                raise ValueError(f"weight file name {name!r} must be NAME.safetensors, no folders")
+        try:
+            json.loads(request.config_json)
+        except ValueError as e:
+            raise ValueError(f"config_json is not JSON: {e}") from None
+        # The uploads' contents (their files, named by sha256), not their ids: a file uploaded
+        # again gets a new id, and must find the layers kept for the same bytes.
+        files = {
+            name: content_path(tenant, upload_id)
+            for name, upload_id in request.weight_uploads.items()
+        }
+        calibration_id = _id(tenant, request, files)
+        with self._lock:
+            if calibration_id in self._running:
+                raise errors.FailedPrecondition(
+                    f"calibration {calibration_id} is running in another call with the same "
+                    "request; call again once it ends (it resumes from the kept layers)"
+                )
+            self._running.add(calibration_id)
+        try:
+            return self._calibrate(
+                tenant, request, calibration_id, lm_request, files, progress, check
+            )
+        finally:
+            with self._lock:
+                self._running.discard(calibration_id)
+
+    def _calibrate(
+        self,
+        tenant: str,
+        request: pb.CalibrateLanguageModelRequest,
+        calibration_id: str,
+        lm_request: lm_calibration.LmRequest,
+        files: Mapping[str, pathlib.Path],
+        progress: Callable[[lm_calibration.LayerProgress], None],
+        check: Callable[[], None],
+    ) -> Done:
+        recipe = recipe_proto.to_mapping(request.recipe)
+        if recipe.get("convention") == "auto":
+            del recipe["convention"]  # as SubmitJob does: the source format's
+        base = self.root / calibration_id
+        folder = _lay_out(base, tenant, request, files)
+        cfg = lm_calibration.check_request(folder, lm_request)
+        started: list[int] = []
+
+        def on_layer(p: lm_calibration.LayerProgress) -> None:
+            if not started:
+                started.append(p.layer)
+            progress(p)
+
+        done = lm_calibration.calibrate(
+            folder, base / "out", recipe, lm_request, progress=on_layer, check=check
+        )
+        work = lm_calibration.work_directory(base / "out")
+        (work / "done").write_text("")
+        report = lm_calibration.report_fields(lm_request, done)
+        return Done(
+            calibration_id=calibration_id,
+            report_json=json.dumps(report),
+            resumed_at_layer=started[0] if started else cfg.num_layers,
+            calibrated_tensors=sorted(done.methods),
+        )
+
+
+def _id(
+    tenant: str, request: pb.CalibrateLanguageModelRequest, files: Mapping[str, pathlib.Path]
+) -> str:
+    """A hash of the tenant, the request and the weight files' contents."""
+    same = pb.CalibrateLanguageModelRequest()
+    same.CopyFrom(request)
+    same.weight_uploads.clear()
+    same.weight_uploads.update({name: path.name for name, path in files.items()})
+    digest = hashlib.sha256(tenant.encode() + b"\0")
+    digest.update(same.SerializeToString(deterministic=True))
+    return PREFIX + digest.hexdigest()[:32]
+
+
+def _lay_out(
+    base: pathlib.Path,
+    tenant: str,
+    request: pb.CalibrateLanguageModelRequest,
+    files: Mapping[str, pathlib.Path],
+) -> pathlib.Path:
+    """The folder again: config.json, the index, and a link to each uploaded weight file."""
+    folder = base / "source"
+    folder.mkdir(parents=True, exist_ok=True)
+    (base / "tenant").write_text(tenant)
+    (folder / "config.json").write_text(request.config_json)
+    if request.index_json:
+        (folder / "model.safetensors.index.json").write_text(request.index_json)
+    for name, path in files.items():
+        link = folder / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(path)
+    return folder
+
+
+def quantizer(loaders: Mapping[str, Callable[[], Any]]) -> Callable[[Any, Any], Any]:
+    """QuantizeParams' quantize function for a language-model calibration id: the kept result
+    of a calibrated linear, round to nearest for every other tensor (as embedded.py does in
+    process)."""
+    from qmill.engine.modelfree import leaf
+
+    def quantize(array: Any, plan: Any) -> Any:
+        load = loaders.get(plan.path)
+        return leaf.quantize_leaf(array, plan) if load is None else load()
+
+    return quantize
