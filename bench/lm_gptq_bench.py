@@ -1,7 +1,7 @@
 """GPTQ W4A16 on a real causal LM, qmill against llm-compressor, as whole commands (issue 34).
 
     python bench/lm_gptq_bench.py [--tools peer,qmill] [--samples 64] [--seq-len 512]
-                                  [--eval-samples 16] [--group-size 64]
+                                  [--eval-samples 16] [--group-size 64] [--peer-precision auto]
                                   [--depths 4,8,16,30] [--depth-samples N] [--no-depth]
                                   [--work /tmp/lm-gptq-bench] [--json bench/results/lm-gptq.json]
 
@@ -51,9 +51,12 @@ RESULTS = ROOT / "bench" / "results"
 MB = 1e6
 
 
-def peer_gptq(source: str, output: str, ids_path: str, group_size: int) -> None:
+def peer_gptq(
+    source: str, output: str, ids_path: str, group_size: int, precision: str = "auto"
+) -> None:
     """llm-compressor's GPTQ W4A16 as its README writes it, on these token ids (the peer's
-    whole command: this runs in its own process)."""
+    whole command: this runs in its own process). precision "auto" (oneshot's default) runs
+    the bf16 folder in bf16."""
     import numpy as np
     from compressed_tensors.quantization import preset_name_to_scheme
     from datasets import Dataset
@@ -74,6 +77,7 @@ def peer_gptq(source: str, output: str, ids_path: str, group_size: int) -> None:
         max_seq_length=ids.shape[1],
         num_calibration_samples=ids.shape[0],
         output_dir=output,
+        precision=precision,
     )
 
 
@@ -134,7 +138,7 @@ def commands(tool: str, source: pathlib.Path, out: pathlib.Path, ids: pathlib.Pa
     """The whole command of one tool's run."""
     if tool == "peer":
         return [sys.executable, __file__, "peer-gptq", str(source), str(out), str(ids),
-                str(args.group_size)]  # fmt: skip
+                str(args.group_size), args.peer_precision]  # fmt: skip
     if tool == "rtn":
         return [sys.executable, __file__, "peer-rtn", str(source), str(out), str(args.group_size)]
     if tool == "qmill":
@@ -190,7 +194,7 @@ def versions() -> dict:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "peer-gptq":
-        peer_gptq(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        peer_gptq(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), *sys.argv[6:7])
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "peer-rtn":
         peer_rtn(sys.argv[2], sys.argv[3], int(sys.argv[4]))
@@ -201,6 +205,12 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     parser.add_argument("--eval-samples", type=int, default=16, help="held-out windows")
     parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument(
+        "--peer-precision",
+        default="auto",
+        help="oneshot's precision: auto (its default: bf16 for this folder) or float32 (several "
+        "times faster on a CPU without bf16 instructions; not the peer's default)",
+    )
     parser.add_argument("--no-rtn", action="store_true", help="skip model_free_ptq's RTN run")
     parser.add_argument("--no-main", action="store_true", help="only the depth series")
     parser.add_argument("--depths", default="4,8,16,30")
@@ -243,6 +253,7 @@ def main() -> int:
             "from_token": total - args.eval_samples * args.seq_len,
         },
         "group_size": args.group_size,
+        "peer_precision": args.peer_precision,
         "runs": [],
         "depth": [],
     }

@@ -6,8 +6,8 @@ peak RSS and wall time of GPTQ against a language model's depth, per tool (lm_gp
     python bench/plot.py [--engine bench/results/engine-cpu.json] [--e2e bench/results/e2e.json]
                          [--streams bench/results/e2e-streams.json]
                          [-o bench/results/throughput.png]
-    python bench/plot.py --lm-gptq bench/results/lm-gptq-peer.json [-o PNG; default: the
-                         JSON's name with -depth.png]
+    python bench/plot.py --lm-gptq bench/results/lm-gptq-peer-depth.json [-o PNG; default:
+                         the JSON's path with .png]
 
 Reads the JSON files that `engine_bench.py --json` and `e2e_bench.py --json` write; draws
 nothing it did not read, and says which inputs were missing.
@@ -139,7 +139,7 @@ def _depth_figure(plt, path: str, output: str | None) -> int:
     fig.suptitle(f"{doc.get('model', '')}; {m.get('cpu', '')}, {m.get('cores', '')} cores — "
                  f"{doc.get('date', '')}", fontsize=8)  # fmt: skip
     fig.tight_layout()
-    output = output or str(pathlib.Path(path).with_suffix("")) + "-depth.png"
+    output = output or str(pathlib.Path(path).with_suffix(".png"))
     fig.savefig(output, dpi=120)
     print(f"wrote {output}")
     return 0
