@@ -126,7 +126,8 @@ class JobRunner:
         # Running jobs per tenant, all replicas together (0: no limit).
         self._tenant_limit = tenant_limit
         self._wake = threading.Event()
-        self._lock = threading.Lock()
+        # Reentrant: a job left behind is finished (_finish → _update) while it is held.
+        self._lock = threading.RLock()
         self._current: str | None = None
         # The running job's own cancel flag: a job left behind keeps its set flag.
         self._cancel = threading.Event()

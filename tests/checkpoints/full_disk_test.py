@@ -45,7 +45,8 @@ def test_disk_full_part_way_keeps_the_finished_tensors_and_resumes(tmp_path, sou
     message = str(failed.value)
     assert message.startswith(f"could not write {dest}: no space left on device")
     partial = dest.absolute().with_name("out.safetensors.qmill-partial")
-    assert f"{len(finished)} finished tensors are kept in {partial}/" in message
+    kept = "1 finished tensor is" if len(finished) == 1 else f"{len(finished)} finished tensors are"
+    assert f"{kept} kept in {partial}/" in message
     assert "run the same command again to resume" in message and "\n" not in message
     assert failed.value.code == "RESOURCE_EXHAUSTED" and failed.value.retry_after is None
     assert not dest.exists()
