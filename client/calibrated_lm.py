@@ -256,26 +256,35 @@ def calibrate(
     done = lm_calibration.calibrate(
         args.source, args.output, recipe, req, restart=args.restart, progress=progress
     )
-    ppl = done.perplexity
-    if ppl is not None:
-        increase = 100 * (ppl["quantized"] / ppl["source"] - 1)
-        if not quiet:
-            print(
-                f"qmill: perplexity {ppl['source']:.4g} (source) → {ppl['quantized']:.4g} "
-                f"(quantized), {increase:+.2f} %",
-                file=sys.stderr,
-                flush=True,
-            )
-        if args.max_ppl_increase is not None and (
-            math.isnan(increase) or increase > args.max_ppl_increase
-        ):
-            raise ValueError(
-                f"the quantized model's perplexity is {increase:+.2f} % over the source's "
-                f"({ppl['source']:.4g} → {ppl['quantized']:.4g}), more than --max-ppl-increase "
-                f"{args.max_ppl_increase:g} %: nothing was written to {args.output} (the "
-                "calibration is kept beside it; rerun with other settings or --restart)"
-            )
+    gate(
+        args,
+        done.perplexity,
+        "the calibration is kept beside it; rerun with other settings or --restart",
+    )
     return done
+
+
+def gate(args: argparse.Namespace, ppl: dict[str, float] | None, kept: str) -> None:
+    """The perplexity line, and --max-ppl-increase: raises (nothing written) when the quantized
+    model lost more; `kept` says where the calibration waits for a rerun."""
+    if ppl is None:
+        return
+    increase = 100 * (ppl["quantized"] / ppl["source"] - 1)
+    if not args.quiet:
+        print(
+            f"qmill: perplexity {ppl['source']:.4g} (source) → {ppl['quantized']:.4g} "
+            f"(quantized), {increase:+.2f} %",
+            file=sys.stderr,
+            flush=True,
+        )
+    if args.max_ppl_increase is not None and (
+        math.isnan(increase) or increase > args.max_ppl_increase
+    ):
+        raise ValueError(
+            f"the quantized model's perplexity is {increase:+.2f} % over the source's "
+            f"({ppl['source']:.4g} → {ppl['quantized']:.4g}), more than --max-ppl-increase "
+            f"{args.max_ppl_increase:g} %: nothing was written to {args.output} ({kept})"
+        )
 
 
 def method_of(row: Any, calibrated: Collection[str]) -> str:

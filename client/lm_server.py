@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import pathlib
 import sys
 from typing import Any
 
 from qmill.checkpoints import lm_calibration
-from qmill.client import lm_jobs, recipes
+from qmill.client import calibrated_lm, lm_jobs, recipes
 from qmill.proto.v1 import qmill_pb2 as pb
 
 _INDEX = "model.safetensors.index.json"
@@ -113,23 +112,7 @@ def calibrate(
 
 
 def _gate(args: argparse.Namespace, ppl: dict[str, float] | None) -> None:
-    """calibrated_lm.calibrate's perplexity line and --max-ppl-increase, for the server's run."""
-    if ppl is None:
-        return
-    increase = 100 * (ppl["quantized"] / ppl["source"] - 1)
-    if not args.quiet:
-        print(
-            f"qmill: perplexity {ppl['source']:.4g} (source) → {ppl['quantized']:.4g} "
-            f"(quantized), {increase:+.2f} %",
-            file=sys.stderr,
-            flush=True,
-        )
-    if args.max_ppl_increase is not None and (
-        math.isnan(increase) or increase > args.max_ppl_increase
-    ):
-        raise ValueError(
-            f"the quantized model's perplexity is {increase:+.2f} % over the source's "
-            f"({ppl['source']:.4g} → {ppl['quantized']:.4g}), more than --max-ppl-increase "
-            f"{args.max_ppl_increase:g} %: nothing was written to {args.output} (the "
-            "calibration is kept on the server; rerun with other settings)"
-        )
+    """The perplexity line and --max-ppl-increase, as in process."""
+    calibrated_lm.gate(
+        args, ppl, "the calibration is kept on the server; rerun with other settings"
+    )

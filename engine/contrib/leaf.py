@@ -71,6 +71,18 @@ def _contracting_axis(plan: layout.LeafPlan, ndim: int, method: str) -> int:
     return axes[0]
 
 
+def _normalized_how(plan: layout.LeafPlan, axis: int) -> qarray.HowToQuantize:
+    """The plan's HowToQuantize for its weight as (rows, columns) with the contracted `axis`
+    last: rows channelwise, columns tiled as the plan tiles that axis."""
+    tile = dict(plan.tiled_axes).get(axis)
+    return qarray.HowToQuantize(
+        qtype=plan.qtype,
+        channelwise_axes=(0,),
+        tiled_axes={1: tile} if tile else {},
+        calibration_method=plan.calibration_method,
+    )
+
+
 def quantize_leaf(
     array: np.ndarray | jax.Array,
     plan: layout.LeafPlan,
@@ -99,13 +111,7 @@ def quantize_leaf(
     # contracted axis last, rows channelwise and columns tiled as the plan tiles that axis.
     w, restore = calibration.normalize_weight(x, axis)
     averaged = averaging.calibration({k: jax.numpy.asarray(v) for k, v in stat.items()})
-    tile = dict(plan.tiled_axes).get(axis)
-    how = qarray.HowToQuantize(
-        qtype=plan.qtype,
-        channelwise_axes=(0,),
-        tiled_axes={1: tile} if tile else {},
-        calibration_method=plan.calibration_method,
-    )
+    how = _normalized_how(plan, axis)
     key = {"gptq": "hessian", "awq": "act_scale", "smoothquant": "sq_scale"}[method]
     want = (w.shape[1],) * (2 if method == "gptq" else 1)
     if averaged[key].shape != want:
@@ -229,13 +235,7 @@ def gptq_static_leaves(
                 f"{plan.path}: a Hessian of shape {hessian.shape} does not fit the tensor's "
                 f"{w.shape[1]} input features (axis {axis})"
             )
-        tile = dict(plan.tiled_axes).get(axis)
-        how = qarray.HowToQuantize(
-            qtype=plan.qtype,
-            channelwise_axes=(0,),
-            tiled_axes={1: tile} if tile else {},
-            calibration_method=plan.calibration_method,
-        )
+        how = _normalized_how(plan, axis)
         prepared.append((x, w, restore, how))
     hows = {how for *_, how in prepared}
     if len(hows) == 1 and gptq_host.supports(next(iter(hows))):
