@@ -377,13 +377,10 @@ class _Work:
         if not path.is_file():
             return None
         with np.load(path) as state:
-            chunk = int(state["chunk"])
 
             def chunks(key: str) -> tuple | None:
-                if key not in state.files:
-                    return None
-                a = state[key]
-                return tuple(jnp.asarray(a[i : i + chunk]) for i in range(0, len(a), chunk))
+                names = sorted(n for n in state.files if n.startswith(key + "/"))
+                return tuple(jnp.asarray(state[n]) for n in names) or None
 
             streams = _Streams(
                 int(state["next_layer"]),
@@ -404,8 +401,7 @@ class _Work:
             arrays[f"{name}/scale"] = _storable(result.scale)
             if result.zero_point is not None:
                 arrays[f"{name}/zero_point"] = _storable(result.zero_point)
-        buffer = _npz_bytes(arrays)
-        _write_atomic(self.directory / f"layer-{layer:05d}.npz", buffer)
+        _save_npz_atomic(self.directory / f"layer-{layer:05d}.npz", arrays)
         line = {
             "layer": layer,
             "seconds": round(seconds, 3),
@@ -428,15 +424,13 @@ class _Work:
             log.write(json.dumps(line) + "\n")
             log.flush()
             os.fsync(log.fileno())
-        state = {
-            "next_layer": np.int64(streams.next_layer),
-            "chunk": np.int64(len(streams.hidden[0])),
-        }
+        state = {"next_layer": np.int64(streams.next_layer)}
         for key in ("hidden", "source", "quantized", "eval_ids"):
             value = getattr(streams, key)
-            if value is not None:
-                state[key] = np.concatenate([np.asarray(c) for c in value])
-        _write_atomic(self.directory / _STATE, _npz_bytes(state))
+            # Chunk by chunk: no concatenated copy of every sample's hidden states.
+            for i, chunk in enumerate(value or ()):
+                state[f"{key}/{i:05d}"] = np.asarray(chunk)
+        _save_npz_atomic(self.directory / _STATE, state)
 
     def layers(self) -> list[dict[str, Any]]:
         keep = ("layer", "loss", "seconds", "losses")
@@ -505,12 +499,15 @@ def _loader(path: pathlib.Path, name: str, info: Mapping[str, Any]) -> Callable[
     return load
 
 
-def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    np.savez(buffer, **{k: _storable(v) for k, v in arrays.items()})
-    return buffer.getvalue()
+def _save_npz_atomic(path: pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """An npz written straight to a temporary file, synced and renamed into place (no copy of
+    the whole archive in memory: the state holds every sample's hidden states)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **{k: _storable(v) for k, v in arrays.items()})
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:
