@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints import lm_calibration, lm_work
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec, errors
@@ -89,7 +89,7 @@ class LmCalibrations:
             finished.
         """
         work = lm_calibration.work_directory(self._directory(tenant, calibration_id) / "out")
-        results = dict(lm_calibration.results_of(work))
+        results = dict(lm_work.results_of(work))
         if not (work / "done").is_file():
             raise errors.NotFound(
                 f"calibration {calibration_id!r} is not finished: call CalibrateLanguageModel "

@@ -1,0 +1,201 @@
+"""The kept calibration of a language model (checkpoints/lm_calibration.py), on disk beside
+the destination: meta.json (what it was made with), one npz of results per finished layer with
+a line in layers.jsonl, and state.npz (the hidden states after the last), so that a killed run
+resumes at the next layer with the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+_META = "meta.json"
+_STATE = "state.npz"
+
+
+@dataclasses.dataclass
+class Streams:
+    """The hidden states entering layer `next_layer`: calibration, and the evaluation's float
+    and quantized streams (None without evaluation windows)."""
+
+    next_layer: int
+    hidden: tuple
+    source: tuple | None = None
+    quantized: tuple | None = None
+    eval_ids: tuple | None = None
+
+
+class Work:
+    """The kept calibration: meta.json (what it was made with), one npz of results per finished
+    layer with a line in layers.jsonl, and state.npz (the hidden states after the last)."""
+
+    def __init__(self, directory: pathlib.Path, fingerprint: dict, restart: bool) -> None:
+        self.directory = directory
+        self.resumed_at = 0
+        if restart:
+            shutil.rmtree(directory, ignore_errors=True)
+        meta = directory / _META
+        if meta.is_file():
+            if json.loads(meta.read_text()) != json.loads(json.dumps(fingerprint)):
+                raise ValueError(
+                    f"{directory} holds a calibration made with another source, recipe, "
+                    "tokens or GPTQ options; pass --restart to discard it"
+                )
+        else:
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_atomic(meta, json.dumps(fingerprint, indent=1).encode())
+
+    def resume(self) -> Streams | None:
+        import jax.numpy as jnp
+
+        path = self.directory / _STATE
+        if not path.is_file():
+            return None
+        with np.load(path) as state:
+
+            def chunks(key: str) -> tuple | None:
+                names = sorted(n for n in state.files if n.startswith(key + "/"))
+                return tuple(jnp.asarray(state[n]) for n in names) or None
+
+            streams = Streams(
+                int(state["next_layer"]),
+                chunks("hidden"),
+                chunks("source"),
+                chunks("quantized"),
+                chunks("eval_ids"),
+            )
+        self.resumed_at = streams.next_layer
+        return streams
+
+    def finish_layer(self, layer: int, done: Any, seconds: float, streams: Streams) -> None:
+        """Keeps a layer: its results, then its log line, then the state after it (a kill in
+        between redoes the layer, which gives the same bytes)."""
+        arrays: dict[str, np.ndarray] = {}
+        for name, result in done.results.items():
+            arrays[f"{name}/qvalue"] = result.qvalue
+            arrays[f"{name}/scale"] = _storable(result.scale)
+            if result.zero_point is not None:
+                arrays[f"{name}/zero_point"] = _storable(result.zero_point)
+        _save_npz_atomic(self.directory / f"layer-{layer:05d}.npz", arrays)
+        line = {
+            "layer": layer,
+            "seconds": round(seconds, 3),
+            "loss": sum(done.losses.values()),
+            "losses": done.losses,
+            "tensors": {
+                name: {
+                    "dtype": [np.dtype(r.scale.dtype).name, np.dtype(r.qvalue.dtype).name]
+                    + ([np.dtype(r.zero_point.dtype).name] if r.zero_point is not None else []),
+                    "packed_as": None
+                    if r.packed_as is None
+                    else [np.dtype(r.packed_as[0]).name, list(r.packed_as[1])],
+                    "sqnr_db": r.quality.sqnr_db,
+                    "mean_relative_error": r.quality.mean_relative_error,
+                }
+                for name, r in done.results.items()
+            },
+        }
+        with open(self.directory / "layers.jsonl", "a") as log:
+            log.write(json.dumps(line) + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+        state = {"next_layer": np.int64(streams.next_layer)}
+        for key in ("hidden", "source", "quantized", "eval_ids"):
+            value = getattr(streams, key)
+            # Chunk by chunk: no concatenated copy of every sample's hidden states.
+            for i, chunk in enumerate(value or ()):
+                state[f"{key}/{i:05d}"] = np.asarray(chunk)
+        _save_npz_atomic(self.directory / _STATE, state)
+
+    def layers(self) -> list[dict[str, Any]]:
+        keep = ("layer", "loss", "seconds", "losses")
+        return [{k: e[k] for k in keep} for _, e in sorted(_log(self.directory).items())]
+
+    def methods(self) -> dict[str, str]:
+        return {name: "gptq" for e in _log(self.directory).values() for name in e["tensors"]}
+
+
+def _log(directory: pathlib.Path) -> dict[int, dict[str, Any]]:
+    """layers.jsonl: layer → its line (a redone layer: its last line)."""
+    log = directory / "layers.jsonl"
+    if not log.is_file():
+        return {}
+    lines = {}
+    for text in log.read_text().splitlines():
+        if text.strip():
+            entry = json.loads(text)
+            lines[entry["layer"]] = entry
+    return lines
+
+
+def results_of(directory: pathlib.Path) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """(tensor name, a loader of its LeafResult) for every calibrated linear kept in
+    `directory`."""
+    for layer, entry in _log(directory).items():
+        for name, info in entry["tensors"].items():
+            yield name, _loader(directory / f"layer-{layer:05d}.npz", name, info)
+
+
+def _storable(a: np.ndarray) -> np.ndarray:
+    """An array np.save keeps as it is: ml_dtypes' types (bfloat16, float8, int4) as raw ints
+    of their width; layers.jsonl records the dtype to view them back as."""
+    a = np.asarray(a)
+    if a.dtype.kind == "V" or type(a.dtype).__module__.startswith("ml_dtypes"):
+        return a.view(f"u{a.dtype.itemsize}")
+    return a
+
+
+def _restore(a: np.ndarray, dtype: str) -> np.ndarray:
+    import ml_dtypes  # noqa: F401  (registers the names np.dtype looks up)
+
+    want = np.dtype(dtype)
+    return a if a.dtype == want else a.view(want)
+
+
+def _loader(path: pathlib.Path, name: str, info: Mapping[str, Any]) -> Callable[[], Any]:
+    def load() -> Any:
+        from qmill.engine.modelfree import leaf
+
+        with np.load(path) as stored:
+            scale = _restore(stored[f"{name}/scale"], info["dtype"][0])
+            qvalue = _restore(stored[f"{name}/qvalue"], info["dtype"][1])
+            zero_point = None
+            if f"{name}/zero_point" in stored.files:
+                zero_point = _restore(stored[f"{name}/zero_point"], info["dtype"][2])
+        packed = info["packed_as"]
+        return leaf.LeafResult(
+            qvalue=qvalue,
+            scale=scale,
+            zero_point=zero_point,
+            quality=leaf.Quality(info["sqnr_db"], info["mean_relative_error"]),
+            packed_as=None if packed is None else (np.dtype(packed[0]), tuple(packed[1])),
+        )
+
+    return load
+
+
+def _save_npz_atomic(path: pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """An npz written straight to a temporary file, synced and renamed into place (no copy of
+    the whole archive in memory: the state holds every sample's hidden states)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **{k: _storable(v) for k, v in arrays.items()})
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
