@@ -177,17 +177,9 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
-    calibrated = remote = None
-    if lm is not None:
-        formats.check_destination(
-            args.source, args.output, overwrite=args.overwrite, output_format=args.format
-        )
-        if args.server:  # the server calibrates (lm_server.py)
-            with _client(args) as client:
-                remote = lm_server.calibrate(client, args, recipe, lm)
-            calibration = remote.quantize_kwargs()
-        else:
-            calibrated = calibrated_lm.calibrate(args, recipe, lm)
+    calibrated, remote = _calibrate_language_model(args, recipe, lm)
+    if remote is not None:
+        calibration = remote.quantize_kwargs()
     methods: dict[str, str] = {}  # with statistics in hand: each quantized tensor's method
     if "calibration_stats" in calibration:
         what = f"--calibration {args.calibration}"
@@ -271,6 +263,20 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
             sys.stdout.flush()  # after the totals, not inside them
             print(note, file=sys.stderr)
     return 0
+
+
+def _calibrate_language_model(args: argparse.Namespace, recipe: dict, lm: Any) -> tuple:
+    """(in-process calibration, server calibration) of a --method run, one of them None; both
+    None without --method. Runs before the checkpoint pipeline, which then writes the output."""
+    if lm is None:
+        return None, None
+    formats.check_destination(
+        args.source, args.output, overwrite=args.overwrite, output_format=args.format
+    )
+    if args.server:  # the server calibrates (lm_server.py)
+        with _client(args) as client:
+            return None, lm_server.calibrate(client, args, recipe, lm)
+    return calibrated_lm.calibrate(args, recipe, lm), None
 
 
 def _language_model(args: argparse.Namespace, out: Console) -> Any:
