@@ -201,7 +201,7 @@ def hf_output(out: pathlib.Path, tok, calib: list[str], held: list[str], params,
     Hessian over the input features), written as a Hugging Face folder; then read back with
     qmill.checkpoints.load, dequantized into the Flax model, and measured as above."""
     from qmill import checkpoints
-    from qmill.checkpoints import embedded, pipeline
+    from qmill.checkpoints.run import embedded, pipeline
 
     model = minilm.MiniLM()
     rules = [gptq.GptqRule(module_path=DENSE, weight_qtype="int4", tile_size=128)]

@@ -51,7 +51,7 @@ import grpc
 import numpy as np
 import safetensors.numpy
 
-from qmill.checkpoints import safetensors_header
+from qmill.checkpoints.formats.safetensors import header as safetensors_header
 
 CHUNK = 4 * 1024 * 1024
 RAW_METHOD = "/bench.Raw/Push"

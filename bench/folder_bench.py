@@ -29,7 +29,7 @@ import e2e_bench
 import ml_dtypes
 import numpy as np
 
-from qmill.checkpoints import safetensors_header
+from qmill.checkpoints.formats.safetensors import header as safetensors_header
 
 HIDDEN, INTERMEDIATE, KV_HEADS, HEADS, VOCAB = 2048, 5632, 4, 32, 32000
 

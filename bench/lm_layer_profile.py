@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "gpu"))
 
 import lm_gptq
 
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.client import recipes as client_recipes
 from qmill.engine.contrib import gptq_core
 from qmill.engine.contrib import leaf as contrib_leaf

@@ -31,14 +31,14 @@ safetensors. Files qmill wrote before packing (4-bit one value per byte) still r
 checkpoint imports them.
 """
 
-from qmill.checkpoints.formats import FORMATS as FORMATS
-from qmill.checkpoints.formats import create_writer as create_writer
-from qmill.checkpoints.formats import format_for_destination as format_for_destination
-from qmill.checkpoints.formats import open_source as open_source
-from qmill.checkpoints.loader import load as load
-from qmill.checkpoints.protocols import CheckpointWriter as CheckpointWriter
-from qmill.checkpoints.protocols import TensorEntry as TensorEntry
-from qmill.checkpoints.protocols import TensorSource as TensorSource
+from qmill.checkpoints.base.protocols import CheckpointWriter as CheckpointWriter
+from qmill.checkpoints.base.protocols import TensorEntry as TensorEntry
+from qmill.checkpoints.base.protocols import TensorSource as TensorSource
+from qmill.checkpoints.formats.registry import FORMATS as FORMATS
+from qmill.checkpoints.formats.registry import create_writer as create_writer
+from qmill.checkpoints.formats.registry import format_for_destination as format_for_destination
+from qmill.checkpoints.formats.registry import open_source as open_source
+from qmill.checkpoints.loading.loader import load as load
 
 __all__ = [
     "FORMATS",

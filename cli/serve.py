@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from qmill.checkpoints import errors, pipeline
+from qmill.checkpoints.base import errors
+from qmill.checkpoints.run import pipeline
 from qmill.client import credentials, fanout
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from qmill import checkpoints
-from qmill.checkpoints import model_fn
+from qmill.checkpoints.programs import model_fn
 from qmill.client import credentials, errors, model_rules, programs, uploads
 from qmill.client.service_client import ServiceClient
 from qmill.proto import wire

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints.lm import calibration as lm_calibration
 
 METHODS = ("gptq",)
 DEFAULT_SAMPLES = 64

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import outcome as outcome_lib
+from qmill.checkpoints.run import outcome as outcome_lib
 from qmill.client import calibrate as calibrate_lib
 from qmill.client import connection, errors, recipes, streaming, uploads
 from qmill.client import credentials as credentials_lib

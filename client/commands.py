@@ -21,18 +21,15 @@ from rich import box
 from rich.console import Console
 
 from qmill import checkpoints
-from qmill.checkpoints import (
-    calibration_coverage,
-    ct_writer,
-    formats,
-    hf_folder,
-    lm_calibration,
-    pipeline,
-    quantization_config,
-    staging,
-)
-from qmill.checkpoints import dtypes as checkpoint_dtypes
-from qmill.checkpoints import errors as checkpoint_errors
+from qmill.checkpoints.base import dtypes as checkpoint_dtypes
+from qmill.checkpoints.base import errors as checkpoint_errors
+from qmill.checkpoints.base import staging
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
+from qmill.checkpoints.formats.hf_folder import folder as hf_folder
+from qmill.checkpoints.formats.hf_folder import quantization_config
+from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.run import calibration_coverage, pipeline
 from qmill.client import (
     calibrated_lm,
     credentials,
@@ -71,7 +68,7 @@ def _dry_run(args: argparse.Namespace, recipe: dict, out: Console) -> int:
     formats.check_destination(
         args.source, args.output, overwrite=args.overwrite, output_format=args.format
     )
-    from qmill.checkpoints import plan  # lazy: the plan comes from the engine (jax)
+    from qmill.checkpoints.run import plan  # lazy: the plan comes from the engine (jax)
 
     rows = plan.plan_checkpoint(args.source, recipe)
     summary = report.Summary(rows, 0.0, str(args.source), str(args.output), recipe)
@@ -82,7 +79,7 @@ def _dry_run(args: argparse.Namespace, recipe: dict, out: Console) -> int:
 def _backend(args: argparse.Namespace) -> pipeline.Backend:
     """The engine in-process, one server, or several (--server a,b or --streams)."""
     if not args.server:
-        from qmill.checkpoints import embedded  # lazy: the engine (jax)
+        from qmill.checkpoints.run import embedded  # lazy: the engine (jax)
 
         # This process quantizes once and exits: what importing jax made is kept, frozen.
         embedded.load_engine(freeze=True)

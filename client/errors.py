@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from qmill.checkpoints.errors import QmillError as QmillError
+from qmill.checkpoints.base.errors import QmillError as QmillError
 from qmill.proto import wire
 
 if TYPE_CHECKING:

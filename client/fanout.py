@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import outcome as outcome_lib
+from qmill.checkpoints.run import outcome as outcome_lib
 from qmill.client import client as client_lib
 from qmill.client import credentials as credentials_lib
 from qmill.client import errors, recipes, streaming

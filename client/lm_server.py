@@ -20,7 +20,7 @@ import pathlib
 import sys
 from typing import Any
 
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.client import calibrated_lm, lm_jobs, recipes
 from qmill.proto.v1 import qmill_pb2 as pb
 

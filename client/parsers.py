@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from qmill.checkpoints import ct_schemes
+from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
 from qmill.client import calibrated_lm, credentials, recipes, report, retry
 
 

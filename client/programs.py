@@ -17,7 +17,7 @@ import numpy as np
 import safetensors.numpy
 
 from qmill import checkpoints
-from qmill.checkpoints import model_fn
+from qmill.checkpoints.programs import model_fn
 from qmill.client import model_rules, uploads
 from qmill.client.service_client import ServiceClient
 from qmill.proto.v1 import qmill_pb2 as pb

@@ -28,7 +28,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from qmill.checkpoints import ct_schemes
+from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 

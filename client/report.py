@@ -31,7 +31,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from qmill.checkpoints import pipeline
+from qmill.checkpoints.run import pipeline
 from qmill.client import report_table
 
 

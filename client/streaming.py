@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import dtypes, outcome, safetensors_source
+from qmill.checkpoints.base import dtypes
+from qmill.checkpoints.formats.safetensors import source as safetensors_source
+from qmill.checkpoints.run import outcome
 from qmill.proto import memory, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 

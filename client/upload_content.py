@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from qmill.checkpoints import formats, protocols, safetensors_header
+from qmill.checkpoints.base import protocols
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.formats.safetensors import header as safetensors_header
 
 # The reference implementation's dtype order (safetensors' Dtype enum); it writes the tensors of
 # the last one first.

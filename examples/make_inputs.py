@@ -24,7 +24,7 @@ import shutil
 import numpy as np
 import safetensors.numpy
 
-from qmill.checkpoints import examples
+from qmill.checkpoints.formats import examples
 
 _BERT_CONFIG = {
     "architectures": ["BertModel"],

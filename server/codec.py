@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from qmill.checkpoints import dtypes as checkpoint_dtypes
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints.base import dtypes as checkpoint_dtypes
+from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.engine.core import qtypes
 from qmill.engine.modelfree import layout, leaf, recipes
 from qmill.engine.modeling import rules as rules_lib

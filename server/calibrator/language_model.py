@@ -30,7 +30,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from qmill.checkpoints import lm_calibration, lm_work
+from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import work as lm_work
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec, errors

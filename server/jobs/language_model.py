@@ -24,7 +24,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from qmill.checkpoints import embedded, lm_calibration
+from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.run import embedded
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec
 from qmill.server.jobs import urls

@@ -29,7 +29,7 @@ from typing import Any
 
 from etils import epath
 
-from qmill.checkpoints import staging
+from qmill.checkpoints.base import staging
 from qmill.server.jobs import object_store, urls
 
 log = logging.getLogger(__name__)

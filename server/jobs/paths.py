@@ -33,7 +33,7 @@ import dataclasses
 import os
 import pathlib
 
-from qmill.checkpoints import staging
+from qmill.checkpoints.base import staging
 from qmill.server import config as config_lib
 from qmill.server import errors, tls
 from qmill.server.jobs import urls

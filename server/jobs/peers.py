@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from qmill.checkpoints import embedded, pipeline
+from qmill.checkpoints.run import embedded, pipeline
 from qmill.server import config as config_lib
 
 # Made in the composition root (qmill.cli.serve): config → a maker of fan-out backends.

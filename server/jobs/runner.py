@@ -50,7 +50,10 @@ import time
 import uuid
 from collections.abc import Callable
 
-from qmill.checkpoints import embedded, errors, formats, lm_calibration, pipeline, staging
+from qmill.checkpoints.base import errors, staging
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.run import embedded, pipeline
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors as server_errors
 from qmill.server import limits

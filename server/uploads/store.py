@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax import numpy as jnp
 
-from qmill.checkpoints import safetensors_header
+from qmill.checkpoints.formats.safetensors import header as safetensors_header
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors, params

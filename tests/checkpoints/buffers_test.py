@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import buffers
-from qmill.checkpoints import safetensors_source as source_lib
+from qmill.checkpoints.base import buffers
+from qmill.checkpoints.formats.safetensors import source as source_lib
 
 
 def test_a_buffer_in_use_is_never_handed_out_again():

@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import embedded, formats
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.run import embedded
 from qmill.cli import main
 
 EXPECTED_FILE = pathlib.Path(__file__).with_name("cli_digests.json")

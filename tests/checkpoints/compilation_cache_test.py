@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import compilation_cache
+from qmill.checkpoints.run import compilation_cache
 
 HIT = "Persistent compilation cache hit"
 
@@ -105,7 +105,7 @@ def test_an_unusable_directory_means_a_run_without_it_and_one_line(tmp_path) -> 
 def test_jax_own_cache_dir_wins_and_ours_is_not_made(tmp_path) -> None:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax")}
     env["QMILL_COMPILATION_CACHE"] = str(tmp_path / "ours")
-    code = "from qmill.checkpoints import compilation_cache as c; print(c.enable())"
+    code = "from qmill.checkpoints.run import compilation_cache as c; print(c.enable())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / "jax")
@@ -116,7 +116,7 @@ def test_off_turns_it_off_in_the_process(tmp_path) -> None:
     env = {**os.environ, "QMILL_COMPILATION_CACHE": "off"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     code = (
-        "import jax; from qmill.checkpoints import compilation_cache as c; "
+        "import jax; from qmill.checkpoints.run import compilation_cache as c; "
         "print(c.enable(), jax.config.jax_compilation_cache_dir)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qmill.checkpoints import ct_global
+from qmill.checkpoints.formats.compressed_tensors import global_scales as ct_global
 from qmill.engine.modelfree import recipes
 from qmill.proto import recipe as recipe_proto
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qmill import checkpoints
-from qmill.checkpoints import dtypes
+from qmill.checkpoints.base import dtypes
 
 # numpy's own dtypes; complex128 excepted, which safetensors has no dtype (nor carrier) for.
 NUMPY_DTYPES = sorted(dtypes.NUMPY_NATIVE - {"complex128"})

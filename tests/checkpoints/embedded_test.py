@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from qmill.checkpoints import embedded, errors
+from qmill.checkpoints.base import errors
+from qmill.checkpoints.run import embedded
 
 RECIPE = {"rules": [{"path_regex": ".*", "qtype": "int8"}]}
 
@@ -60,7 +61,7 @@ def test_load_engine_freezes_the_start_up_objects_only_when_asked(freeze: bool) 
     # The CLI asks (a one-shot process: ~0.08 s less collection); a server must not, and the
     # collector is on again afterwards either way.
     code = (
-        "import gc, sys; from qmill.checkpoints import embedded; "
+        "import gc, sys; from qmill.checkpoints.run import embedded; "
         f"embedded.load_engine(freeze={freeze}); "
         "print(gc.get_freeze_count(), gc.isenabled(), 'jax' in sys.modules)"
     )

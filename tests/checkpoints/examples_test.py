@@ -7,7 +7,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from qmill import checkpoints
-from qmill.checkpoints import examples
+from qmill.checkpoints.formats import examples
 
 LAYOUT = {
     "params/Conv_0/kernel": ((3, 3, 8, 16), np.float32),

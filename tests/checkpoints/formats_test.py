@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from qmill import checkpoints
-from qmill.checkpoints import examples, formats
+from qmill.checkpoints.formats import examples
+from qmill.checkpoints.formats import registry as formats
 
 ACCEPTED = "Orbax PyTree checkpoint directory, a .safetensors file, a sharded safetensors set"
 
@@ -74,7 +75,7 @@ def test_entries_describe_tensors_without_reading_them(tmp_path):
 
 def test_importing_checkpoints_does_not_import_jax_or_orbax():
     code = (
-        "import sys; import qmill.checkpoints, qmill.checkpoints.examples; "
+        "import sys; import qmill.checkpoints, qmill.checkpoints.formats.examples; "
         "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -20,7 +20,8 @@ import pathlib
 import sys
 from typing import Any
 
-from qmill.checkpoints import safetensors_writer, staging
+from qmill.checkpoints.base import staging
+from qmill.checkpoints.formats.safetensors import writer as safetensors_writer
 
 _MODULES = (staging, safetensors_writer)
 

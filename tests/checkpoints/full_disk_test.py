@@ -9,7 +9,9 @@ import os
 
 import pytest
 
-from qmill.checkpoints import errors, pipeline, safetensors_writer, staging
+from qmill.checkpoints.base import errors, staging
+from qmill.checkpoints.formats.safetensors import writer as safetensors_writer
+from qmill.checkpoints.run import pipeline
 from tests.checkpoints import full_disk
 from tests.checkpoints.resume_test import RECIPE, FakeBackend, _make_source
 

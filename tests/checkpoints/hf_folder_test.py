@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import embedded, formats, hf_folder, pipeline, quantization_config, staging
+from qmill.checkpoints.base import staging
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.formats.hf_folder import folder as hf_folder
+from qmill.checkpoints.formats.hf_folder import quantization_config
+from qmill.checkpoints.run import embedded, pipeline
 
 CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 32, "z": [1, 2]}
 

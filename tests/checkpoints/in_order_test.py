@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from qmill.checkpoints import formats, pipeline, staging
+from qmill.checkpoints.base import staging
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.run import pipeline
 from tests.checkpoints.resume_test import RECIPE, FakeBackend
 
 

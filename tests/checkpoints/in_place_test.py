@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from qmill.checkpoints import embedded, pipeline, staging
+from qmill.checkpoints.base import staging
+from qmill.checkpoints.run import embedded, pipeline
 from tests.checkpoints.hf_folder_test import _hf_folder, _tree
 from tests.checkpoints.resume_test import RECIPE, FakeBackend, Interrupted, _make_source
 
@@ -200,7 +201,7 @@ def test_a_finished_run_leaves_no_data_behind(tmp_path, source):
 
 _KILLED_RUN = """
 import os, sys
-from qmill.checkpoints import pipeline
+from qmill.checkpoints.run import pipeline
 from tests.checkpoints.resume_test import RECIPE, FakeBackend
 
 class Killed(FakeBackend):

@@ -25,7 +25,8 @@ from flax import nnx
 
 import qmill.engine as qwix  # the seeds' samples are written against `qwix`
 from qmill import checkpoints
-from qmill.checkpoints import embedded, pipeline
+from qmill.checkpoints.loading import loader
+from qmill.checkpoints.run import embedded, pipeline
 from qmill.client import Client
 from qmill.client import calibrate as client_calibrate
 from qmill.engine import zoo
@@ -88,7 +89,7 @@ def _check_linen(tree, qtype):
     ptq_model = qwix.quantize_model(model, qwix.PtqProvider(_rules(qtype)))
     abs_ptq_variables = jax.eval_shape(ptq_model.init, jax.random.key(0), MODEL_INPUT)
     ptq_params = qwix.quantize_params(fp_params, abs_ptq_variables["params"])
-    loaded = checkpoints.loader.fill(abs_ptq_variables["params"], tree)
+    loaded = loader.fill(abs_ptq_variables["params"], tree)
     assert isinstance(loaded["Dense_0"]["kernel"], qwix.WithAux)
     assert loaded["Dense_0"]["kernel"].array.qvalue.dtype.name == qtype
     _assert_same_params(jax.tree.map(np.asarray, loaded), jax.tree.map(np.asarray, ptq_params))
@@ -185,7 +186,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named(fp_checkpoint, tmp_pa
     with pytest.raises(ValueError, match=r"Dense_0/kernel/array/qvalue: the model wants int4"):
         checkpoints.load(out, like={"linen": abstract})
     with pytest.raises(ValueError, match=r"lacks \['linen'\]"):
-        checkpoints.loader.fill({"linen": abstract}, {})
+        loader.fill({"linen": abstract}, {})
 
 
 # ------------------------------------------------------------------------------------ SRQ
@@ -226,7 +227,7 @@ def test_remote_srq_params_load_into_the_ptq_model(srq, tmp_path, fmt):
     ptq_model = qwix.quantize_model(model, qwix.PtqProvider(rules))
     abstract = jax.eval_shape(ptq_model.init, jax.random.key(0), x[:1])["params"]
     # The in-process reference: quantize_params with the calibrated statistics.
-    stats = checkpoints.loader.nest(
+    stats = loader.nest(
         {k: v for k, v in result.stats.items() if not k.startswith("final_output")}
     )
     expected_params = qwix.quantize_params(params, abstract, stats)
@@ -246,8 +247,8 @@ def test_fill_keeps_flax_boxes_and_dataclass_fields_that_are_not_arrays():
     abstract = jax.ShapeDtypeStruct((2, 3), np.float32)
     like = {"w": nn.Partitioned(abstract, names=("in", "out")), "b": abstract}
     value = np.ones((2, 3), np.float32)
-    filled = checkpoints.loader.fill(like, {"w": value, "b": value, "extra": value})
+    filled = loader.fill(like, {"w": value, "b": value, "extra": value})
     assert isinstance(filled["w"], nn.Partitioned) and filled["w"].names == ("in", "out")
     assert filled["w"].value is value and filled["b"] is value and filled["extra"] is value
     with pytest.raises(ValueError, match=r"w: the model wants float32\[2, 3\]"):
-        checkpoints.loader.fill(like, {"w": np.ones(3, np.float32), "b": value})
+        loader.fill(like, {"w": np.ones(3, np.float32), "b": value})

@@ -29,7 +29,7 @@ def rss(field):
 fmt, dest, tensor_bytes, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if fmt == "orbax":
     import orbax.checkpoint  # imported up front: its import is not the writer's memory
-    from qmill.checkpoints import orbax_writer
+    from qmill.checkpoints.formats.orbax import writer as orbax_writer
     orbax_writer.GROUP_BYTES = 2 * tensor_bytes
 base = rss("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:

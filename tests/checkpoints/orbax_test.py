@@ -9,7 +9,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from qmill import checkpoints
-from qmill.checkpoints import dtypes, orbax_writer
+from qmill.checkpoints.base import dtypes
+from qmill.checkpoints.formats.orbax import writer as orbax_writer
 
 
 def _bytes_read() -> int:

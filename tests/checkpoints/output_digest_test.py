@@ -17,7 +17,9 @@ import pathlib
 
 import pytest
 
-from qmill.checkpoints import embedded, examples, formats, pipeline
+from qmill.checkpoints.formats import examples
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.run import embedded, pipeline
 from qmill.client import recipes
 
 EXPECTED = json.loads((pathlib.Path(__file__).parent / "digests.json").read_text())

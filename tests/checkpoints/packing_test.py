@@ -12,7 +12,7 @@ import safetensors
 import safetensors.numpy
 
 from qmill import checkpoints
-from qmill.checkpoints import dtypes, staging
+from qmill.checkpoints.base import dtypes, staging
 
 FOUR_BIT = [ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float4_e2m1fn]
 

@@ -1,6 +1,6 @@
 """The checkpoint pipeline's pure helpers (its runs are tested in resume_test.py)."""
 
-from qmill.checkpoints import pipeline
+from qmill.checkpoints.run import pipeline
 
 
 def test_default_convention_follows_the_format():
@@ -16,7 +16,7 @@ def test_a_checkpoint_with_empty_float_tensors_quantizes_and_keeps_them(tmp_path
     import numpy as np
 
     from qmill import checkpoints
-    from qmill.checkpoints import embedded
+    from qmill.checkpoints.run import embedded
 
     tree = {
         "params/empty/kernel": np.zeros((0, 4), np.float32),

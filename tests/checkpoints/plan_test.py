@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from qmill.checkpoints import embedded, examples, pipeline, plan
+from qmill.checkpoints.formats import examples
+from qmill.checkpoints.run import embedded, pipeline, plan
 
 RECIPES = {
     "int8": {"rules": [{"qtype": "int8"}]},

@@ -8,8 +8,10 @@ import pathlib
 import numpy as np
 import pytest
 
-from qmill.checkpoints import formats, pipeline, staging
-from qmill.checkpoints import outcome as outcome_lib
+from qmill.checkpoints.base import staging
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.run import outcome as outcome_lib
+from qmill.checkpoints.run import pipeline
 from qmill.client import errors, retry
 
 RECIPE = {"rules": [{"qtype": "int8"}]}

@@ -11,7 +11,7 @@ import safetensors
 import safetensors.numpy
 
 from qmill import checkpoints
-from qmill.checkpoints import safetensors_writer
+from qmill.checkpoints.formats.safetensors import writer as safetensors_writer
 
 
 def _hf_sharded(tmp_path, sample, shards=3, per_shard=2):

@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Any
 
-from qmill.checkpoints import formats, protocols
+from qmill.checkpoints.base import protocols
+from qmill.checkpoints.formats import registry as formats
 
 _OPEN_SOURCE = formats.open_source
 

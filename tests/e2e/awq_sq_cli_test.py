@@ -73,6 +73,7 @@ def test_remote_and_in_process_give_the_reference_params(tmp_path, make_server, 
 
     import qmill.engine as qe
     from qmill import checkpoints
+    from qmill.checkpoints.loading import loader
     from qmill.engine.contrib import awq
     from qmill.engine.contrib import smooth_quant as sq
 
@@ -119,7 +120,7 @@ def test_remote_and_in_process_give_the_reference_params(tmp_path, make_server, 
         qe.quantize_model(model, qe.PtqProvider(rules)).init, jax.random.key(0), x
     )
     with np.load(stats_file) as f:
-        stats = checkpoints.loader.nest({k: f[k] for k in f.files})
+        stats = loader.nest({k: f[k] for k in f.files})
     expected = lib.quantize_params(params, abstract["params"], stats)
     # The checkpoint read back into the reference's param tree: `like=` the abstract of what
     # quantize_params returns gives its WithAwqScale / WithSqScale leaves.

@@ -18,7 +18,7 @@ TIMEOUT = 300
 _READS_AT_EXIT = """
 import sys, time
 from concurrent.futures import thread
-from qmill.checkpoints import formats
+from qmill.checkpoints.formats import registry as formats
 from qmill.cli import main as cli
 
 open_source = formats.open_source

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from qmill.checkpoints import dtypes
+from qmill.checkpoints.base import dtypes
 from qmill.engine import qarray
 from qmill.engine.modelfree import layout, leaf
 

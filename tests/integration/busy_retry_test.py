@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from qmill import checkpoints
-from qmill.checkpoints import examples
+from qmill.checkpoints.formats import examples
 from qmill.cli import main as cli
 
 

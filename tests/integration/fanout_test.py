@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from qmill.checkpoints import pipeline
+from qmill.checkpoints.run import pipeline
 from qmill.client import Client, credentials, errors, fanout
 from qmill.proto.v1 import qmill_pb2 as pb
 from tests.checkpoints import slow_reads

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qmill import checkpoints
-from qmill.checkpoints import formats
+from qmill.checkpoints.formats import registry as formats
 from qmill.client import Client
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server.jobs import runner as runner_lib

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.cli import main as cli
 from qmill.client import Client, errors, lm_jobs, recipes
 from qmill.proto import wire

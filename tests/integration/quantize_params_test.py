@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from qmill import checkpoints
-from qmill.checkpoints import embedded, examples, pipeline
+from qmill.checkpoints.formats import examples
+from qmill.checkpoints.run import embedded, pipeline
 from qmill.client import AsyncClient, Client, errors, streaming
 from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import safetensors_source
+from qmill.checkpoints.formats.safetensors import source as safetensors_source
 from qmill.cli import main as cli
 
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import pipeline
+from qmill.checkpoints.run import pipeline
 from qmill.client import Client, errors, fanout
 
 RECIPE = {

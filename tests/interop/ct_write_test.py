@@ -9,7 +9,10 @@ import pathlib
 import numpy as np
 import pytest
 
-from qmill.checkpoints import ct_schemes, embedded, formats, pipeline, staging
+from qmill.checkpoints.base import staging
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
+from qmill.checkpoints.run import embedded, pipeline
 from qmill.client import client as client_lib
 from qmill.client import fanout, recipes
 from tests.interop.conftest import (

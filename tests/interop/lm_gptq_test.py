@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints.lm import calibration as lm_calibration
 from tests.e2e import processes
 
 VOCAB = 256

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qmill.checkpoints import safetensors_header
+from qmill.checkpoints.formats.safetensors import header as safetensors_header
 from qmill.proto import wire
 from qmill.server import errors
 from qmill.server.uploads import store as store_lib

@@ -1,0 +1,404 @@
+"""GPTQ for a Hugging Face causal-LM folder, layer by layer, resumable, with its perplexity.
+
+The side effects around engine/lm/sequential.py: reading one decoder layer's tensors at a time
+from the folder's safetensors, keeping each finished layer on disk beside the destination
+(`<destination>.qmill-calibration/`) so a killed run resumes at the last finished layer, and
+reporting progress. What it produces is one LeafResult per calibrated linear; the checkpoint
+pipeline then writes the output from them (`Precomputed`), every other tensor as the recipe
+says, so the output is the same folder as a round-to-nearest run's, in any format.
+
+Memory: one layer's weights (float32), the calibration and evaluation hidden states, one
+stage's Hessian and input: `estimate` says how much, before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from qmill.checkpoints.formats.hf_folder import folder as hf_folder
+from qmill.checkpoints.formats.safetensors import source as safetensors_source
+from qmill.checkpoints.lm import work as lm_work
+from qmill.checkpoints.run import embedded, outcome
+
+SUFFIX = ".qmill-calibration"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LmRequest:
+    """What to calibrate with, and how."""
+
+    # int32 (samples, tokens): the calibration windows.
+    calibration_ids: np.ndarray
+    # int32 (windows, tokens) of held-out text for the perplexity, or None for none.
+    eval_ids: np.ndarray | None = None
+    # GPTQ's options: columns per block, dampening fraction, activation order.
+    blocksize: int = 128
+    percdamp: float = 0.01
+    actorder: bool = True
+    # Samples run through a stage at once: bounds the intermediates (B, T, intermediate).
+    chunk: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProgress:
+    """One finished decoder layer, for progress lines and job progress."""
+
+    layer: int
+    layers: int
+    loss: float
+    seconds: float
+    eta_seconds: float
+    resumed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LmOutcome:
+    """What the calibration gave: the calibrated linears' results live in `directory`."""
+
+    directory: pathlib.Path
+    # Full tensor name → method ("gptq") for every calibrated linear.
+    methods: dict[str, str]
+    # One {"layer", "loss", "seconds", "losses": {name: loss}} per decoder layer.
+    layers: list[dict[str, Any]]
+    # {"source": ppl, "quantized": ppl} or None without evaluation windows.
+    perplexity: dict[str, float] | None
+
+
+def work_directory(destination: str | os.PathLike) -> pathlib.Path:
+    dest = pathlib.Path(destination).absolute()
+    return dest.with_name(dest.name + SUFFIX)
+
+
+def model_config(folder: str | os.PathLike) -> Any:
+    """The folder's LmConfig (engine/lm/config.py), refused before any work if unsupported.
+
+    Raises:
+      ValueError: not a Hugging Face folder, or an architecture the forward pass lacks.
+    """
+    from qmill.engine.lm import config as config_lib
+
+    path = pathlib.Path(folder)
+    if not path.is_dir() or not (path / hf_folder.CONFIG).is_file():
+        raise ValueError(
+            f"{folder}: calibrating a language model takes a Hugging Face model folder "
+            "(config.json + safetensors weights)"
+        )
+    return config_lib.from_hf_config(hf_folder.read_config(path))
+
+
+def _open_weights(folder: pathlib.Path) -> safetensors_source.SafetensorsSource:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return safetensors_source.open_index(index)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no safetensors weights")
+    return safetensors_source.SafetensorsSource(files)
+
+
+def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmRequest) -> dict:
+    digest = hashlib.sha256()
+    for ids in (request.calibration_ids, request.eval_ids):
+        if ids is not None:
+            digest.update(np.ascontiguousarray(ids, np.int32).tobytes())
+            digest.update(str(ids.shape).encode())
+    sizes = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+    return {
+        "source": str(folder.absolute()),
+        "weights": sizes,
+        "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
+        "tokens": digest.hexdigest(),
+        "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk],
+    }
+
+
+def estimate(cfg: Any, entries: Mapping[str, Any], request: LmRequest) -> dict[str, int]:
+    """Bytes the calibration holds at its peak, by part (float32 throughout).
+
+    entries: tensor name → (shape) of the folder's tensors.
+    """
+    from qmill.engine.lm import config as config_lib
+
+    def size(name: str) -> int:
+        return 4 * math.prod(entries[name]) if name in entries else 0
+
+    layer = max(
+        sum(size(n) for n in config_lib.layer_tensor_names(cfg, i)) for i in range(cfg.num_layers)
+    )
+    outer = sum(size(n) for n in config_lib.outer_tensor_names(cfg).values() if n)
+    samples, tokens = request.calibration_ids.shape
+    widest = max(cfg.hidden_size, cfg.intermediate_size)
+    # Hidden states in and out, one stage's input for every sample, and its carry (residual).
+    hidden = 4 * samples * tokens * (3 * cfg.hidden_size + widest)
+    evaluation = 0
+    if request.eval_ids is not None:
+        windows, length = request.eval_ids.shape
+        # Two streams (float and quantized), and the logits of a slice of positions, which
+        # the forward pass keeps under 32 MiB (and their softmax as much again).
+        evaluation = 4 * (2 * windows * length * cfg.hidden_size)
+        evaluation += min(4 * min(windows, request.chunk) * length * cfg.vocab_size, 2 << 25)
+    hessian = 4 * widest * widest * 3  # H, its inverse factor, and the work copy
+    return {
+        "layer": 2 * layer,  # as read and in float32
+        "embedding and head": outer,
+        "hidden states": hidden,
+        "evaluation": evaluation,
+        "hessian": hessian,
+    }
+
+
+def calibrate(
+    folder: str | os.PathLike,
+    destination: str | os.PathLike,
+    recipe: Mapping[str, Any],
+    request: LmRequest,
+    *,
+    restart: bool = False,
+    progress: Callable[[LayerProgress], None] | None = None,
+    check: Callable[[], None] | None = None,
+) -> LmOutcome:
+    """Calibrates the folder's decoder layers one at a time (engine/lm/sequential.py).
+
+    Resumable: each finished layer is kept in `<destination>.qmill-calibration/` with the
+    hidden states after it, so a call with the same arguments after an interruption starts at
+    the next layer and gives the same bytes; `restart` discards it. `check` is called before
+    each layer (a cancelled job raises there).
+
+    Raises:
+      ValueError: an unsupported architecture, missing tensors, token ids outside the
+        vocabulary, or kept work made with other arguments (pass restart).
+    """
+    from qmill.engine.contrib import gptq_core
+    from qmill.engine.lm import config as config_lib
+    from qmill.engine.lm import sequential
+
+    embedded.load_engine()
+    folder = pathlib.Path(folder)
+    cfg = model_config(folder)
+    _check_ids(cfg, request)
+    options = gptq_core.GptqOptions(
+        blocksize=request.blocksize, percdamp=request.percdamp, actorder=request.actorder
+    )
+    work = lm_work.Work(work_directory(destination), _fingerprint(folder, recipe, request), restart)
+    with _open_weights(folder) as weights:
+        entries = {e.path: tuple(e.shape) for e in weights.entries()}
+        dtypes = {e.path: e.dtype for e in weights.entries()}
+        _check_tensors(cfg, entries)
+        outer = _outer(cfg, weights)
+        plans = _Plans(recipe, entries, dtypes)
+        streams = work.resume() or _start(cfg, outer, plans, request)
+        started = time.monotonic()
+        for layer in range(streams.next_layer, cfg.num_layers):
+            if check is not None:
+                check()
+            t0 = time.monotonic()
+            prefix = config_lib.layer_prefix(cfg, layer)
+            tensors = {
+                n.removeprefix(prefix): weights.read(n)
+                for n in config_lib.layer_tensor_names(cfg, layer)
+            }
+            linears = plans.linears(cfg, layer, prefix)
+            done = sequential.calibrate_layer(cfg, layer, tensors, streams.hidden, linears, options)
+            if streams.source is not None:
+                streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
+                streams.quantized = sequential.run_layer(
+                    cfg, layer, done.weights, streams.quantized
+                )
+            streams.hidden, streams.next_layer = done.hidden, layer + 1
+            seconds = time.monotonic() - t0
+            work.finish_layer(layer, done, seconds, streams)
+            if progress is not None:
+                finished = layer + 1 - work.resumed_at
+                eta = (time.monotonic() - started) / finished * (cfg.num_layers - layer - 1)
+                loss = sum(done.losses.values())
+                progress(LayerProgress(layer, cfg.num_layers, loss, seconds, eta))
+        perplexity = None
+        if streams.source is not None:
+            quantized_outer = plans.outer_as_quantized(cfg, outer)
+            perplexity = {
+                "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
+                "quantized": sequential.perplexity(
+                    cfg, quantized_outer, streams.quantized, streams.eval_ids
+                ),
+            }
+    return LmOutcome(work.directory, work.methods(), work.layers(), perplexity)
+
+
+def discard(destination: str | os.PathLike) -> None:
+    """Removes the kept calibration (after the output is committed)."""
+    shutil.rmtree(work_directory(destination), ignore_errors=True)
+
+
+def _check_ids(cfg: Any, request: LmRequest) -> None:
+    for what, ids in (("calibration", request.calibration_ids), ("evaluation", request.eval_ids)):
+        if ids is None:
+            continue
+        if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] < 2:
+            raise ValueError(
+                f"the {what} token ids must be int (samples, tokens) with at least one sample "
+                f"of 2 tokens, got shape {ids.shape}"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"the {what} token ids must be integers, got {ids.dtype}")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= cfg.vocab_size:
+            raise ValueError(
+                f"the {what} token ids range over [{low}, {high}], outside the model's "
+                f"vocabulary of {cfg.vocab_size}: were they made with this model's tokenizer?"
+            )
+
+
+def _check_tensors(cfg: Any, entries: Mapping[str, tuple[int, ...]]) -> None:
+    from qmill.engine.lm import config as config_lib
+
+    wanted = [n for n in config_lib.outer_tensor_names(cfg).values() if n]
+    for layer in range(cfg.num_layers):
+        wanted += config_lib.layer_tensor_names(cfg, layer)
+    missing = [n for n in wanted if n not in entries]
+    if missing:
+        raise ValueError(
+            f"the folder's weights lack {len(missing)} tensor(s) its config.json implies, e.g. "
+            f"{', '.join(missing[:3])}; is config.json this checkpoint's?"
+        )
+
+
+def _outer(cfg: Any, weights: Any) -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    from qmill.engine.lm import config as config_lib
+
+    names = config_lib.outer_tensor_names(cfg)
+    return {key: jnp.asarray(weights.read(name)) for key, name in names.items() if name}
+
+
+def _start(
+    cfg: Any, outer: Mapping[str, Any], plans: _Plans, request: LmRequest
+) -> lm_work.Streams:
+    from qmill.engine.lm import sequential
+
+    quantized_outer = plans.outer_as_quantized(cfg, outer)
+    calibration = sequential.split(request.calibration_ids.astype(np.int32), request.chunk)
+    streams = lm_work.Streams(0, sequential.embed(cfg, quantized_outer, calibration))
+    if request.eval_ids is not None:
+        ids = sequential.split(request.eval_ids.astype(np.int32), request.chunk)
+        streams.eval_ids = ids
+        streams.source = sequential.embed(cfg, outer, ids)
+        streams.quantized = sequential.embed(cfg, quantized_outer, ids)
+    return streams
+
+
+class _Plans:
+    """The recipe's LeafPlan of each tensor, as the checkpoint pipeline will make it."""
+
+    def __init__(self, recipe: Mapping[str, Any], entries: Mapping, dtypes: Mapping) -> None:
+        from qmill.engine.modelfree import recipes
+
+        self._recipe = recipes.recipe_from_mapping(recipe)
+        self._entries, self._dtypes = entries, dtypes
+
+    def plan(self, name: str) -> Any:
+        from qmill.engine.modelfree import layout
+
+        return layout.plan_leaf(name, self._entries[name], self._dtypes[name], self._recipe)
+
+    def linears(self, cfg: Any, layer: int, prefix: str) -> dict[str, Any]:
+        """Relative name → plan of the layer's linears the recipe quantizes."""
+        from qmill.engine.lm import config as config_lib
+
+        plans = {n: self.plan(n) for n in config_lib.linear_names(cfg, layer)}
+        return {n.removeprefix(prefix): p for n, p in plans.items() if p.quantize}
+
+    def outer_as_quantized(self, cfg: Any, outer: Mapping[str, Any]) -> dict[str, Any]:
+        """The embedding and head as the quantized model has them: round-to-nearest where the
+        recipe quantizes them (qmill's own recipes do; compressed-tensors schemes don't)."""
+        import jax.numpy as jnp
+
+        from qmill.engine.core import qarray_parts
+        from qmill.engine.lm import config as config_lib
+        from qmill.engine.modelfree import leaf
+
+        out = dict(outer)
+        for key, name in config_lib.outer_tensor_names(cfg).items():
+            plan = self.plan(name) if name else None
+            if plan is None or not plan.quantize:
+                continue
+            result = leaf.quantize_leaf(np.asarray(outer[key]), plan)
+            zero_point = None if result.zero_point is None else jnp.asarray(result.zero_point)
+            out[key] = qarray_parts.dequantize_bytes(
+                jnp.asarray(result.codes()), plan.qtype, jnp.asarray(result.scale), zero_point
+            )
+        return out
+
+
+class Precomputed:
+    """A backend that hands back the calibrated linears' results and quantizes every other
+    tensor with the embedded engine, so the checkpoint pipeline writes the output as usual."""
+
+    def __init__(self, inner: embedded.EmbeddedClient, result: LmOutcome) -> None:
+        self._inner = inner
+        self._results = dict(lm_work.results_of(result.directory))
+        self.target = getattr(inner, "target", "embedded")
+
+    def __enter__(self) -> Precomputed:
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.__exit__(*exc)
+
+    def quantize(
+        self, recipe: dict[str, Any], tensors: Any, **kwargs: Any
+    ) -> Iterator[outcome.TensorOutcome]:
+        return self._inner.quantize(recipe, tensors, precomputed=self._results, **kwargs)
+
+
+def tensor_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of the folder's weights (headers only)."""
+    with _open_weights(pathlib.Path(folder)) as weights:
+        return {e.path: tuple(e.shape) for e in weights.entries()}
+
+
+def check_request(folder: str | os.PathLike, request: LmRequest) -> Any:
+    """What `calibrate` refuses before any work, checked without doing any (a server checks a
+    job's request when it is submitted): the folder's LmConfig.
+
+    Raises:
+      ValueError: an unsupported architecture, missing tensors, or token ids of a bad shape or
+        outside the vocabulary.
+    """
+    cfg = model_config(folder)
+    _check_ids(cfg, request)
+    with _open_weights(pathlib.Path(folder)) as weights:
+        _check_tensors(cfg, {e.path: tuple(e.shape) for e in weights.entries()})
+    return cfg
+
+
+def report_fields(request: LmRequest, done: LmOutcome) -> dict[str, Any]:
+    """A calibration's report: the perplexity, each layer's GPTQ losses and the options (what
+    `--report-json` adds, and a job's calibration_report_json)."""
+    return {
+        "perplexity": done.perplexity,
+        "calibration": {
+            "method": "gptq",
+            "samples": int(request.calibration_ids.shape[0]),
+            "seq_len": int(request.calibration_ids.shape[1]),
+            "eval_windows": None if request.eval_ids is None else int(request.eval_ids.shape[0]),
+            "gptq": {
+                "block_size": request.blocksize,
+                "dampening": request.percdamp,
+                "actorder": "static" if request.actorder else None,
+            },
+            "layers": done.layers,
+        },
+    }
