@@ -230,7 +230,29 @@ ENGINE_ROOMS = {
     "programs": {"core", "modeling", "ops", "providers", "contrib"},
     "lm": {"core", "modeling", "ops", "providers", "contrib", "modelfree"},
 }
-PART_PACKAGES = {"engine": "qmill.engine", "client": "qmill.client"}
+# The checkpoint part's rooms (docs/architecture.md, "The checkpoint part's rooms"): a room is a
+# sub-package of checkpoints/ (formats/' own modules, registry and examples, are the room
+# "formats", above every format room).
+_FORMAT_ROOMS = ("safetensors", "orbax", "npz", "hf_folder", "compressed_tensors")
+CHECKPOINT_ROOMS = {
+    "base": set(),
+    "formats.safetensors": {"base"},
+    "formats.orbax": {"base"},
+    "formats.npz": {"base"},
+    "formats.hf_folder": {"base", "formats.safetensors"},
+    "formats.compressed_tensors": {"base", "formats.safetensors", "formats.hf_folder"},
+    "formats": {"base", *(f"formats.{r}" for r in _FORMAT_ROOMS)},
+    "run": {"base", "formats", *(f"formats.{r}" for r in _FORMAT_ROOMS)},
+    "loading": {"base", "formats", *(f"formats.{r}" for r in _FORMAT_ROOMS)},
+    "lm": {"base", "formats", "run", *(f"formats.{r}" for r in _FORMAT_ROOMS)},
+    "programs": set(),
+}
+PART_PACKAGES = {
+    "engine": "qmill.engine",
+    "client": "qmill.client",
+    "checkpoints": "qmill.checkpoints",
+    "cli": "qmill.cli",
+}
 
 
 def _module_names(part: str) -> dict[str, pathlib.Path]:
@@ -328,22 +350,62 @@ def _room(module: str) -> str | None:
     return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in ENGINE_ROOMS) else None
 
 
-def test_engine_rooms_import_only_the_rooms_below_them():
-    graph = _graph("engine")
-    rooms = {_room(name) for name in graph} - {None}
-    assert rooms == set(ENGINE_ROOMS), "every engine sub-package needs a place in ENGINE_ROOMS"
-    homeless = sorted(n for n in graph if _room(n) is None and n != PART_PACKAGES["engine"])
-    assert not homeless, f"engine modules outside every room (move them into one): {homeless}"
+def _back_edges(part: str, rooms: dict[str, set[str]], room_of) -> list[str]:
+    """Asserts every module of `part` has a room, and returns the imports that reach a room not
+    below the importer's (the part's __init__, its public surface, may import every room)."""
+    graph = _graph(part)
+    found = {room_of(name) for name in graph} - {None}
+    assert found == set(rooms), f"every {part} sub-package needs a place in its rooms' table"
+    homeless = sorted(n for n in graph if room_of(n) is None and n != PART_PACKAGES[part])
+    assert not homeless, f"{part} modules outside every room (move them into one): {homeless}"
     bad = []
     for name, deps in sorted(graph.items()):
-        room = _room(name)
+        room = room_of(name)
         if room is None:
-            continue  # engine/__init__.py, the public surface, may import every room
+            continue
         for dep in sorted(deps):
-            target = _room(dep)
-            if target != room and target not in ENGINE_ROOMS[room]:
+            target = room_of(dep)
+            if target != room and target not in rooms[room]:
                 bad.append(f"{name} -> {dep}")
+    return bad
+
+
+def test_engine_rooms_import_only_the_rooms_below_them():
+    bad = _back_edges("engine", ENGINE_ROOMS, _room)
     assert not bad, "back-edges between the engine's rooms:\n" + "\n".join(bad)
+
+
+def _checkpoint_room(module: str) -> str | None:
+    """The longest room name of CHECKPOINT_ROOMS that `module` (qmill.checkpoints.ROOM.name or
+    its sub-package's __init__) lives in."""
+    inside = module.removeprefix("qmill.checkpoints.").split(".")
+    if module == "qmill.checkpoints":
+        return None
+    for n in range(len(inside), 0, -1):
+        room = ".".join(inside[:n])
+        if room in CHECKPOINT_ROOMS and (n < len(inside) or _is_package(module)):
+            return room
+    return None
+
+
+def _is_package(module: str) -> bool:
+    parts = module.split(".")[2:]
+    return (ROOT / "checkpoints" / pathlib.Path(*parts) / "__init__.py").is_file()
+
+
+def test_checkpoint_rooms_import_only_the_rooms_below_them():
+    bad = _back_edges("checkpoints", CHECKPOINT_ROOMS, _checkpoint_room)
+    assert not bad, "back-edges between the checkpoint rooms:\n" + "\n".join(bad)
+
+
+def test_checkpoint_room_of_a_module():
+    # The table above is only as good as the room finder: a format room's module, formats/' own
+    # modules, a room's __init__ and the part's public surface.
+    assert _checkpoint_room("qmill.checkpoints.formats.safetensors.source") == "formats.safetensors"
+    assert _checkpoint_room("qmill.checkpoints.formats.registry") == "formats"
+    assert _checkpoint_room("qmill.checkpoints.formats.orbax") == "formats.orbax"
+    assert _checkpoint_room("qmill.checkpoints.run.pipeline") == "run"
+    assert _checkpoint_room("qmill.checkpoints") is None
 
 
 def test_circle_finder_finds_a_late_import_circle():
