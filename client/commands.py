@@ -405,7 +405,8 @@ def run(args: argparse.Namespace, out: Console | None = None, err: Console | Non
     if args.command == "inspect":
         return _inspect(args, out)
     # The gRPC client's commands (and export-program's model loading): imported on use.
-    from qmill.client import admin, calibrate, export_odml, jobs, programs, uploads
+    from qmill.cli import calibrate, export_odml, jobs, programs, uploads
+    from qmill.client import admin
 
     if args.command == "export-program":
         return programs.run_local(args, line)

@@ -16,7 +16,7 @@ from qmill.client import calibrated_lm, credentials, recipes, report, retry
 
 
 def _add_jobs(sub: Any, name: str) -> None:
-    from qmill.client import jobs  # lazy, as every other command's module: see add_command
+    from qmill.cli import jobs  # lazy, as every other command's module: see add_command
 
     recipe_help = f"preset ({', '.join(recipes.PRESETS)}) or a TOML recipe file"
     jobs.add_commands(_Only(sub, name), recipe_help=recipe_help)
@@ -24,7 +24,8 @@ def _add_jobs(sub: Any, name: str) -> None:
 
 def _add_module_command(module: str) -> Callable[[Any, str], None]:
     def add(sub: Any, name: str) -> None:
-        from qmill.client import admin, calibrate, export_odml, programs, uploads
+        from qmill.cli import calibrate, export_odml, programs, uploads
+        from qmill.client import admin
 
         modules = {
             "admin": admin,

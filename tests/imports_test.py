@@ -66,8 +66,18 @@ ALLOWED = {
         "safetensors",
         "rich",
     },
-    # The composition root: the only part that sees both client and server (the server lazily).
-    "cli": {"qmill.cli", "qmill.client", "qmill.checkpoints", "rich"},
+    # The `qmill` command and the composition root: the only part that sees both client and
+    # server (the server lazily). Its commands build requests (proto) and read and write files.
+    "cli": {
+        "qmill.cli",
+        "qmill.client",
+        "qmill.checkpoints",
+        "qmill.proto",
+        "numpy",
+        "ml_dtypes",
+        "safetensors",
+        "rich",
+    },
 }
 # Imported inside functions only, on use (checked below).
 LAZY = {

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import qmill.engine as qe
+from qmill.cli import export_odml as cli_export
 from qmill.cli import main as cli
 from qmill.client import Client, errors
-from qmill.client import export_odml as client_export
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server.odml import export as odml_export
@@ -97,7 +97,7 @@ def _request(**fields):
     base = {
         "model": pb.ModelSpec(name="cnn"),
         "params_upload_id": "up-1",
-        "rules": client_export.PRESETS["w8a8"],
+        "rules": cli_export.PRESETS["w8a8"],
         "calibration_id": "cal-1",
         "input_shape": [1, 8, 8, 1],
         "input_dtype": pb.DTYPE_F32,

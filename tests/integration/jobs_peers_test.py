@@ -9,9 +9,10 @@ import socket
 import numpy as np
 import pytest
 
+from qmill.cli import jobs as cli_jobs
 from qmill.cli import main as cli
 from qmill.cli import serve
-from qmill.client import Client, jobs
+from qmill.client import Client
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import config as config_lib
 from qmill.server.jobs import peers
@@ -127,5 +128,5 @@ def test_the_cli_shows_how_a_finished_jobs_tensors_were_shared(make_server, sour
     assert cli.main([*submit, "--recipe", "int8", "--watch"]) == 0
     with Client(server.address, timeout=30) as client:
         (job,) = client.jobs.list()
-    line = jobs.describe(job)
+    line = cli_jobs.describe(job)
     assert line.endswith(f"over 1 peer ({peer.address}: 24 tensors))"), line
