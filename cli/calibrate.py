@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from qmill.checkpoints.programs import model_fn
-from qmill.cli import programs, uploads
-from qmill.client import credentials, model_rules
+from qmill.cli import model_rules, programs, uploads
+from qmill.client import credentials
 from qmill.client import programs as client_programs
 from qmill.client.calibrate import CalibrateResult, load_batches, write_ptq
 from qmill.client.service_client import ServiceClient

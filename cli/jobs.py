@@ -7,8 +7,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from qmill.client import calibrated_lm, errors, lm_jobs, recipes
+from qmill.cli import calibrated_lm, lm_jobs
 from qmill.client import credentials as credentials_lib
+from qmill.client import errors, recipes
 from qmill.client.jobs import Jobs, state_name
 from qmill.client.service_client import ServiceClient
 from qmill.proto.v1 import qmill_pb2 as pb

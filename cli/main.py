@@ -55,7 +55,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
             serve_command.add_arguments(sub.add_parser(name, help=help_text))
         else:
-            from qmill.client import parsers  # lazy: grpc and the command's own module
+            from qmill.cli import parsers  # lazy: grpc and the command's own module
 
             parsers.add_command(sub, name)
     return parser
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in COMMANDS else ""
     args = _parser(command).parse_args(argv)
-    from qmill.client import commands  # lazy: only once a command is run
+    from qmill.cli import commands  # lazy: only once a command is run
 
     try:
         if args.command == "serve":

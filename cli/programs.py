@@ -18,8 +18,7 @@ import safetensors.numpy
 
 from qmill import checkpoints
 from qmill.checkpoints.programs import model_fn
-from qmill.cli import uploads
-from qmill.client import model_rules
+from qmill.cli import model_rules, uploads
 from qmill.client.service_client import ServiceClient
 from qmill.proto.v1 import qmill_pb2 as pb
 

@@ -135,7 +135,7 @@ def test_parts_import_only_what_architecture_allows(part):
 
 def test_importing_the_client_does_not_import_jax():
     code = (
-        "import sys, qmill.client, qmill.cli.main, qmill.client.commands, qmill.client.client; "
+        "import sys, qmill.client, qmill.cli.main, qmill.cli.commands, qmill.client.client; "
         "import qmill.checkpoints, qmill.checkpoints.run.pipeline, qmill.checkpoints.run.embedded; "
         "sys.exit(1 if 'jax' in sys.modules or 'orbax' in sys.modules else 0)"
     )

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from qmill.client import calibrate, model_rules
+from qmill.cli import model_rules
+from qmill.client import calibrate
 from qmill.proto.v1 import qmill_pb2 as pb
 
 

@@ -8,7 +8,8 @@ import pytest
 from sklearn.datasets import load_digits
 
 from qmill import checkpoints
-from qmill.client import Client, model_rules
+from qmill.cli import model_rules
+from qmill.client import Client
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
 

@@ -26,9 +26,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from qmill.cli import admin as admin_client
 from qmill.cli import main as cli
 from qmill.client import AsyncClient, Client, credentials, errors
-from qmill.client import admin as admin_client
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc

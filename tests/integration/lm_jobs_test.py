@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.cli import lm_jobs
 from qmill.cli import main as cli
-from qmill.client import Client, errors, lm_jobs, recipes
+from qmill.client import Client, errors, recipes
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from tests import lm_folder

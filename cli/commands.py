@@ -30,16 +30,8 @@ from qmill.checkpoints.formats.hf_folder import folder as hf_folder
 from qmill.checkpoints.formats.hf_folder import quantization_config
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.run import calibration_coverage, pipeline
-from qmill.client import (
-    calibrated_lm,
-    credentials,
-    lm_server,
-    recipes,
-    report,
-    report_table,
-    retry,
-    serving,
-)
+from qmill.cli import calibrated_lm, lm_server, report, report_table, serving
+from qmill.client import credentials, recipes, retry
 
 if TYPE_CHECKING:
     from qmill.client import client as client_lib
@@ -405,8 +397,7 @@ def run(args: argparse.Namespace, out: Console | None = None, err: Console | Non
     if args.command == "inspect":
         return _inspect(args, out)
     # The gRPC client's commands (and export-program's model loading): imported on use.
-    from qmill.cli import calibrate, export_odml, jobs, programs, uploads
-    from qmill.client import admin
+    from qmill.cli import admin, calibrate, export_odml, jobs, programs, uploads
 
     if args.command == "export-program":
         return programs.run_local(args, line)

@@ -32,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qmill.checkpoints.run import pipeline
-from qmill.client import report_table
+from qmill.cli import report_table
 
 
 class ProgressBar:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
-from qmill.client import calibrated_lm, credentials, recipes, report, retry
+from qmill.cli import calibrated_lm, report
+from qmill.client import credentials, recipes, retry
 
 
 def _add_jobs(sub: Any, name: str) -> None:
@@ -24,8 +25,7 @@ def _add_jobs(sub: Any, name: str) -> None:
 
 def _add_module_command(module: str) -> Callable[[Any, str], None]:
     def add(sub: Any, name: str) -> None:
-        from qmill.cli import calibrate, export_odml, programs, uploads
-        from qmill.client import admin
+        from qmill.cli import admin, calibrate, export_odml, programs, uploads
 
         modules = {
             "admin": admin,

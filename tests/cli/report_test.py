@@ -14,7 +14,7 @@ import safetensors.numpy
 from rich.console import Console
 
 from qmill.checkpoints.run import pipeline
-from qmill.client import commands, report, report_table
+from qmill.cli import commands, report, report_table
 
 LONG = "model.encoder.layers.11.self_attention.query_key_value_projection.weight"
 

@@ -21,7 +21,8 @@ import sys
 from typing import Any
 
 from qmill.checkpoints.lm import calibration as lm_calibration
-from qmill.client import calibrated_lm, lm_jobs, recipes
+from qmill.cli import calibrated_lm, lm_jobs
+from qmill.client import recipes
 from qmill.proto.v1 import qmill_pb2 as pb
 
 _INDEX = "model.safetensors.index.json"

@@ -14,7 +14,7 @@ import pathlib
 import numpy as np
 
 from qmill.checkpoints.lm import calibration as lm_calibration
-from qmill.client import calibrated_lm
+from qmill.cli import calibrated_lm
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
