@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmill.engine.contrib import awq_core, calibration, gptq_core, gptq_host
-from qmill.engine.core import averaging, numerics, qarray, qtypes
+from qmill.engine.core import averaging, qarray, qcodes, qtypes
 from qmill.engine.modelfree import layout, packing
 from qmill.engine.modelfree import leaf as leaf_lib
 
@@ -177,7 +177,7 @@ def _result(
     scale = q.scale if plan.scale_dtype is None else q.scale.astype(plan.scale_dtype)
     qvalue, packed_as = np.asarray(q.qvalue), None
     storage = np.dtype(qtypes.get(plan.qtype).storage)
-    if numerics.byte_dtype(plan.qtype) != storage:  # 4-bit: packed as the plain path packs them
+    if qcodes.byte_dtype(plan.qtype) != storage:  # 4-bit: packed as the plain path packs them
         qvalue = np.asarray(packing.pack_nibbles(q.qvalue.astype(jnp.int8).reshape(-1)))
         packed_as = (storage, tuple(x.shape))
     return leaf_lib.LeafResult(

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.core import numerics, qarray_ops, qarray_parts, qtypes, tiling
+from qmill.engine.core import numerics, qarray_ops, qarray_parts, qcodes, qtypes, tiling
 from qmill.engine.core.qarray_parts import HowToQuantize as HowToQuantize
 from qmill.engine.core.qarray_parts import NoiseFn as NoiseFn
 from qmill.engine.core.qarray_parts import all_finite as all_finite
@@ -170,11 +170,11 @@ _quantize_eager = jax.jit(qarray_parts.quantize_parts, static_argnums=(1, 2, 3))
 def _packs_on_host(array: jax.Array, qtype: str) -> bool:
     """Whether 4-bit codes are better packed by numpy than by XLA: on the CPU, ~5x faster.
 
-    XLA:CPU writes int4/uint4 arrays one element at a time (numerics.to_qtype); computing the
+    XLA:CPU writes int4/uint4 arrays one element at a time (qcodes.to_qtype); computing the
     codes as bytes, viewing them as the storage dtype on the host and putting them back costs a
     host round trip, which on the CPU is a memcpy. Accelerators pack fine and keep the codes.
     """
-    if numerics.byte_dtype(qtype) == np.dtype(qtypes.get(qtype).storage):  # not 4-bit
+    if qcodes.byte_dtype(qtype) == np.dtype(qtypes.get(qtype).storage):  # not 4-bit
         return False
     return all(d.platform == "cpu" for d in array.devices())
 
@@ -205,7 +205,7 @@ def quantize(array: jax.Array, how: HowToQuantize, *, scale_dtype: Any = None) -
     if as_bytes:
         storage = qtypes.get(how.qtype).storage
         if isinstance(codes, jax.core.Tracer):  # under an outer trace: convert in the graph
-            codes = numerics.from_bytes(codes, how.qtype).astype(storage)
+            codes = qcodes.from_bytes(codes, how.qtype).astype(storage)
         else:
             # Where the input is; committed only if it was, as a jitted output would be.
             place = array.sharding if array.committed else None

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmill.engine.core import calibration as calibration_lib
-from qmill.engine.core import numerics, qarray_util, qtypes, tiling
+from qmill.engine.core import numerics, qarray_util, qcodes, qtypes, tiling
 
 # A noise function for stochastic rounding: shape -> noise added to x / scale before rounding
 # (uniform in [-0.5, 0.5) gives unbiased rounding).
@@ -138,7 +138,7 @@ def encode(
     torch: bool = False,
     reciprocal: bool = False,
 ) -> jax.Array:
-    """convert(x / scale (+ zp) (+ noise)); `as_bytes` as in numerics.to_qtype; `torch`: every
+    """convert(x / scale (+ zp) (+ noise)); `as_bytes` as in qcodes.to_qtype; `torch`: every
     division a true one, as PyTorch divides by a broadcast scale; `reciprocal`: x times the
     scale's reciprocal (numerics.RECIPROCAL)."""
 
@@ -170,7 +170,7 @@ def encode(
         noise = noise_fn(y.shape)
         dtype = jnp.result_type(array.dtype, noise.dtype)
         y = numerics.fit(numerics.settle(y) + numerics.widen(noise), dtype)
-    return numerics.to_qtype(y, qt, as_bytes=as_bytes)
+    return qcodes.to_qtype(y, qt, as_bytes=as_bytes)
 
 
 def quantize_parts(
@@ -212,7 +212,7 @@ def _nv_global_parts(
         return numerics.divide_exact(x, d, jnp.float32)
 
     y = tiling.apply_tiled(shift, array, divisor)
-    return numerics.to_qtype(y, qt), scale, None
+    return qcodes.to_qtype(y, qt), scale, None
 
 
 def quantize_bytes(
@@ -226,7 +226,7 @@ def quantize_bytes(
 
     For callers that take the codes to the host (leaf.py): `storage_view` turns the bytes into
     the qtype's storage dtype there for free, where XLA:CPU would pack 4-bit values slowly
-    (numerics.to_qtype). Same bits as `quantize` otherwise. No NaN/Inf check: callers check.
+    (qcodes.to_qtype). Same bits as `quantize` otherwise. No NaN/Inf check: callers check.
 
     Raises:
       TypeError, ValueError: as `quantize`.
@@ -261,7 +261,7 @@ def dequantize_bytes(
     dtype = scale.dtype
 
     def scale_back(q: jax.Array, s: jax.Array, zp: jax.Array | None = None) -> jax.Array:
-        v = numerics.from_qtype(numerics.from_bytes(q, qt), qt, dtype)
+        v = numerics.from_qtype(qcodes.from_bytes(q, qt), qt, dtype)
         if zp is not None:
             v = numerics.fit(v - numerics.from_qtype(zp, qt, dtype), dtype)
         return numerics.fit(v * s, dtype)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.core import numerics, qarray_parts, qtypes
+from qmill.engine.core import qarray_parts, qcodes, qtypes
 from qmill.engine.modelfree import layout, packing
 
 
@@ -170,7 +170,7 @@ def _quantize_and_measure(
 
 def _packs(qtype: str) -> bool:
     """Whether codes of `qtype` are 4-bit, stored two per byte."""
-    return numerics.byte_dtype(qtype) != np.dtype(qtypes.get(qtype).storage)
+    return qcodes.byte_dtype(qtype) != np.dtype(qtypes.get(qtype).storage)
 
 
 # PJRT:CPU uses a host buffer in place when it is aligned to this many bytes, else copies it.

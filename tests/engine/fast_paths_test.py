@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from qmill.engine import numerics, qarray, qtypes, tiling
+from qmill.engine.core import qcodes
 
 
 def _nf4_argmin(y: np.ndarray) -> np.ndarray:
@@ -29,7 +30,7 @@ def test_nf4_search_equals_argmin_on_every_bf16_value_and_near_thresholds() -> N
     every_bf16 = np.arange(2**16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
     every_bf16 = every_bf16[np.isfinite(every_bf16) & (np.abs(every_bf16) <= 1.5)]
     near = []
-    for t in numerics._nf4_thresholds():
+    for t in qcodes._nf4_thresholds():
         v = t
         for _ in range(4):
             v = np.nextafter(v, np.float32(-2))
@@ -38,8 +39,8 @@ def test_nf4_search_equals_argmin_on_every_bf16_value_and_near_thresholds() -> N
             v = np.nextafter(v, np.float32(2))
     y = np.concatenate([every_bf16, np.asarray(near, np.float32)])
     expected = _nf4_argmin(y)
-    search = np.asarray(jax.jit(numerics._nf4_codes)(jnp.asarray(y)))
-    count = np.asarray(jax.jit(numerics._nf4_count)(jnp.asarray(y)))
+    search = np.asarray(jax.jit(qcodes._nf4_codes)(jnp.asarray(y)))
+    count = np.asarray(jax.jit(qcodes._nf4_count)(jnp.asarray(y)))
     np.testing.assert_array_equal(search, expected)
     np.testing.assert_array_equal(count, expected)
 
@@ -50,15 +51,15 @@ def test_codes_as_bytes_view_as_the_storage_dtype(qtype: str) -> None:
     qt = qtypes.get(qtype)
     if qt.kind == qtypes.LOOKUP:
         y = y / 9.5
-    native = np.asarray(numerics.to_qtype(y, qt))
-    as_bytes = np.asarray(numerics.to_qtype(y, qt, as_bytes=True))
-    assert as_bytes.dtype == numerics.byte_dtype(qt)
+    native = np.asarray(qcodes.to_qtype(y, qt))
+    as_bytes = np.asarray(qcodes.to_qtype(y, qt, as_bytes=True))
+    assert as_bytes.dtype == qcodes.byte_dtype(qt)
     viewed = qarray.storage_view(as_bytes, qt.name)
     assert viewed.dtype == native.dtype
     # The same bytes numpy holds for the storage dtype, not only the same values.
     np.testing.assert_array_equal(viewed.view(np.uint8), native.view(np.uint8))
     np.testing.assert_array_equal(
-        np.asarray(numerics.from_bytes(jnp.asarray(as_bytes), qt)),
+        np.asarray(qcodes.from_bytes(jnp.asarray(as_bytes), qt)),
         native.astype(np.int32) if qt.kind != qtypes.FLOAT else native,
     )
 
