@@ -98,7 +98,7 @@ DATA = "data"  # a writer's output data, written once in place (InPlace), moved 
 class InPlace:
     """Where a writer that writes its output only once keeps the data of its unfinished files
     (inside the partial output, so an interrupted run's data survives), and what the log says
-    an interrupted run wrote there: one note per entry, in entry order (pipeline._InOrder).
+    an interrupted run wrote there: one note per entry, in entry order (run/in_order.py).
 
     A note: {"path", "call": "quantized", "parts": {part: dtype}} or {"path", "call": "source",
     "dtype", "shape"}, plus "events", the writer's own record of where the bytes went."""

@@ -8,8 +8,8 @@ import re
 from typing import Any
 
 from qmill.checkpoints.base import files, protocols, staging
-from qmill.checkpoints.formats.compressed_tensors import blocks as ct_blocks
 from qmill.checkpoints.formats.compressed_tensors import global_scales as ct_global
+from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
 from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
 from qmill.checkpoints.formats.hf_folder import folder as hf_folder
 from qmill.checkpoints.formats.npz import source as npz_source
@@ -147,40 +147,11 @@ def check_destination(
         raise FileExistsError(f"{named} already exists; pass --overwrite to replace it")
 
 
-def prepare_recipe(
-    format: str, source: protocols.TensorSource, recipe: dict[str, Any]
-) -> dict[str, Any]:
-    """The recipe a run of `format` quantizes with: compressed-tensors NVFP4 adds each tensor's
-    global scale (ct_global, which reads the tensors, once the source and recipe are known to
-    fit); any other as it is."""
-    if format == COMPRESSED_TENSORS:
-        ct_writer.check_source(source, recipe)
-        return ct_global.with_global_scales(source, recipe)
-    return recipe
-
-
 def writes_in_place(format: str) -> bool:
     """Whether `format`'s writer can write its data once, resumably (create_writer's
     `in_place`): safetensors files can, as their header's room is known ahead; npz members are
     compressed into one archive and Orbax commits its own directory."""
     return format in ("safetensors", COMPRESSED_TENSORS)
-
-
-def engine_view(
-    format: str, source: protocols.TensorSource, recipe: dict[str, Any]
-) -> protocols.TensorSource:
-    """The source as the engine quantizes it for `format`: compressed-tensors' block scheme
-    reads weights with ragged blocks zero-padded (ct_blocks); otherwise the source itself."""
-    if format == COMPRESSED_TENSORS:
-        return ct_blocks.padded_view(source, recipe)
-    return source
-
-
-def check_output(format: str, source: protocols.TensorSource, recipe: dict[str, Any]) -> None:
-    """Refuses, before any tensor is read, a source or recipe the output format cannot hold
-    (compressed-tensors: ct_writer.check_source)."""
-    if format == COMPRESSED_TENSORS:
-        ct_writer.check_source(source, recipe)
 
 
 def _open_directory(path: pathlib.Path) -> protocols.TensorSource:
@@ -227,6 +198,8 @@ def create_writer(
     max_shard_bytes: int | None = None,
     recipe: dict[str, Any] | None = None,
     in_place: staging.InPlace | None = None,
+    scheme: ct_schemes.Scheme | None = None,
+    global_scales: dict[str, float] | None = None,
 ) -> protocols.CheckpointWriter:
     """A writer that stages the output beside `destination` and renames it into place on commit.
 
@@ -244,6 +217,8 @@ def create_writer(
             records it in its config.json.
         in_place: for a format that `writes_in_place`: write the data once, there, taking back
             what an interrupted run wrote (staging.InPlace); the writer then has `take_events`.
+        scheme, global_scales: compressed-tensors only: the run's plan's scheme and NVFP4
+            global scales (checkpoints/run/plan.py); without them, the scheme `recipe` carries.
 
     Raises:
         ValueError: unknown format, or options the format does not take.
@@ -256,7 +231,18 @@ def create_writer(
     if format == COMPRESSED_TENSORS:
         if max_shard_bytes is not None:
             raise ValueError("compressed-tensors output shards as its source: no max_shard_bytes")
-        return ct_writer.create(destination, like, recipe, overwrite=overwrite, in_place=in_place)
+        if scheme is None:  # a writer made without a plan: the recipe says
+            scheme = ct_schemes.scheme_of_recipe(recipe or {})
+            global_scales = ct_global.global_scales(recipe or {})
+        return ct_writer.create(
+            destination,
+            like,
+            recipe,
+            scheme=scheme,
+            global_scales=global_scales or {},
+            overwrite=overwrite,
+            in_place=in_place,
+        )
     if max_shard_bytes is not None and (format != "safetensors" or max_shard_bytes <= 0):
         raise ValueError("max_shard_bytes is a positive byte count for safetensors output only")
     if isinstance(like, hf_folder.HfFolderSource):

@@ -8,9 +8,10 @@ statistics) would leave a plain RTN output that looks calibrated: refused here i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
+
+from qmill.checkpoints.run import plan as plan_lib
 
 # The report's name for a quantized tensor that had no statistics: round to nearest.
 RTN = "RTN"
@@ -23,20 +24,19 @@ def _some(names: list[str]) -> str:
 
 
 def methods_by_tensor(
-    source_path: str | os.PathLike, recipe: dict[str, Any], stats: Mapping[str, Any], what: str
+    plan: plan_lib.Plan, stats: Mapping[str, Any], what: str
 ) -> tuple[dict[str, str], list[str]]:
-    """({tensor path: method} for every tensor `recipe` quantizes, the quantized tensors without
-    statistics) for the statistics `stats` (`what` names them in messages). A method is "GPTQ",
-    "AWQ", "SmoothQuant" or RTN; a checkpoint's leading "params/" level matches a model's
-    parameter path without it, as the quantizer matches them.
+    """({tensor path: method} for every tensor the run's `plan` (plan.py) quantizes, the
+    quantized tensors without statistics) for the statistics `stats` (`what` names them in
+    messages). A method is "GPTQ", "AWQ", "SmoothQuant" or RTN; a checkpoint's leading
+    "params/" level matches a model's parameter path without it, as the quantizer matches them.
 
     Raises:
         ValueError: the statistics name none of the tensors the recipe quantizes.
     """
-    from qmill.checkpoints.run import plan  # lazy: the plan comes from the engine (jax)
     from qmill.engine.contrib import leaf  # lazy: the methods' names, as the quantizer reads them
 
-    quantized = [r.path for r in plan.plan_checkpoint(source_path, recipe) if r.qtype != "kept"]
+    quantized = [t.path for t in plan.tensors if t.quantized]
     by_param = {path: leaf.NAMES[method] for path, (method, _) in leaf.method_stats(stats).items()}
     methods, missing = {}, []
     for path in quantized:

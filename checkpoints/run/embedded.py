@@ -98,17 +98,23 @@ class EmbeddedClient:
         if precomputed:
             quantize = _precomputed(precomputed, quantize)
 
-        try:
-            engine_recipe = recipes.recipe_from_mapping(recipe)
-        except ValueError as e:
-            raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
+        # A run's plan (checkpoints/run/plan.py) hands each tensor's LeafPlan in the recipe it
+        # sends: nothing to read again. Any other recipe is read here, once.
+        leaves = getattr(recipe, "leaves", None)
+        if leaves is not None:
+            plan_of = _given(leaves)
+        else:
+            try:
+                plan_of = _planner(recipes.recipe_from_mapping(recipe))
+            except ValueError as e:
+                raise errors.QmillError("INVALID_ARGUMENT", str(e)) from None
         source = iter(tensors)
 
         def next_outcome() -> outcome.TensorOutcome | None:
             item = next(source, None)
             if item is None:
                 return None
-            return _quantize_one(*item, engine_recipe, quantize)
+            return _quantize_one(*item, plan_of, quantize)
 
         with futures.ThreadPoolExecutor(1, thread_name_prefix="qmill-embedded") as worker:
             pending = worker.submit(next_outcome)
@@ -125,17 +131,34 @@ def _precomputed(loaders: Mapping[str, Callable[[], Any]], quantize: Any) -> Any
     return quantize_or_load
 
 
+def _given(leaves: Mapping[str, Any]) -> Callable[[str, np.ndarray], Any]:
+    """The plan's LeafPlan of a tensor (checkpoints/run/plan.py)."""
+
+    def plan(path: str, _: np.ndarray) -> Any:
+        return leaves[path]
+
+    return plan
+
+
+def _planner(engine_recipe: Any) -> Callable[[str, np.ndarray], Any]:
+    """The engine's plan of a tensor under `engine_recipe` (for a recipe without its plan)."""
+    from qmill.engine.modelfree import layout  # lazy: imported by load_engine
+
+    def plan(path: str, array: np.ndarray) -> Any:
+        return layout.plan_leaf(path, array.shape, array.dtype, engine_recipe)
+
+    return plan
+
+
 def _quantize_one(
     path: str,
     array: np.ndarray,
-    engine_recipe: Any,
+    plan_of: Callable[[str, np.ndarray], Any],
     quantize: Any,
 ) -> outcome.TensorOutcome:
-    from qmill.engine.modelfree import layout  # lazy: imported by load_engine
-
     nbytes = dtypes.packed_nbytes(array.dtype, array.shape)
     try:
-        plan = layout.plan_leaf(path, array.shape, array.dtype, engine_recipe)
+        plan = plan_of(path, array)
         if not plan.quantize:
             return outcome.TensorOutcome(
                 path=path, quantized=False, parts={}, reason=plan.reason, input_bytes=nbytes

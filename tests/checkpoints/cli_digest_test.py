@@ -9,7 +9,7 @@ at random and its metadata stamps times); the report JSON without its timings an
 table are hashed too.
 
 The expected digests (cli_digests.json) were written by this file's __main__ with the code of
-main at 7c65f32, before issue 35's refactor (`python tests/checkpoints/cli_digest_test.py >
+main at 7c65f32, before issue 35's refactor (`python -m tests.checkpoints.cli_digest_test >
 tests/checkpoints/cli_digests.json`). Regenerate them only for a deliberate change of an output,
 never to make this pass. Quantized codes and scales are exact on every x86-64 CPU
 (docs/numerics-spec.md), so the digests are too.
@@ -25,14 +25,12 @@ import os
 import pathlib
 import sys
 
-import ml_dtypes
-import numpy as np
 import pytest
-import safetensors.numpy
 
 from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.run import embedded
 from qmill.cli import main
+from tests.checkpoints.llama import write_llama
 
 EXPECTED_FILE = pathlib.Path(__file__).with_name("cli_digests.json")
 SCHEMES = (
@@ -72,58 +70,6 @@ qtype = "int4"
 tile_size = 128
 arithmetic = "torch"
 """
-
-HIDDEN, INTERMEDIATE, VOCAB, KV = 128, 128, 128, 64
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": HIDDEN,
-    "intermediate_size": INTERMEDIATE,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": VOCAB,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-}
-
-
-def write_llama(folder: pathlib.Path) -> pathlib.Path:
-    """The source folder: two bf16 shards and their index, config.json and a tokenizer file."""
-    rng = np.random.default_rng(35)
-
-    def w(*shape: int) -> np.ndarray:
-        return rng.normal(0, 0.05, shape).astype(ml_dtypes.bfloat16)
-
-    layer = "model.layers.0"
-    shards = [
-        {
-            "model.embed_tokens.weight": w(VOCAB, HIDDEN),
-            f"{layer}.input_layernorm.weight": np.ones(HIDDEN, ml_dtypes.bfloat16),
-            f"{layer}.self_attn.q_proj.weight": w(HIDDEN, HIDDEN),
-            f"{layer}.self_attn.o_proj.weight": w(HIDDEN, HIDDEN),
-        },
-        {
-            f"{layer}.self_attn.k_proj.weight": w(KV, HIDDEN),
-            f"{layer}.self_attn.v_proj.weight": w(KV, HIDDEN),
-            f"{layer}.mlp.gate_proj.weight": w(INTERMEDIATE, HIDDEN),
-            f"{layer}.mlp.up_proj.weight": w(INTERMEDIATE, HIDDEN),
-            f"{layer}.mlp.down_proj.weight": w(HIDDEN, INTERMEDIATE),
-            f"{layer}.post_attention_layernorm.weight": np.ones(HIDDEN, ml_dtypes.bfloat16),
-            "model.norm.weight": np.ones(HIDDEN, ml_dtypes.bfloat16),
-        },
-    ]
-    folder.mkdir()
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-00002.safetensors"
-        safetensors.numpy.save_file(shard, folder / name, {"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (folder / "config.json").write_text(json.dumps(CONFIG, indent=2))
-    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": null}')
-    return folder
 
 
 def _files_digest(path: pathlib.Path) -> str:
@@ -234,7 +180,7 @@ def test_cli_outputs_are_byte_identical_to_the_recorded_ones(tmp_path, columns):
         assert found[f"resumed-{name}/output"] == found[f"{name}/output"]
 
 
-if __name__ == "__main__":  # python tests/checkpoints/cli_digest_test.py > cli_digests.json
+if __name__ == "__main__":  # python -m tests.checkpoints.cli_digest_test > cli_digests.json
     import tempfile
 
     os.environ["COLUMNS"] = "160"

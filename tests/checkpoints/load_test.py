@@ -227,9 +227,7 @@ def test_remote_srq_params_load_into_the_ptq_model(srq, tmp_path, fmt):
     ptq_model = qwix.quantize_model(model, qwix.PtqProvider(rules))
     abstract = jax.eval_shape(ptq_model.init, jax.random.key(0), x[:1])["params"]
     # The in-process reference: quantize_params with the calibrated statistics.
-    stats = loader.nest(
-        {k: v for k, v in result.stats.items() if not k.startswith("final_output")}
-    )
+    stats = loader.nest({k: v for k, v in result.stats.items() if not k.startswith("final_output")})
     expected_params = qwix.quantize_params(params, abstract, stats)
     # Activation scales in the layout of every PTQ param: P/array (the NNX pure dict's form).
     plain = checkpoints.load(out)

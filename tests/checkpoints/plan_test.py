@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 
 import pytest
 
 from qmill.checkpoints.formats import examples
+from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
+from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
 from qmill.checkpoints.run import embedded, pipeline, plan
+from qmill.cli import main
+from tests.checkpoints.llama import write_llama
 
 RECIPES = {
     "int8": {"rules": [{"qtype": "int8"}]},
@@ -58,3 +64,40 @@ def test_a_plan_refuses_what_the_run_would(source):
     bad = {"rules": [{"qtype": "int4", "tile_size": 7}]}  # divides no axis of the example
     with pytest.raises(ValueError, match="tile size 7 does not divide"):
         plan.plan_checkpoint(source, bad)
+
+
+class _Counted:
+    """A function that counts its calls by their first argument's key."""
+
+    def __init__(self, function, key=lambda *args: "") -> None:
+        self.function, self.key, self.calls = function, key, collections.Counter()
+
+    def __call__(self, *args, **kwargs):
+        self.calls[self.key(*args)] += 1
+        return self.function(*args, **kwargs)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "FP8_BLOCK"])
+def test_a_run_reads_its_recipe_once(tmp_path, monkeypatch, scheme):
+    # One `qmill quantize --recipe SCHEME` of a Hugging Face folder, from the command line to the
+    # written folder: the scheme found, the recipe read into the engine's rules and the source
+    # checked once, and each tensor planned once (the in-process engine quantizes with the
+    # plan's LeafPlans; compressed-tensors' writer takes the plan's scheme and global scales).
+    from qmill.engine.modelfree import layout, recipes
+
+    folder = write_llama(tmp_path / "llama")
+    counted = {
+        "scheme_of_recipe": (ct_schemes, _Counted(ct_schemes.scheme_of_recipe)),
+        "recipe_from_mapping": (recipes, _Counted(recipes.recipe_from_mapping)),
+        "check_source": (ct_writer, _Counted(ct_writer.check_source)),
+        "plan_leaf": (layout, _Counted(layout.plan_leaf, key=lambda path, *_: path)),
+    }
+    for name, (module, wrapper) in counted.items():
+        monkeypatch.setattr(module, name, wrapper)
+    out = tmp_path / "out"
+    assert main.main(["quantize", str(folder), "-o", str(out), "--recipe", scheme, "-q"]) == 0
+    assert (out / "config.json").is_file()
+    for name in ("scheme_of_recipe", "recipe_from_mapping", "check_source"):
+        assert counted[name][1].calls == {"": 1}, name
+    tensors = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert counted["plan_leaf"][1].calls == dict.fromkeys(tensors, 1)  # all bf16: each once

@@ -5,9 +5,10 @@ global scale per tensor, 448 · 6 / absmax. Projections a serving stack fuses in
 share it: q/k/v of an attention block, gate/up of an MLP (llm-compressor's fused sets), whose
 global scale is that of their joint absmax. A tensor's codes depend on it, and the pipeline
 quantizes one tensor at a time, so this pre-pass reads every tensor the recipe quantizes once,
-takes each fused set's absmax, and puts each tensor's global scale into the recipe (an exact-path
-rule with the scheme's numerics and `global_scale`, ahead of the others). The recipe then travels
-as any other (embedded, a server, replicas, a job), the fingerprint of a resumed run included.
+takes each fused set's absmax (`find`, called by the run's plan, checkpoints/run/plan.py), and puts
+each tensor's global scale into the recipe (`with_rules`: an exact-path rule with the scheme's
+numerics and `global_scale`, ahead of the others). The recipe then travels as any other (a
+server, replicas, a job), the fingerprint of a resumed run included.
 """
 
 from __future__ import annotations
@@ -108,42 +109,42 @@ def fused_sets(paths: list[str]) -> list[list[str]]:
     return found
 
 
-def with_global_scales(source: Any, recipe: dict[str, Any]) -> dict[str, Any]:
-    """`recipe` with one rule per tensor it quantizes in NVFP4 carrying its global scale; any
-    other recipe (or one the writer's checks will refuse) as it is."""
-    from qmill.engine.modelfree import layout, recipes  # lazy: pulls in jax
-
-    try:
-        scheme = ct_schemes.scheme_of_recipe(recipe)
-        engine_recipe = recipes.recipe_from_mapping(recipe)
-        entries = source.entries()
-        quantized = [
-            e for e in entries if layout.plan_leaf(e.path, e.shape, e.dtype, engine_recipe).quantize
-        ]
-    except ValueError:
-        return recipe  # ct_writer.check_source says what is wrong
+def find(source: Any, scheme: ct_schemes.Scheme, quantized: list[Any]) -> dict[str, float]:
+    """{tensor path: its global scale} for the tensors an NVFP4 scheme quantizes (`quantized`,
+    entries in checkpoint order): 448 · 6 / the absmax of the tensor, or of its fused set's
+    tensors together; {} for any other scheme. Reads each of them once."""
     if scheme.format != ct_schemes.NVFP4 or getattr(source, "format", "") != "safetensors":
-        return recipe
+        return {}
     absmax = {e.path: _absmax(source.read(e.path)) for e in quantized}
     dtype = {e.path: np.dtype(e.dtype) for e in quantized}
     groups = {p: [p] for p in absmax}
-    for members in fused_sets([e.path for e in entries]):
+    for members in fused_sets([e.path for e in source.entries()]):
         joint = [p for p in members if p in absmax]
         for p in joint:
             groups[p] = joint
-    rules = [
-        {
-            "path_regex": re.escape(path),
-            **scheme.rule,
-            "global_scale": global_scale(max(absmax[p] for p in group), dtype[path]),
-        }
+    return {
+        path: global_scale(max(absmax[p] for p in group), dtype[path])
         for path, group in groups.items()
+    }
+
+
+def with_rules(
+    recipe: dict[str, Any], scheme: ct_schemes.Scheme, scales: dict[str, float]
+) -> dict[str, Any]:
+    """`recipe` with an exact-path rule per tensor of `scales`, the scheme's numerics and its
+    `global_scale`, ahead of the others: the recipe a server, a job and a resumed run's
+    fingerprint get; `recipe` itself when there are none."""
+    if not scales:
+        return recipe
+    rules = [
+        {"path_regex": re.escape(path), **scheme.rule, "global_scale": scale}
+        for path, scale in scales.items()
     ]
     return {**recipe, "rules": [*rules, *recipe.get("rules", ())]}
 
 
 def global_scales(recipe: dict[str, Any]) -> dict[str, float]:
-    """{tensor path: global scale} of the rules with_global_scales added."""
+    """{tensor path: global scale} of the rules with_rules added."""
     out = {}
     for rule in recipe.get("rules", ()):
         if rule.get("global_scale"):

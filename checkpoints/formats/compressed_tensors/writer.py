@@ -7,7 +7,8 @@ folder's config.json gets compressed-tensors' `quantization_config` (ct_schemes)
 copied as HfFolderWriter copies it. A safetensors file or set without a folder around it gets the
 same tensors, the config in its `__metadata__["quantization_config"]` (JSON).
 
-`check_source` refuses, before any tensor is read, what compressed-tensors cannot hold.
+`check_source` and `check_tensor` refuse, while the run is planned (checkpoints/run/plan.py) and so
+before any tensor is read, what compressed-tensors cannot hold.
 """
 
 from __future__ import annotations
@@ -30,17 +31,14 @@ from qmill.checkpoints.formats.safetensors import writer as safetensors_writer
 METADATA_KEY = "quantization_config"
 
 
-def check_source(source: Any, recipe: dict[str, Any]) -> ct_schemes.Scheme:
-    """The recipe's scheme, once every tensor it quantizes fits compressed-tensors.
+def check_source(source: Any, recipe: dict[str, Any]) -> None:
+    """Refuses, before the recipe's rules are read, a source compressed-tensors cannot be
+    written from.
 
     Raises:
-        ValueError: the source is not a PyTorch-layout safetensors checkpoint, is already
-            quantized, the recipe is no scheme's, or a tensor the scheme would quantize is not
-            a 2-D `<module>.weight` or its groups or blocks do not divide it; the message says
-            what to do instead.
+        ValueError: the source is not a PyTorch-layout safetensors checkpoint with a config.json,
+            or is already quantized; the message says what to do instead.
     """
-    from qmill.engine.modelfree import layout, recipes  # lazy: pulls in jax
-
     if source.format != "safetensors":
         raise ValueError(
             f"compressed-tensors output needs a safetensors checkpoint in the PyTorch layout (a "
@@ -67,26 +65,25 @@ def check_source(source: Any, recipe: dict[str, Any]) -> ct_schemes.Scheme:
             f"{source.folder} is already quantized (quant_method {method!r}); quantize the "
             "float model instead"
         )
-    scheme = ct_schemes.scheme_of_recipe(recipe)
-    engine_recipe = recipes.recipe_from_mapping(recipe)
-    padded = ct_blocks.padded_entries(source.entries(), recipe)
-    for entry in source.entries():
-        entry = padded.get(entry.path, entry)
-        try:
-            plan = layout.plan_leaf(entry.path, entry.shape, entry.dtype, engine_recipe)
-        except ValueError as e:
-            raise ValueError(
-                f"{e}. {scheme.name} needs the groups/blocks to divide each weight: leave this "
-                "tensor in float with a skip rule before the scheme's in a recipe file, or "
-                "choose a per-channel scheme (W8A8, FP8_DYNAMIC)"
-            ) from None
-        if plan.quantize and (len(entry.shape) != 2 or not entry.path.endswith(".weight")):
-            raise ValueError(
-                f"{entry.path} (shape {list(entry.shape)}) would be quantized, but "
-                "compressed-tensors stores only 2-D Linear `<module>.weight` tensors: leave it "
-                "in float with a skip rule in a recipe file"
-            )
-    return scheme
+
+
+def tile_refusal(scheme: ct_schemes.Scheme, error: ValueError) -> ValueError:
+    """The error for a weight whose groups or blocks do not divide it (the engine's `error`)."""
+    return ValueError(
+        f"{error}. {scheme.name} needs the groups/blocks to divide each weight: leave this "
+        "tensor in float with a skip rule before the scheme's in a recipe file, or "
+        "choose a per-channel scheme (W8A8, FP8_DYNAMIC)"
+    )
+
+
+def check_tensor(path: str, shape: tuple[int, ...], quantized: bool) -> None:
+    """Refuses a tensor the scheme would quantize that compressed-tensors cannot store."""
+    if quantized and (len(shape) != 2 or not path.endswith(".weight")):
+        raise ValueError(
+            f"{path} (shape {list(shape)}) would be quantized, but "
+            "compressed-tensors stores only 2-D Linear `<module>.weight` tensors: leave it "
+            "in float with a skip rule in a recipe file"
+        )
 
 
 # Statistic suffixes of the calibrated methods whose params carry a per-input-channel scale
@@ -134,9 +131,11 @@ def _ties_lm_head(config: Any, paths: list[str]) -> bool:
 class _Layout:
     """What both writers share: the scheme, and the weights left in float."""
 
-    def _setup(self, recipe: dict[str, Any] | None, source: Any) -> None:
-        self._scheme = ct_schemes.scheme_of_recipe(recipe or {})
-        self._global_scales = ct_global.global_scales(recipe or {})
+    def _setup(
+        self, scheme: ct_schemes.Scheme, global_scales: dict[str, float], source: Any
+    ) -> None:
+        self._scheme = scheme
+        self._global_scales = global_scales
         self._ignored: list[str] = []
         # Every tensor is stored at its source shape: what the engine saw zero-padded to whole
         # blocks (ct_blocks) is cut back to it, anything else is already that shape.
@@ -197,10 +196,12 @@ class FolderWriter(_Layout, hf_folder.HfFolderWriter):
         source: hf_folder.HfFolderSource,
         recipe: dict[str, Any] | None,
         *,
+        scheme: ct_schemes.Scheme,
+        global_scales: dict[str, float],
         overwrite: bool = False,
         in_place: staging.InPlace | None = None,
     ) -> None:
-        self._setup(recipe, source)
+        self._setup(scheme, global_scales, source)
         super().__init__(destination, source, recipe, overwrite=overwrite, in_place=in_place)
         # NVFP4: fused partners are stored in their primary's shard, as model_free_ptq does.
         self._homes: dict[str, str] = {}
@@ -235,12 +236,13 @@ class FileWriter(_Layout):
         self,
         destination: str | os.PathLike,
         like: Any,
-        recipe: dict[str, Any] | None,
         *,
+        scheme: ct_schemes.Scheme,
+        global_scales: dict[str, float],
         overwrite: bool = False,
         in_place: staging.InPlace | None = None,
     ) -> None:
-        self._setup(recipe, like)
+        self._setup(scheme, global_scales, like)
         self._weights = safetensors_writer.SafetensorsWriter(
             destination, like=like, overwrite=overwrite, in_place=in_place
         )
@@ -279,12 +281,18 @@ def create(
     like: Any,
     recipe: dict[str, Any] | None,
     *,
+    scheme: ct_schemes.Scheme,
+    global_scales: dict[str, float],
     overwrite: bool = False,
     in_place: staging.InPlace | None = None,
 ) -> FolderWriter | FileWriter:
-    """The writer for a compressed-tensors output of source `like` (see the module doc)."""
+    """The writer for a compressed-tensors output of source `like` in `scheme` (NVFP4: with each
+    tensor's global scale), as the run's plan decided them (see the module doc)."""
+    decided = {"scheme": scheme, "global_scales": global_scales}
     if isinstance(like, hf_folder.HfFolderSource):
         if not str(destination).endswith(".safetensors"):
-            return FolderWriter(destination, like, recipe, overwrite=overwrite, in_place=in_place)
+            return FolderWriter(
+                destination, like, recipe, **decided, overwrite=overwrite, in_place=in_place
+            )
         like = like.weights
-    return FileWriter(destination, like, recipe, overwrite=overwrite, in_place=in_place)
+    return FileWriter(destination, like, **decided, overwrite=overwrite, in_place=in_place)

@@ -65,7 +65,7 @@ class HfFolderSource:
 
     format = "safetensors"
     # Its reads are SafetensorsSource's (positional): the pipeline may write kept tensors as
-    # their turn comes instead of after the last result (pipeline._InOrder).
+    # their turn comes instead of after the last result (checkpoints/run/in_order.py).
     concurrent_reads = safetensors_source.SafetensorsSource.concurrent_reads
 
     def __init__(
