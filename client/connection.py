@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from qmill.client import channels, errors
 from qmill.client import credentials as credentials_lib
-from qmill.proto import wire
+from qmill.proto import framing, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 
@@ -32,9 +32,9 @@ _STUBS = {
     "Jobs": pb_grpc.JobsStub,
     "Admin": pb_grpc.AdminStub,
 }
-# Stream methods whose requests may also be bytes already serialized (wire.encoded_chunks: a
+# Stream methods whose requests may also be bytes already serialized (framing.encoded_chunks: a
 # tensor's chunks with one copy instead of four), with their response type, whose chunk
-# responses are decoded without protobuf (wire.chunk_decoder: a view of grpc's bytes instead of
+# responses are decoded without protobuf (framing.chunk_decoder: a view of grpc's bytes instead of
 # two more copies, protobuf's parse and the read of the chunk's data).
 _PASS_THROUGH = {("Quantizer", "QuantizeParams"): pb.QuantizeParamsResponse}
 
@@ -106,8 +106,8 @@ class _Base:
         if key not in self._stubs:
             self._stubs[key] = self.channel.stream_stream(
                 f"/qmill.v1.{service}/{method}",
-                request_serializer=wire.serialized,
-                response_deserializer=wire.chunk_decoder(_PASS_THROUGH[service, method]),
+                request_serializer=framing.serialized,
+                response_deserializer=framing.chunk_decoder(_PASS_THROUGH[service, method]),
             )
         return self._stubs[key]
 

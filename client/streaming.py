@@ -19,7 +19,7 @@ import numpy as np
 from qmill.checkpoints.base import dtypes
 from qmill.checkpoints.formats.safetensors import source as safetensors_source
 from qmill.checkpoints.run import outcome
-from qmill.proto import memory, wire
+from qmill.proto import framing, memory, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
 DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
@@ -44,7 +44,7 @@ def encoded_tensor_requests(
     header = wire.header_for(path, array, data)  # its crc32c reads every byte
     unchanged()
     yield pb.QuantizeParamsRequest(header=header)
-    chunks = wire.encoded_chunks(pb.QuantizeParamsRequest, data)  # each copied as it is taken
+    chunks = framing.encoded_chunks(pb.QuantizeParamsRequest, data)  # each copied as it is taken
     while (chunk := next(chunks, None)) is not None:
         unchanged()
         yield chunk

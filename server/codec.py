@@ -19,7 +19,7 @@ from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.engine.core import qtypes
 from qmill.engine.modelfree import layout, leaf, recipes
 from qmill.engine.modeling import rules as rules_lib
-from qmill.proto import recipe, wire
+from qmill.proto import framing, recipe, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
 M = TypeVar("M")
@@ -162,11 +162,11 @@ def encoded_messages(
     message: type, field: str, result: pb.TensorResult, data: Iterable[np.ndarray]
 ) -> Iterator[Any]:
     """messages(message, field, result, chunks of `data`) with the chunks as serialized
-    `message(chunk=...)` (wire.encoded_chunks: one copy of their bytes instead of four), for a
-    stream whose serializer passes bytes through (wire.serialized)."""
+    `message(chunk=...)` (framing.encoded_chunks: one copy of their bytes instead of four), for a
+    stream whose serializer passes bytes through (framing.serialized)."""
     yield message(**{field: result})
     for piece in data:
-        yield from wire.encoded_chunks(message, piece)
+        yield from framing.encoded_chunks(message, piece)
 
 
 def odml_info(tflite: bytes, ops: Sequence[str], quantized_weights: Any) -> pb.OdmlModelInfo:

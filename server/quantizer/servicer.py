@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from qmill.proto import wire
+from qmill.proto import framing
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, errors, limits
@@ -112,15 +112,15 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
 
 def add_to_server(servicer: QuantizerServicer, server: grpc.aio.Server) -> None:
     """Registers the Quantizer service as pb_grpc.add_QuantizerServicer_to_server does, but
-    QuantizeParams' chunk requests are decoded without protobuf (wire.chunk_decoder): their 4 MiB
+    QuantizeParams' chunk requests are decoded without protobuf (framing.chunk_decoder): their 4 MiB
     of data reach the assembler as a view of grpc's bytes, not two copies; its result chunks go
-    out as the bytes wire.encoded_chunks made (wire.serialized passes them through)."""
+    out as the bytes framing.encoded_chunks made (framing.serialized passes them through)."""
     handlers = {
         "QuantizeParams": grpc.stream_stream_rpc_method_handler(
             servicer.QuantizeParams,
-            request_deserializer=wire.chunk_decoder(pb.QuantizeParamsRequest),
+            request_deserializer=framing.chunk_decoder(pb.QuantizeParamsRequest),
             # Result chunks come serialized (stream.quantize_stream's encode_chunks).
-            response_serializer=wire.serialized,
+            response_serializer=framing.serialized,
         ),
         "GetCapabilities": grpc.unary_unary_rpc_method_handler(
             servicer.GetCapabilities,

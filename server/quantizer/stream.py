@@ -164,7 +164,7 @@ async def quantize_stream(
     upload_id, in the upload's order).
 
     With `encode_chunks`, a result's chunks come as serialized responses (bytes, for a
-    serializer that passes them through: wire.serialized), one copy of their data each instead
+    serializer that passes them through: framing.serialized), one copy of their data each instead
     of four (tobytes, the chunk, the response, serializing it)."""
     first = await codec.first_item(requests, "recipe", "the recipe")
     recipe = codec.recipe_from_proto(first)

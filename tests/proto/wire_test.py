@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from qmill.proto import wire
+from qmill.proto import framing, wire
 from qmill.proto.v1 import qmill_pb2 as pb
 
 ALL_DTYPES = [wire.to_numpy_dtype(w) for w in wire.wire_dtypes()]
@@ -126,7 +126,7 @@ def test_encoded_chunks_are_the_serialized_chunk_messages(size, message):
     # Chunk and offset sizes cross the varint length boundaries (128, 16384); offset 0 is left
     # out as protobuf leaves it out; the chunk field's number differs per message.
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-    encoded = list(wire.encoded_chunks(message, data, 20_000))
+    encoded = list(framing.encoded_chunks(message, data, 20_000))
     expected = [message(chunk=c).SerializeToString() for c in wire.chunks(data, 20_000)]
     assert encoded == expected
     assert len(encoded) == -(-size // 20_000)
@@ -137,7 +137,7 @@ def test_encoded_chunks_reassemble_through_the_receiver():
     data = wire.to_bytes(array)
     receiver = wire.Receiver()
     receiver.announce(wire.header_for("w", array, data))
-    for encoded in wire.encoded_chunks(pb.QuantizeParamsRequest, data, 1000):
+    for encoded in framing.encoded_chunks(pb.QuantizeParamsRequest, data, 1000):
         receiver.add(wire.chunk_of(pb.QuantizeParamsRequest.FromString(encoded).chunk))
     [(path, back)] = receiver.take()
     assert path == "w" and back.tobytes() == array.tobytes()
@@ -206,13 +206,15 @@ def test_a_buffer_that_only_garbage_holds_is_reused() -> None:
 
 
 def test_chunk_decoder_views_chunk_requests_and_parses_the_rest() -> None:
-    decode = wire.chunk_decoder(pb.QuantizeParamsRequest)
+    decode = framing.chunk_decoder(pb.QuantizeParamsRequest)
     data = np.arange(10_000, dtype=np.uint32).view(np.uint8)
-    encoded = list(wire.encoded_chunks(pb.QuantizeParamsRequest, data, size=16_384))
+    encoded = list(framing.encoded_chunks(pb.QuantizeParamsRequest, data, size=16_384))
     protobuf = pb.QuantizeParamsRequest(chunk=pb.TensorChunk(offset=7, data=b"abc"))
     requests = [*encoded, protobuf.SerializeToString()]
     chunks = [decode(r) for r in requests]
-    assert all(isinstance(c, wire.ChunkRequest) and c.WhichOneof("item") == "chunk" for c in chunks)
+    assert all(
+        isinstance(c, framing.ChunkRequest) and c.WhichOneof("item") == "chunk" for c in chunks
+    )
     assert [c.chunk.offset for c in chunks] == [0, 16_384, 32_768, 7]
     joined = b"".join(bytes(c.chunk.data) for c in chunks[:3])
     assert joined == data.tobytes() and bytes(chunks[3].chunk.data) == b"abc"
@@ -229,19 +231,21 @@ def test_chunk_decoder_views_chunk_requests_and_parses_the_rest() -> None:
 def test_chunk_decoder_reads_response_chunks_as_the_client_receives_them() -> None:
     # The client decodes QuantizeParams responses so (client/connection.py); their chunk field
     # has another number (2) than the request's (3).
-    decode = wire.chunk_decoder(pb.QuantizeParamsResponse)
+    decode = framing.chunk_decoder(pb.QuantizeParamsResponse)
     data = np.arange(5_000, dtype=np.uint16).view(np.uint8)
     result = pb.QuantizeParamsResponse(result=pb.TensorResult(path="w", input_bytes=40))
     summary = pb.QuantizeParamsResponse(summary=pb.Summary(tensors_received=1))
-    chunks = [decode(r) for r in wire.encoded_chunks(pb.QuantizeParamsResponse, data, 4096)]
-    assert all(isinstance(c, wire.ChunkRequest) and c.WhichOneof("item") == "chunk" for c in chunks)
+    chunks = [decode(r) for r in framing.encoded_chunks(pb.QuantizeParamsResponse, data, 4096)]
+    assert all(
+        isinstance(c, framing.ChunkRequest) and c.WhichOneof("item") == "chunk" for c in chunks
+    )
     assert b"".join(bytes(c.chunk.data) for c in chunks) == data.tobytes()
     assert decode(result.SerializeToString()) == result
     assert decode(summary.SerializeToString()) == summary
     receiver = wire.Receiver()
     array = np.linspace(-1, 1, 2_500, dtype=np.float32)
     receiver.announce(wire.header_for("w", array))
-    for encoded in wire.encoded_chunks(pb.QuantizeParamsResponse, wire.to_bytes(array), 4096):
+    for encoded in framing.encoded_chunks(pb.QuantizeParamsResponse, wire.to_bytes(array), 4096):
         receiver.add(decode(encoded).chunk)
     [(path, received)] = receiver.take()
     assert path == "w" and received.tobytes() == array.tobytes()
