@@ -56,8 +56,10 @@ if TYPE_CHECKING:
     from qmill.engine.providers.lora import LoraProvider as LoraProvider
     from qmill.engine.providers.lora import apply_lora_to_model as apply_lora_to_model
     from qmill.engine.providers.model import quantize_model as quantize_model
-    from qmill.engine.providers.odml import OdmlConversionProvider as OdmlConversionProvider
     from qmill.engine.providers.odml import OdmlQatProvider as OdmlQatProvider
+    from qmill.engine.providers.odml_conversion import (
+        OdmlConversionProvider as OdmlConversionProvider,
+    )
     from qmill.engine.providers.ptq import PtqProvider as PtqProvider
     from qmill.engine.providers.ptq import WithAux as WithAux
     from qmill.engine.providers.ptq import quantize_params as quantize_params
@@ -108,7 +110,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "LoraProvider": ("qmill.engine.providers.lora", "LoraProvider"),
     "apply_lora_to_model": ("qmill.engine.providers.lora", "apply_lora_to_model"),
     "quantize_model": ("qmill.engine.providers.model", "quantize_model"),
-    "OdmlConversionProvider": ("qmill.engine.providers.odml", "OdmlConversionProvider"),
+    "OdmlConversionProvider": ("qmill.engine.providers.odml_conversion", "OdmlConversionProvider"),
     "OdmlQatProvider": ("qmill.engine.providers.odml", "OdmlQatProvider"),
     "PtqProvider": ("qmill.engine.providers.ptq", "PtqProvider"),
     "WithAux": ("qmill.engine.providers.ptq", "WithAux"),

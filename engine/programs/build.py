@@ -29,7 +29,7 @@ from qmill.engine.programs.program import (
     stat_qtypes,
 )
 from qmill.engine.providers import model as model_lib
-from qmill.engine.providers import odml, odml_names, qt
+from qmill.engine.providers import odml, odml_conversion, odml_names, qt
 
 
 def _abstract(inputs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
@@ -179,7 +179,7 @@ def export_program(
     if isinstance(model, nnx.Module):
         if params is None:
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        provider = odml.OdmlConversionProvider(rules, params, quant_stats)
+        provider = odml_conversion.OdmlConversionProvider(rules, params, quant_stats)
         qmodel = model_lib.quantize_model(model, provider, *example_inputs)
 
         def fn(*xs: Any) -> Any:
@@ -189,7 +189,7 @@ def export_program(
         if params is None:
             raise ValueError("a Linen model needs its float params")
         params = flax_util.unbox(params)
-        provider = odml.OdmlConversionProvider(rules, params, quant_stats)
+        provider = odml_conversion.OdmlConversionProvider(rules, params, quant_stats)
         qmodel = model_lib.quantize_model(model, provider)
         constants = jax.tree.map(np.asarray, params)
 

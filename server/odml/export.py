@@ -21,7 +21,7 @@ import numpy as np
 from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.programs import program as programs
 from qmill.engine.providers import model as model_lib
-from qmill.engine.providers import odml
+from qmill.engine.providers import odml, odml_conversion
 from qmill.server.odml.availability import INSTALL_HINT as INSTALL_HINT
 from qmill.server.odml.availability import availability as availability
 
@@ -81,7 +81,7 @@ def export_tflite(
       ValueError: missing statistics, params that don't fit the model, a bad input.
     """
     schema = _require()[3]
-    provider = odml.OdmlConversionProvider(rules, params, quant_stats)
+    provider = odml_conversion.OdmlConversionProvider(rules, params, quant_stats)
     model = model_lib.quantize_model(module, provider)
     if not hasattr(model, "apply"):
         raise TypeError(f"export_tflite takes a Linen module, got {type(module).__name__}")

@@ -11,7 +11,7 @@ import pytest
 from flax import linen as nn
 
 import qmill.engine as qe
-from qmill.engine.providers import odml
+from qmill.engine.providers import odml, odml_conversion
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers", pathlib.Path(__file__).with_name("digits_test.py")
@@ -78,7 +78,7 @@ def test_qat_refuses_what_litert_cannot_store(mlp):
         qe.quantize_model(MLP(), qe.OdmlQatProvider(fp8)).init(jax.random.key(0), x)
 
 
-def _exported_text(rules, params, stats, x) -> tuple[str, odml.OdmlConversionProvider]:
+def _exported_text(rules, params, stats, x) -> tuple[str, odml_conversion.OdmlConversionProvider]:
     provider = qe.OdmlConversionProvider(rules, params, stats)
     model = qe.quantize_model(MLP(), provider)
     fn = jax.jit(lambda xb: model.apply({"params": params}, xb))
