@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from qmill.checkpoints.formats import registry as formats
+from qmill.checkpoints.run import plan
 from qmill.server import errors, limits
 
 # How often a job waiting for room runs its cancellation check.
@@ -151,3 +153,16 @@ class ReservingBackend:
 
     def _give(self, n: int) -> None:
         self._room.release(self._tenant, n)
+
+
+def reserving(
+    backend: Any, room: Room | None, *, tenant: str, source: str, check: Callable[[], None]
+) -> Any:
+    """`backend` with a job's tensors counted under the server's in-flight limit (no room: the
+    backend as it is); the largest tensor it may be sent is reserved at the most."""
+    if room is None:
+        return backend
+    with formats.open_source(source) as opened:
+        sizes = [e.nbytes for e in opened.entries() if e.dtype.name in plan.QUANTIZABLE]
+    largest = max(sizes, default=0)
+    return ReservingBackend(backend, room, tenant=tenant, largest=largest, check=check)

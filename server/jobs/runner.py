@@ -51,7 +51,6 @@ import uuid
 from collections.abc import Callable
 
 from qmill.checkpoints.base import errors, staging
-from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.run import embedded, pipeline
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -273,18 +272,6 @@ class JobRunner:
         if self._stopping.is_set():
             raise _Stop(cancelled=False)
 
-    def _reserving(
-        self, backend: pipeline.Backend, record: store_lib.JobRecord, source: str, check
-    ) -> pipeline.Backend:
-        """`backend` with its tensors counted under the server's in-flight limit."""
-        if self._room is None:
-            return backend
-        with formats.open_source(source) as opened:
-            sizes = [e.nbytes for e in opened.entries() if e.dtype.name in pipeline.QUANTIZABLE]
-        return room_lib.ReservingBackend(
-            backend, self._room, tenant=record.tenant, largest=max(sizes, default=0), check=check
-        )
-
     def _run(
         self, record: store_lib.JobRecord, check: Callable[[], None], where: dict[str, str]
     ) -> None:
@@ -318,7 +305,9 @@ class JobRunner:
                     source,
                     destination,
                     record.recipe,
-                    backend=self._reserving(backend, record, source, check),
+                    backend=room_lib.reserving(
+                        backend, self._room, tenant=record.tenant, source=source, check=check
+                    ),
                     output_format=record.output_format or None,
                     overwrite=staged.overwrite,
                     progress=progress_lib.JobProgress(
