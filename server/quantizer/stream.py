@@ -213,23 +213,33 @@ async def quantize_stream(
         yield pb.QuantizeParamsResponse(summary=stats.summary())
     finally:
         item = None  # an error raised from it: its traceback holds this frame
-        reader.cancel()
-        quantizer.cancel()
-        # A call cut short (its client killed) leaves the reader's error in the queue, holding
-        # its traceback, whose frames hold the queue and the tensor being received: a cycle that
-        # only the garbage collector would free, much later. The queues are emptied once both
-        # tasks have ended (a cancelled task may still put one last item).
-        for task in (reader, quantizer):
-            task.add_done_callback(lambda _: _empty(queue, results))
-        if account is not None:
-            account.close()  # whatever the call still holds (cancelled, failed) goes back now
-        wire.release_buffers()  # kept for this call's next tensor: there is none
-        # Free heap pages (4 MiB chunk copies, the engine's outputs) otherwise stay resident
-        # between calls: the next call's peak RSS started ~80 MB higher (bench/README.md).
-        memory.give_back_free_memory()
-        # Once more a moment later: a call whose client is gone frees its last buffers (grpc's,
-        # the tasks' above) after this point, and the server may have no next call for a while.
-        asyncio.get_running_loop().call_later(LATE_TRIM_SECONDS, memory.give_back_free_memory)
+        _end_call((reader, quantizer), (queue, results), account)
+
+
+def _end_call(
+    tasks: tuple[asyncio.Task, ...],
+    queues: tuple[asyncio.Queue, ...],
+    account: limits.Account | None,
+) -> None:
+    """What a call leaves behind, let go: its tasks cancelled, its queues emptied, its bytes
+    given back to the limiter and the heap."""
+    for task in tasks:
+        task.cancel()
+    # A call cut short (its client killed) leaves the reader's error in the queue, holding its
+    # traceback, whose frames hold the queue and the tensor being received: a cycle that only the
+    # garbage collector would free, much later. The queues are emptied once both tasks have ended
+    # (a cancelled task may still put one last item).
+    for task in tasks:
+        task.add_done_callback(lambda _: _empty(*queues))
+    if account is not None:
+        account.close()  # whatever the call still holds (cancelled, failed) goes back now
+    wire.release_buffers()  # kept for this call's next tensor: there is none
+    # Free heap pages (4 MiB chunk copies, the engine's outputs) otherwise stay resident between
+    # calls: the next call's peak RSS started ~80 MB higher (bench/README.md).
+    memory.give_back_free_memory()
+    # Once more a moment later: a call whose client is gone frees its last buffers (grpc's, the
+    # tasks' above) after this point, and the server may have no next call for a while.
+    asyncio.get_running_loop().call_later(LATE_TRIM_SECONDS, memory.give_back_free_memory)
 
 
 @dataclasses.dataclass
