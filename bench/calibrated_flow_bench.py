@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import e2e_bench  # bench/ is the script's directory: ports, /proc readers
 import numpy as np
@@ -171,6 +172,29 @@ def _save(result: dict, path: str | None) -> str:
     return text
 
 
+def _start_servers(
+    platforms: str, work: pathlib.Path, log: Any, result: dict, running: list
+) -> list[tuple[dict, subprocess.Popen, str]]:
+    """A server per platform (its row in result["servers"], its process in `running`): (row,
+    process, address) of each that came up; one platform's failure keeps the others."""
+    servers = []
+    for platform in [p.strip() for p in platforms.split(",") if p.strip()]:
+        row: dict = {"server_platform": platform, "runs": []}
+        result["servers"].append(row)
+        try:
+            proc, address, up_s = serve(platform, work, log)
+        except Exception as exc:
+            row["error"] = str(exc)[-2000:]
+            print(f"server {platform}: {row['error']}", flush=True)
+            continue
+        running.append(proc)
+        row["server_up_s"] = round(up_s, 2)
+        row["capabilities"] = _device(address)
+        print(f"server {platform} at {address}: up in {up_s:.1f} s", flush=True)
+        servers.append((row, proc, address))
+    return servers
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,22 +238,9 @@ def main() -> int:
             log,
         )  # fmt: skip
         result["export_program_s"] = round(result["export_program_s"], 2)
-        servers = []  # started one after the other, then the runs interleaved: run i on
-        # every server before run i + 1, so that a cut-short bench still compares platforms
-        for platform in [p.strip() for p in args.server_platforms.split(",") if p.strip()]:
-            row: dict = {"server_platform": platform, "runs": []}
-            result["servers"].append(row)
-            try:
-                proc, address, up_s = serve(platform, work, log)
-            except Exception as exc:  # one platform's failure keeps the others
-                row["error"] = str(exc)[-2000:]
-                print(f"server {platform}: {row['error']}", flush=True)
-                continue
-            running.append(proc)
-            row["server_up_s"] = round(up_s, 2)
-            row["capabilities"] = _device(address)
-            print(f"server {platform} at {address}: up in {up_s:.1f} s", flush=True)
-            servers.append((row, proc, address))
+        # Started one after the other, then the runs interleaved: run i on every server before
+        # run i + 1, so that a cut-short bench still compares platforms.
+        servers = _start_servers(args.server_platforms, work, log, result, running)
         _save(result, args.json)
         for i in range(args.repeat):
             for row, proc, address in servers:

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 SCHEMES = ("W4A16", "FP8_DYNAMIC")
 IGNORE = ["lm_head", "model.embed_tokens"]
@@ -113,6 +114,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cases(folder: pathlib.Path, scheme: str, port: int) -> dict[str, Any]:
+    """Each case's command, given its output path."""
+
+    def quantize(o: pathlib.Path) -> list[str]:
+        return [*qmill(), "quantize", str(folder), "-o", str(o), "--recipe", scheme, "-q"]
+
+    return {
+        # The floor a quantizer is measured against (issue 27: within 4x of it).
+        "cp -r": lambda o: ["cp", "-r", str(folder), str(o)],
+        "model_free_ptq max_workers=1": lambda o: peer(folder, o, scheme, 1),
+        "model_free_ptq max_workers=2": lambda o: peer(folder, o, scheme, 2),
+        "qmill embedded": quantize,
+        "qmill --server": lambda o: [*quantize(o), "--server", f"127.0.0.1:{port}"],
+    }
+
+
+def _run_case(
+    name: str, command: Any, out: pathlib.Path, reference: pathlib.Path, server_pid: int
+) -> dict[str, Any]:
+    """One timed run of a case, compared with the reference output."""
+    if name.startswith("model_free") and not reference.exists():
+        out = reference
+    # Each command starts with the previous one's dirty pages on disk: its writeback otherwise
+    # lands in the next command's time (cp -r took 2.13 s right after model_free_ptq and the
+    # server run, 0.34 s otherwise).
+    os.sync()
+    seconds, rss = timed(command(out))
+    # A copy is not quantized: nothing to compare (None in the JSON).
+    equal = None if name == "cp -r" else (out == reference or same_tensors(out, reference))
+    row = {
+        "case": name,
+        "seconds": seconds,
+        "peak_rss": rss,
+        "equal_to_model_free_ptq": equal,
+    }
+    if name == "qmill --server":
+        with open(f"/proc/{server_pid}/status") as f:
+            hwm = next(line for line in f if line.startswith("VmHWM"))
+        row["server_peak_rss"] = int(hwm.split()[1]) * 1024
+    if out != reference:
+        shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", type=pathlib.Path, required=True)
@@ -140,67 +185,14 @@ def main() -> None:
             time.sleep(0.5)
         for scheme in args.schemes.split(","):
             reference = args.out / f"peer-{scheme}"
-            cases = {
-                # The floor a quantizer is measured against (issue 27: within 4x of it).
-                "cp -r": lambda o: ["cp", "-r", str(args.folder), str(o)],
-                "model_free_ptq max_workers=1": lambda o, s=scheme: peer(args.folder, o, s, 1),
-                "model_free_ptq max_workers=2": lambda o, s=scheme: peer(args.folder, o, s, 2),
-                "qmill embedded": lambda o, s=scheme: [
-                    *qmill(),
-                    "quantize",
-                    str(args.folder),
-                    "-o",
-                    str(o),
-                    "--recipe",
-                    s,
-                    "-q",
-                ],
-                "qmill --server": lambda o, s=scheme: [
-                    *qmill(),
-                    "quantize",
-                    str(args.folder),
-                    "-o",
-                    str(o),
-                    "--recipe",
-                    s,
-                    "-q",
-                    "--server",
-                    f"127.0.0.1:{port}",
-                ],
-            }
             for run in range(args.runs):
-                for name, command in cases.items():
+                for name, command in _cases(args.folder, scheme, port).items():
                     out = args.out / f"{scheme}-{name.split()[0]}-{run}"
                     shutil.rmtree(out, ignore_errors=True)
-                    if name.startswith("model_free") and not reference.exists():
-                        out = reference
-                    # Each command starts with the previous one's dirty pages on disk: its
-                    # writeback otherwise lands in the next command's time (cp -r took 2.13 s
-                    # right after model_free_ptq and the server run, 0.34 s otherwise).
-                    os.sync()
-                    seconds, rss = timed(command(out))
-                    # A copy is not quantized: nothing to compare (None in the JSON).
-                    equal = (
-                        None
-                        if name == "cp -r"
-                        else (out == reference or same_tensors(out, reference))
-                    )
-                    row = {
-                        "scheme": scheme,
-                        "case": name,
-                        "run": run,
-                        "seconds": seconds,
-                        "peak_rss": rss,
-                        "equal_to_model_free_ptq": equal,
-                    }
-                    if name == "qmill --server":
-                        with open(f"/proc/{server.pid}/status") as f:
-                            hwm = next(line for line in f if line.startswith("VmHWM"))
-                        row["server_peak_rss"] = int(hwm.split()[1]) * 1024
+                    case = _run_case(name, command, out, reference, server.pid)
+                    row = {"scheme": scheme, "case": name, "run": run, **case}
                     results.append(row)
                     print(json.dumps(row), flush=True)
-                    if out != reference:
-                        shutil.rmtree(out, ignore_errors=True)
     finally:
         server.kill()
         server.wait()
