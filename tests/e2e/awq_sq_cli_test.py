@@ -69,16 +69,17 @@ def _model(tmp: pathlib.Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_remote_and_in_process_give_the_reference_params(tmp_path, make_server, run_qmill, method):
-    import jax
-
-    import qmill.engine as qe
-    from qmill import checkpoints
-    from qmill.checkpoints.loading import loader
-    from qmill.engine.contrib import awq
-    from qmill.engine.contrib import smooth_quant as sq
-
-    rules_arg, recipe, rule_fields, beside = METHODS[method]
     module, params, x = _model(tmp_path)
+    outputs, stats_file = _calibrated_outputs(tmp_path, make_server, run_qmill, method)
+    assert outputs["remote"].read_bytes() == outputs["local"].read_bytes()
+    _check_against_the_reference(method, module, params, x, stats_file, outputs["local"])
+    _check_compressed_tensors_refuses(tmp_path, run_qmill, method, stats_file)
+
+
+def _calibrated_outputs(tmp_path, make_server, run_qmill, method):
+    """The program, its calibration on a server and in-process, and the checkpoint quantized
+    with each ({"remote", "local"}: path); and the in-process statistics file."""
+    rules_arg, recipe, _, _ = METHODS[method]
     rules_arg = str(tmp_path / rules_arg) if rules_arg.endswith(".toml") else rules_arg
     made = run_qmill(
         "export-program", "--model-fn", f"{tmp_path / 'mlp.py'}:build",
@@ -107,9 +108,21 @@ def test_remote_and_in_process_give_the_reference_params(tmp_path, make_server, 
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         outputs[name] = out
-    assert outputs["remote"].read_bytes() == outputs["local"].read_bytes()
+    return outputs, stats_file
 
-    # In-process, the reference's way: the PTQ abstract params, the same statistics.
+
+def _check_against_the_reference(method, module, params, x, stats_file, output):
+    """In-process, the reference's way (the PTQ abstract params, the same statistics): the
+    checkpoint `output` holds exactly its params, which give exactly its logits."""
+    import jax
+
+    import qmill.engine as qe
+    from qmill import checkpoints
+    from qmill.checkpoints.loading import loader
+    from qmill.engine.contrib import awq
+    from qmill.engine.contrib import smooth_quant as sq
+
+    _, _, rule_fields, beside = METHODS[method]
     rule, provider, lib = {
         "awq": (awq.AwqRule, awq.AwqInferenceProvider, awq),
         "smoothquant": (sq.SqRule, sq.SqInferenceProvider, sq),
@@ -127,11 +140,8 @@ def test_remote_and_in_process_give_the_reference_params(tmp_path, make_server, 
     like = jax.eval_shape(lambda: lib.quantize_params(params, abstract["params"], stats))
     # as_jax: with numpy leaves the eager dequantization runs partly in numpy, an ulp off XLA's
     # in the logits (measured 2e-6; the same for the in-process params sent through numpy).
-    loaded = checkpoints.load(outputs["local"], like={"params": like}, as_jax=True)["params"]
-    assert set(checkpoints.load(outputs["local"])["params"]["Dense_0"]["kernel"]) == {
-        "array",
-        beside,
-    }
+    loaded = checkpoints.load(output, like={"params": like}, as_jax=True)["params"]
+    assert set(checkpoints.load(output)["params"]["Dense_0"]["kernel"]) == {"array", beside}
     leaves = jax.tree_util.tree_leaves_with_path(expected)
     assert jax.tree.structure(loaded) == jax.tree.structure(expected)
     for (path, want), got in zip(leaves, jax.tree_util.tree_leaves(loaded), strict=True):
@@ -152,8 +162,10 @@ def test_remote_and_in_process_give_the_reference_params(tmp_path, make_server, 
         err = np.mean(np.abs(np.asarray(served.apply({"params": loaded}, x)) - ref))
         assert err < np.mean(np.abs(np.asarray(rtn) - ref)), err
 
-    # compressed-tensors cannot hold the per-channel scale: refused before any work, whether
-    # the format is asked for or implied by a scheme's name.
+
+def _check_compressed_tensors_refuses(tmp_path, run_qmill, method, stats_file):
+    """compressed-tensors cannot hold the per-channel scale: refused before any work, whether
+    the format is asked for or implied by a scheme's name."""
     out = tmp_path / "ct"
     ct = (
         ["--recipe", "W4A16"]
