@@ -99,20 +99,9 @@ def quantize_checkpoint(
         errors.OutputError: the output's disk is full, read-only or not writable; the
             finished tensors stay in the partial output.
     """
-    formats.check_destination(
-        source_path, destination, overwrite=overwrite, output_format=output_format
-    )
-    with formats.open_source(source_path) as checkpoint:
-        planned = plan_lib.plan_source(
-            checkpoint,
-            source_path,
-            destination,
-            recipe,
-            output_format,
-            overwrite=overwrite,
-            engine=engine,
-        )
-        return _run_opened(planned, checkpoint, backend, Options(**options))
+    planning = {"overwrite": overwrite, "engine": engine}
+    with plan_lib.opened(source_path, destination, recipe, output_format, **planning) as opened:
+        return _run_opened(*opened, backend, Options(**options))
 
 
 def run(plan: plan_lib.Plan, *, backend: Backend, **options: Any) -> list[ReportRow]:

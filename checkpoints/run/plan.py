@@ -22,12 +22,13 @@ server, so that this process never imports the engine (jax: a second or two).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -187,19 +188,31 @@ def make(
         FileExistsError: the destination exists and `overwrite` is False.
         FileNotFoundError: no source.
     """
+    options = {"overwrite": overwrite, "engine": engine, "dry_run": dry_run}
+    with opened(source_path, destination, recipe, output_format, **options) as (plan, _):
+        return plan
+
+
+@contextlib.contextmanager
+def opened(
+    source_path: str | os.PathLike,
+    destination: str | os.PathLike,
+    recipe: dict[str, Any],
+    output_format: str | None = None,
+    **options: Any,
+) -> Iterator[tuple[Plan, protocols.TensorSource]]:
+    """`make`'s plan (`options`: its keyword arguments), and its source still open for the
+    run (the pipeline's)."""
     formats.check_destination(
-        source_path, destination, overwrite=overwrite, output_format=output_format
+        source_path,
+        destination,
+        overwrite=options.get("overwrite", False),
+        output_format=output_format,
     )
     with formats.open_source(source_path) as source:
-        return plan_source(
+        yield (
+            plan_source(source, source_path, destination, recipe, output_format, **options),
             source,
-            source_path,
-            destination,
-            recipe,
-            output_format,
-            overwrite=overwrite,
-            engine=engine,
-            dry_run=dry_run,
         )
 
 

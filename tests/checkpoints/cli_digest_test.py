@@ -27,22 +27,15 @@ import sys
 
 import pytest
 
-from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.run import embedded
 from qmill.cli import main
+from tests.checkpoints import digest
 from tests.checkpoints.llama import write_llama
 
 EXPECTED_FILE = pathlib.Path(__file__).with_name("cli_digests.json")
-SCHEMES = (
-    "W4A16",
-    "W4A16_ASYM",
-    "W8A16",
-    "W8A8",
-    "FP8_DYNAMIC",
-    "FP8_BLOCK",
-    "NVFP4A16",
-    "MXFP4A16",
-)
+# compressed-tensors' schemes when the digests were recorded (ct_schemes.SCHEMES may grow).
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC")  # groups, channels
+SCHEMES += ("FP8_BLOCK", "NVFP4A16", "MXFP4A16")  # blocks, fp4
 # name: (source, the flags after `quantize SOURCE -o NAME`); SHARD: one safetensors file.
 SHARD = "llama/model-00002-of-00002.safetensors"
 RUNS: dict[str, tuple[str, list[str]]] = {
@@ -70,22 +63,6 @@ qtype = "int4"
 tile_size = 128
 arithmetic = "torch"
 """
-
-
-def _files_digest(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    if (path / "_METADATA").exists():  # Orbax: what a reader gets back
-        with formats.open_source(path) as source:
-            for entry in source.entries():
-                array = source.read(entry.path)
-                digest.update(f"{entry.path}\0{array.dtype.name}\0{array.shape}\0".encode())
-                digest.update(array.tobytes())
-        return digest.hexdigest()
-    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
-    for f in files:
-        digest.update(f.relative_to(path).as_posix().encode() if path.is_dir() else b"")
-        digest.update(f.read_bytes())
-    return digest.hexdigest()
 
 
 def _report_digest(report: pathlib.Path, output: pathlib.Path) -> str:
@@ -138,7 +115,7 @@ def _run(name: str, source: str, flags: list[str], found: dict[str, str]) -> Non
         status, _, err = _qmill(*argv)
         assert status == 0, (name, resumed, err)
         assert ("qmill: resumed:" in err) == resumed, err
-        found[f"{out}/output"] = _files_digest(out)
+        found[f"{out}/output"] = digest.output(out)
         if not resumed:
             found[f"{name}/report"] = _report_digest(pathlib.Path(f"{out}.json"), out)
 

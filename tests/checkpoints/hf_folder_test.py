@@ -16,6 +16,7 @@ from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.formats.hf_folder import folder as hf_folder
 from qmill.checkpoints.formats.hf_folder import quantization_config
 from qmill.checkpoints.run import embedded, pipeline
+from tests.checkpoints import llama
 
 CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 32, "z": [1, 2]}
 
@@ -51,13 +52,7 @@ def _hf_folder(root: pathlib.Path, *, sharded: bool) -> pathlib.Path:
         merged = {k: v for shard in shards for k, v in shard.items()}
         safetensors.numpy.save_file(merged, folder / "model.safetensors", {"format": "pt"})
         return folder
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-00002.safetensors"
-        safetensors.numpy.save_file(shard, folder / name, {"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    llama.write_shards(folder, shards)
     return folder
 
 

@@ -54,13 +54,18 @@ def write_llama(folder: pathlib.Path) -> pathlib.Path:
         },
     ]
     folder.mkdir()
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-00002.safetensors"
-        safetensors.numpy.save_file(shard, folder / name, {"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_shards(folder, shards, indent=2)
     (folder / "config.json").write_text(json.dumps(CONFIG, indent=2))
     (folder / "tokenizer.json").write_text('{"version": "1.0", "model": null}')
     return folder
+
+
+def write_shards(folder: pathlib.Path, shards: list[dict], *, indent: int | None = None) -> None:
+    """`shards` (name -> array each) as a Hugging Face folder's safetensors shards and index."""
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        safetensors.numpy.save_file(shard, folder / name, {"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=indent))

@@ -11,40 +11,22 @@ The expected values were recorded before the "one house" refactor (tests/checkpo
 regenerate them only for a deliberate change of the output format, never to make this pass.
 """
 
-import hashlib
 import json
 import pathlib
 
 import pytest
 
 from qmill.checkpoints.formats import examples
-from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.run import embedded, pipeline
 from qmill.client import recipes
+from tests.checkpoints import digest
 
 EXPECTED = json.loads((pathlib.Path(__file__).parent / "digests.json").read_text())
 SOURCES = {"orbax": "src_orbax", "safetensors": "src.safetensors", "npz": "src.npz"}
 
 
-def _tensor_digest(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with formats.open_source(path) as source:
-        for entry in source.entries():
-            array = source.read(entry.path)
-            digest.update(f"{entry.path}\0{array.dtype.name}\0{array.shape}\0".encode())
-            digest.update(array.tobytes())
-    return digest.hexdigest()
-
-
 def _digest(path: pathlib.Path, fmt: str) -> str:
-    if fmt == "orbax":
-        return _tensor_digest(path)
-    digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
-    for f in files:
-        digest.update(f.relative_to(path).as_posix().encode() if path.is_dir() else b"")
-        digest.update(f.read_bytes())
-    return digest.hexdigest()
+    return digest.tensors(path) if fmt == "orbax" else digest.files(path)
 
 
 def digests(root: pathlib.Path) -> dict[str, str]:
