@@ -36,11 +36,12 @@ IGNORE = ["lm_head", "model.embed_tokens"]
 
 
 def make_folder(folder: pathlib.Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from tests import lm_folder
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    lm_folder.write_llama(
+        folder,
+        save={"max_shard_size": "600MB"},
         hidden_size=2048,
         intermediate_size=5632,
         num_hidden_layers=8,
@@ -50,9 +51,6 @@ def make_folder(folder: pathlib.Path) -> None:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="600MB")
 
 
 def timed(command: list[str]) -> tuple[float, int]:

@@ -34,13 +34,8 @@ def llama(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def ids(tmp_path_factory) -> dict[str, pathlib.Path]:
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("ids")
-    out = {}
-    for name, shape in (("calibration", (16, 32)), ("eval", (8, 32))):
-        out[name] = root / f"{name}.npy"
-        np.save(out[name], rng.integers(0, VOCAB, shape).astype(np.int32))
-    return out
+    shapes = {"calibration": (16, 32), "eval": (8, 32)}
+    return lm_folder.write_ids(tmp_path_factory.mktemp("ids"), shapes)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests import lm_folder
+
 # What qmill leaves in float by default, named as a user of llm-compressor names it in `ignore`.
 LLAMA_IGNORE = ["lm_head", "model.embed_tokens"]
 
@@ -22,22 +24,16 @@ LLAMA_IGNORE = ["lm_head", "model.embed_tokens"]
 def _tiny_llama(
     tmp_path_factory, name: str, *, tied: bool, kv_heads: int = 2, **save
 ) -> pathlib.Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return lm_folder.write_llama(
+        tmp_path_factory.mktemp("llama") / name,
+        save=save,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=kv_heads,
         vocab_size=512,
         tie_word_embeddings=tied,
     )
-    folder = tmp_path_factory.mktemp("llama") / name
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, **save)
-    return folder
 
 
 @pytest.fixture(scope="session")
@@ -69,24 +65,19 @@ def one_kv_head_llama(tmp_path_factory) -> pathlib.Path:
 def mixtral(tmp_path_factory) -> pathlib.Path:
     """A Mixtral-architecture folder (bf16, 4 experts): its router `gate` weights are (4, 256)
     and its k/v projections (64, 256), so FP8_BLOCK's 128 x 128 blocks are ragged there."""
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=512,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
+    fields = {
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
     folder = tmp_path_factory.mktemp("mixtral") / "tiny-mixtral"
-    MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    return lm_folder.write(folder, "MixtralConfig", fields, model_class="MixtralForCausalLM")
 
 
 def _safetensors_names(folder: pathlib.Path) -> list[str]:

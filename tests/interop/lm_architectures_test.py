@@ -13,15 +13,9 @@ import numpy as np
 import pytest
 
 from qmill.cli import main as cli
+from tests import lm_folder
 
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+SMALL = lm_folder.SMALL
 CASES = {
     "qwen2": ("Qwen2Config", dict(SMALL), 7),
     "qwen3": ("Qwen3Config", dict(SMALL, head_dim=16), 7),
@@ -35,16 +29,8 @@ CASES = {
 
 
 def _folder(name: str, root: pathlib.Path) -> pathlib.Path:
-    import torch
-    import transformers
-
-    config_class, kwargs, _ = CASES[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**kwargs)
-    folder = root / name
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    model.to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    config_class, fields, _ = CASES[name]
+    return lm_folder.write(root / name, config_class, fields)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

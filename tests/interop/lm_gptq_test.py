@@ -13,42 +13,22 @@ import numpy as np
 import pytest
 
 from qmill.checkpoints.lm import calibration as lm_calibration
+from tests import lm_folder
 from tests.e2e import processes
 
-VOCAB = 256
-LAYERS = 3
+VOCAB, LAYERS = lm_folder.VOCAB, lm_folder.LAYERS
 LINEARS = 7 * LAYERS
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> pathlib.Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-    )
-    folder = tmp_path_factory.mktemp("lm") / "llama"
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    return lm_folder.write_llama(tmp_path_factory.mktemp("lm") / "llama")
 
 
 @pytest.fixture(scope="module")
 def ids(tmp_path_factory) -> dict[str, pathlib.Path]:
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("ids")
-    out = {}
-    for name, shape in (("calibration", (16, 32)), ("eval", (8, 32))):
-        out[name] = root / f"{name}.npy"
-        np.save(out[name], rng.integers(0, VOCAB, shape).astype(np.int32))
-    return out
+    shapes = {"calibration": (16, 32), "eval": (8, 32)}
+    return lm_folder.write_ids(tmp_path_factory.mktemp("ids"), shapes)
 
 
 def _qmill(*args: str) -> subprocess.CompletedProcess:

@@ -20,16 +20,10 @@ import pytest
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import forward
 from qmill.engine.lm import rope as rope_lib
+from tests import lm_folder
 
 B, T = 2, 16
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+SMALL = lm_folder.SMALL
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
