@@ -19,13 +19,13 @@ import argparse
 import json
 import pathlib
 import platform
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from sklearn.datasets import load_digits
 
 import qmill.engine as qe
 from qmill.engine.contrib import awq, gptq
@@ -40,12 +40,10 @@ def CNN() -> nn.Module:
 
 
 def data():
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]
-    y = digits.target.astype(np.int32)
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from tests import digits_data
+
+    return digits_data.split()
 
 
 def train(x, y, seed: int, epochs: int = 8, lr: float = 3e-3) -> dict:

@@ -367,6 +367,15 @@ def _parse_args() -> argparse.Namespace:
     return args
 
 
+def print_and_save(result: dict, path: str | None) -> None:
+    """Prints the results as JSON, and writes them to `path` too when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if path:
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(path).write_text(text + "\n")
+
+
 def main() -> int:
     args = _parse_args()
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="qmill-bench-"))
@@ -407,11 +416,7 @@ def main() -> int:
         # One entry per (replica count, recipe, streams).
         "runs": runs,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(text + "\n")
+    print_and_save(result, args.json)
     return 0
 
 

@@ -166,11 +166,7 @@ def main() -> int:
         "ratio_qmill_to_cp": round(best_q / best_cp, 2),
         "rss_target_MB": round(3 * largest / 1e6 + 300, 1),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(text + "\n")
+    e2e_bench.print_and_save(result, args.json)
     return 0
 
 

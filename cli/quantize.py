@@ -38,6 +38,12 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         return _dry_run(args, recipe, out)
     started = time.monotonic()
     calibration = _calibration_kwargs(args)
+    if not args.server:
+        from qmill.checkpoints.run import embedded  # lazy: the engine (jax)
+
+        # The plan reads the recipe with the engine: imported first as this process imports it
+        # to quantize (embedded.load_engine: the collector paused, what it made frozen).
+        embedded.load_engine(freeze=True)
     planned = plan_lib.make(
         args.source,
         args.output,

@@ -102,12 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-id", help="x-request-id sent with every call (for the logs)")
 
 
+# add_arguments' flags, each the from_files argument of the same name.
+_FLAGS = ("tls", "tls_ca", "tls_cert", "tls_key", "token", "request_id")
+
+
 def from_args(args: argparse.Namespace) -> Credentials:
-    return Credentials.from_files(
-        tls=args.tls,
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        token=args.token,
-        request_id=args.request_id,
-    )
+    return Credentials.from_files(**{flag: getattr(args, flag) for flag in _FLAGS})

@@ -184,15 +184,10 @@ class PostgresJobStore:
         return _record(row) if row is not None else None
 
     def list(self, *, tenant: str | None, states: list[int] | None = None) -> list[JobRecord]:
-        query = f"SELECT {_SELECT} FROM {TABLE} WHERE TRUE"
-        args: list[Any] = []
-        if tenant is not None:
-            query += " AND tenant = %s"
-            args.append(tenant)
-        if states:
-            query += " AND state = ANY(%s)"
-            args.append(list(states))
-        rows = self._run(lambda c: c.execute(query + " ORDER BY created, job_id", args).fetchall())
+        query, args = store.list_query(
+            _SELECT, TABLE, tenant, states, "%s", lambda s: ("state = ANY(%s)", [s])
+        )
+        rows = self._run(lambda c: c.execute(query, args).fetchall())
         return [_record(r) for r in rows]
 
     def update(self, job_id: str, *, owner: str | None = None, **fields: Any) -> JobRecord | None:

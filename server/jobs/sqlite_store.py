@@ -149,16 +149,14 @@ class SqliteJobStore:
 
     def list(self, *, tenant: str | None, states: list[int] | None = None) -> list[JobRecord]:
         """Jobs oldest first; of one tenant unless `tenant` is None; in `states` if given."""
-        query = f"SELECT {', '.join(_sql_columns())} FROM jobs WHERE 1 = 1"
-        args: list[Any] = []
-        if tenant is not None:
-            query += " AND tenant = ?"
-            args.append(tenant)
-        if states:
-            query += f" AND state IN ({', '.join('?' * len(states))})"
-            args.extend(states)
+
+        def in_states(s: list[int]) -> tuple[str, list[Any]]:
+            return f"state IN ({', '.join('?' * len(s))})", s
+
+        select = ", ".join(_sql_columns())
+        query, args = store.list_query(select, "jobs", tenant, states, "?", in_states)
         with self._lock:
-            rows = self._db.execute(query + " ORDER BY created, job_id", args).fetchall()
+            rows = self._db.execute(query, args).fetchall()
         return [_record(r) for r in rows]
 
     def update(self, job_id: str, *, owner: str | None = None, **fields: Any) -> JobRecord:

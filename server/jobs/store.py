@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -54,25 +55,40 @@ class JobRecord:
     calibration_report_json: str = ""
 
     def to_proto(self) -> pb.Job:
-        return pb.Job(
-            job_id=self.job_id,
-            state=self.state,
-            source=self.source,
-            destination=self.destination,
-            request_id=self.request_id,
-            tensors_done=self.tensors_done,
-            tensors_total=self.tensors_total,
-            bytes_done=self.bytes_done,
-            bytes_total=self.bytes_total,
-            error=self.error,
-            message=self.message,
-            created_unix=self.created,
-            updated_unix=self.updated,
-            calibration_report_json=self.calibration_report_json,
-        )
+        same = {name: getattr(self, name) for name in _JOB_FIELDS}
+        return pb.Job(**same, created_unix=self.created, updated_unix=self.updated)
+
+
+# The fields a JobRecord and a pb.Job share by name (what a client sees of a job).
+_JOB_FIELDS = (
+    "job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total",
+    "bytes_done", "bytes_total", "error", "message", "calibration_report_json",
+)  # fmt: skip
 
 
 COLUMNS = [f.name for f in dataclasses.fields(JobRecord)]
+
+
+def list_query(
+    select: str,
+    table: str,
+    tenant: str | None,
+    states: list[int] | None,
+    param: str,
+    in_states: Callable[[list[int]], tuple[str, list[Any]]],
+) -> tuple[str, list[Any]]:
+    """(query, arguments) that select `select` of the jobs in `table` oldest first, of one
+    tenant unless `tenant` is None, in `states` if given; `param` is the driver's placeholder and
+    `in_states` the condition (and its arguments) for a list of states."""
+    query, args = f"SELECT {select} FROM {table} WHERE 1 = 1", []
+    if tenant is not None:
+        query += f" AND tenant = {param}"
+        args.append(tenant)
+    if states:
+        condition, more = in_states(list(states))
+        query += f" AND {condition}"
+        args.extend(more)
+    return query + " ORDER BY created, job_id", args
 
 
 class Lease(enum.Enum):

@@ -54,14 +54,8 @@ class _Record:
     expires_unix: float = 0.0
 
     def status(self) -> pb.UploadStatus:
-        return pb.UploadStatus(
-            upload_id=self.id,
-            committed_bytes=self.committed_bytes,
-            total_bytes=self.total_bytes,
-            complete=self.complete,
-            sha256=self.sha256,
-            expires_unix=self.expires_unix,
-        )
+        same = ("committed_bytes", "total_bytes", "complete", "sha256", "expires_unix")
+        return pb.UploadStatus(upload_id=self.id, **{name: getattr(self, name) for name in same})
 
 
 class UploadStore:

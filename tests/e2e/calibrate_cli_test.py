@@ -5,20 +5,20 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 from qmill import checkpoints
 from qmill.cli import model_rules
 from qmill.client import Client
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
+from tests import digits_data
 
 
 @pytest.fixture(scope="module")
 def setup(make_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     running = make_server(data_dir=str(tmp / "data"))
-    x = (load_digits().images / 16.0).astype(np.float32)[..., None][:96]
+    x = digits_data.images()[:96]
     params = zoo.BUILTIN["cnn"].build(zoo.CnnConfig()).init(jax.random.key(0), x[:1])
     # An npz of Flax variables, as a training script saves them ({"params": ...} at the top).
     flat = {

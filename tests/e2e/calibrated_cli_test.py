@@ -32,17 +32,21 @@ def _params(tmp: pathlib.Path) -> pathlib.Path:
     return tmp / "cnn.npz"
 
 
+def _export_gptq(run_qmill, params: pathlib.Path, program: pathlib.Path) -> None:
+    """The example's GPTQ calibration program (w4-g128, batches of 50), written to `program`."""
+    made = run_qmill(
+        "export-program", "--model-fn", f"{EXAMPLE}:build", "--params", str(params),
+        "--method", "gptq", "--rules", "w4-g128", "--batch-size", "50", "-o", str(program),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+
+
 @pytest.mark.slow
 def test_gptq_remote_and_in_process_give_the_same_checkpoint(tmp_path, make_server, run_qmill):
     params = _params(tmp_path)
     x = np.random.default_rng(0).normal(size=(100, 8, 8, 1)).astype(np.float32)
     np.save(tmp_path / "cal.npy", x)
-    made = run_qmill(
-        "export-program", "--model-fn", f"{EXAMPLE}:build", "--params", str(params),
-        "--method", "gptq", "--rules", "w4-g128", "--batch-size", "50",
-        "-o", str(tmp_path / "gptq.qprog"),
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
+    _export_gptq(run_qmill, params, tmp_path / "gptq.qprog")
     address = make_server(data_dir=str(tmp_path / "data")).address
     common = ["--artifact", str(tmp_path / "gptq.qprog"), "--params", str(params), "--batches"]
     remote = run_qmill(
@@ -84,12 +88,7 @@ def test_gptq_remote_and_in_process_give_the_same_checkpoint(tmp_path, make_serv
 def test_statistics_over_the_server_limit_are_refused(tmp_path, make_server, run_qmill):
     params = _params(tmp_path)
     np.save(tmp_path / "cal.npy", np.zeros((50, 8, 8, 1), np.float32))
-    made = run_qmill(
-        "export-program", "--model-fn", f"{EXAMPLE}:build", "--params", str(params),
-        "--method", "gptq", "--rules", "w4-g128", "--batch-size", "50",
-        "-o", str(tmp_path / "gptq.qprog"),
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
+    _export_gptq(run_qmill, params, tmp_path / "gptq.qprog")
     address = make_server(max_calibration_stats_bytes=1 << 20).address  # the Hessians need 4 MiB
     done = run_qmill(
         "calibrate", "--server", address, "--artifact", str(tmp_path / "gptq.qprog"),

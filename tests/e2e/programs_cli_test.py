@@ -17,7 +17,7 @@ import pytest
 import qmill.engine as qe
 from qmill import checkpoints
 from qmill.engine.programs import program as programs
-from tests import litert_run
+from tests import digits_data, litert_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "digits_cnn.py"
@@ -36,11 +36,7 @@ def trained(tmp_path_factory):
     digits = _module(ROOT / "tests" / "engine" / "providers" / "digits_test.py", "digits_h")
     example = _module(EXAMPLE, "digits_cnn_example")
     tmp = tmp_path_factory.mktemp("programs-cli")
-    data = digits.load_digits()
-    x = (data.images / 16.0).astype(np.float32)[..., None]
-    y = data.target.astype(np.int32)
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
+    x, y = digits_data.shuffled()
     model = example.DigitsCnn()
     variables = {"params": example.init_params()}
     params = digits._train(model, variables, x[:1200], y[:1200], epochs=2, lr=3e-3)["params"]

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from sklearn.datasets import load_digits
 
 from qmill.client import Client, errors
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+from tests import digits_data
 
 W8A8 = [pb.ModelRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
 CNN = pb.ModelSpec(name="cnn", config_json="{}")
@@ -31,7 +31,7 @@ def _upload_cnn(client, x) -> str:
 def setup(make_server, tmp_path_factory):
     running = make_server(data_dir=str(tmp_path_factory.mktemp("data")), reflection=True)
     client = Client(running.address)
-    x = (load_digits().images / 16.0).astype(np.float32)[..., None][:96]
+    x = digits_data.images()[:96]
     yield client, _upload_cnn(client, x), x
     client.close()
 

@@ -12,7 +12,6 @@ from concurrent import futures
 
 import grpc
 import jax
-import numpy as np
 import pytest
 
 import qmill.engine as qe
@@ -23,6 +22,7 @@ from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server.odml import export as odml_export
 from qmill.server.odml import servicer as odml_servicer
+from tests import digits_data
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",
@@ -34,9 +34,7 @@ _spec.loader.exec_module(digits)
 
 @pytest.fixture(scope="module")
 def trained():
-    data = digits.load_digits()
-    x = (data.images / 16.0).astype(np.float32)[..., None]
-    y = data.target.astype(np.int32)
+    x, y = digits_data.images(), digits_data.labels()
     model = digits.CNN()
     params = digits._train(
         model, model.init(jax.random.key(0), x[:1]), x[:1400], y[:1400], epochs=2, lr=3e-3

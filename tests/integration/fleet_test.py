@@ -27,6 +27,7 @@ from qmill.cli import main as cli
 from qmill.client import errors, jobs
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server.jobs import mirror
+from tests import buckets
 from tests.integration import fleet
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -36,17 +37,9 @@ INT8 = {"rules": [{"qtype": "int8"}]}
 pytestmark = pytest.mark.slow
 
 
-def _put_tree(local: pathlib.Path, url: str) -> None:
-    for file in sorted(p for p in local.rglob("*") if p.is_file()):
-        epath.Path(f"{url}/{file.relative_to(local).as_posix()}").write_bytes(file.read_bytes())
-
-
 @pytest.fixture(scope="module")
 def bucket(s3) -> str:
-    name = s3()
-    for tenant in ("team-a", "team-b"):
-        _put_tree(EXAMPLE, f"s3://{name}/jobs/{tenant}/tiny-mlp")
-    return name
+    return buckets.with_example(s3)
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,12 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from qmill.client import Client, errors, recipes
 from qmill.engine import qtypes
+from tests.integration import fuzzing
 
 # Client errors the server may answer a recipe with; anything else fails the test.
 ALLOWED = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED"}
@@ -41,13 +42,7 @@ PATHS = [path for path, _ in TENSORS]
 
 
 def _settings(n: int):
-    return settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    return fuzzing.derandomized(n, HealthCheck.data_too_large)
 
 
 class Target:

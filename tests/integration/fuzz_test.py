@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, given
 from hypothesis import strategies as st
 
 from qmill.client import Client
@@ -24,6 +24,7 @@ from qmill.proto import recipe as recipe_proto
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
+from tests.integration import fuzzing
 
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -42,13 +43,7 @@ KEEP_ALL = {"rules": [{"skip": True}]}
 
 def _settings(n: int):
     # Derandomized: CI runs the same 5,000 streams every time, and a failure reproduces.
-    return settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
+    return fuzzing.derandomized(n, HealthCheck.filter_too_much)
 
 
 class Target:

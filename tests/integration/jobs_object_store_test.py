@@ -15,6 +15,7 @@ from qmill.client import Client, credentials, errors
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import auth
 from qmill.server.jobs import object_store
+from tests import buckets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-mlp"  # Orbax, 5 float tensors + 1 int32
@@ -23,11 +24,6 @@ TOKENS = {
     "token-b": {"tenant": "team-b", "role": "user"},
 }
 INT8 = {"rules": [{"qtype": "int8"}]}
-
-
-def _put_tree(local: pathlib.Path, url: str) -> None:
-    for file in sorted(p for p in local.rglob("*") if p.is_file()):
-        epath.Path(f"{url}/{file.relative_to(local).as_posix()}").write_bytes(file.read_bytes())
 
 
 def _client(address: str, token: str | None = None) -> Client:
@@ -46,10 +42,7 @@ def _scratch(server) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def bucket(s3) -> str:
     """A bucket whose jobs root `s3://B/jobs` holds the example in each tenant's prefix."""
-    name = s3()
-    for tenant in ("team-a", "team-b"):
-        _put_tree(EXAMPLE, f"s3://{name}/jobs/{tenant}/tiny-mlp")
-    return name
+    return buckets.with_example(s3)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +159,7 @@ def test_without_a_url_root_urls_are_refused(make_server, tmp_path, bucket):
 def test_single_user_urls_are_under_root_default(make_server, tmp_path, bucket, reference):
     """Without tokens the one tenant is "default", as with --jobs-root: URL/default/..."""
     root = f"s3://{bucket}/single"
-    _put_tree(EXAMPLE, f"{root}/default/tiny-mlp")
+    buckets.put_tree(EXAMPLE, f"{root}/default/tiny-mlp")
     server = make_server(jobs_db=str(tmp_path / "jobs.sqlite3"), jobs_url_roots=(root,))
     with _client(server.address) as client:
         with pytest.raises(errors.QmillError, match="outside your object-store"):

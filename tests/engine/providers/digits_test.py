@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
-from sklearn.datasets import load_digits
 
 import qmill.engine as qe
+from tests import digits_data
 
 
 class CNN(nn.Module):
@@ -23,12 +23,7 @@ class CNN(nn.Module):
 
 @pytest.fixture(scope="module")
 def data():
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]
-    y = digits.target.astype(np.int32)
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+    return digits_data.split()
 
 
 def _train(model, variables, x, y, *, epochs, lr, mutable=()):

@@ -12,6 +12,7 @@ from flax import linen as nn
 
 import qmill.engine as qe
 from qmill.engine.providers import odml, odml_conversion
+from tests import digits_data
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers", pathlib.Path(__file__).with_name("digits_test.py")
@@ -152,9 +153,7 @@ def test_conversion_errors_name_the_fix(mlp):
 
 
 def test_digits_cnn_int4_weights_keep_accuracy():
-    data = digits.load_digits()
-    xs = (data.images / 16.0).astype(np.float32)[..., None][:1300]
-    ys = data.target.astype(np.int32)[:1300]
+    xs, ys = digits_data.images()[:1300], digits_data.labels()[:1300]
     model = digits.CNN()
     variables = digits._train(
         model, model.init(jax.random.key(0), xs[:1]), xs[:1000], ys[:1000], epochs=4, lr=3e-3

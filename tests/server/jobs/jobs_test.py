@@ -17,17 +17,12 @@ from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import sqlite_store
 from qmill.server.jobs import store as store_lib
+from tests.server.jobs import records
 
 
 def _create(store, tenant="a", request_id="", source="/s", destination="/d"):
-    return store.create(
-        tenant=tenant,
-        request_id=request_id,
-        source=source,
-        destination=destination,
-        recipe={"rules": [{"qtype": "int8"}]},
-        output_format="npz",
-        overwrite=False,
+    return records.create(
+        store, tenant=tenant, request_id=request_id, source=source, destination=destination
     )
 
 
@@ -69,16 +64,8 @@ def test_a_language_model_request_and_its_report_are_kept_and_reopened(tmp_path)
     path = tmp_path / "jobs.sqlite3"
     store = sqlite_store.SqliteJobStore(path)
     request = pb.LanguageModelCalibration(method="gptq", gptq_block_size=64).SerializeToString()
-    job, _ = store.create(
-        tenant="a",
-        request_id="",
-        source="/s",
-        destination="/d",
-        recipe={"rules": [{"qtype": "int4"}]},
-        output_format="",
-        overwrite=False,
-        language_model=request,
-    )
+    recipe = {"rules": [{"qtype": "int4"}]}
+    job, _ = records.create(store, recipe=recipe, output_format="", language_model=request)
     store.update(job.job_id, calibration_report_json='{"perplexity": null}')
     store.close()
     reopened = sqlite_store.SqliteJobStore(path).get(job.job_id)

@@ -19,7 +19,9 @@ from qmill.server.jobs import object_store, scratch, sqlite_store, urls
 from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import store as store_lib
+from tests import buckets
 from tests.checkpoints import slow_reads
+from tests.server.jobs import records
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny-mlp"
@@ -28,11 +30,6 @@ INT8 = {"rules": [{"qtype": "int8"}]}
 
 def _no_check() -> None:
     pass
-
-
-def _put_tree(local: pathlib.Path, url: str) -> None:
-    for file in sorted(p for p in local.rglob("*") if p.is_file()):
-        epath.Path(f"{url}/{file.relative_to(local).as_posix()}").write_bytes(file.read_bytes())
 
 
 def _listing(url: str) -> list[str]:
@@ -235,18 +232,16 @@ def _wait(store, job_id, done, seconds=45.0):
 def test_a_url_job_resumes_after_a_shutdown_with_the_same_bytes(s3, tmp_path, monkeypatch):
     bucket = s3()
     base = f"s3://{bucket}/jobs/default"
-    _put_tree(EXAMPLE, f"{base}/tiny-mlp")
+    buckets.put_tree(EXAMPLE, f"{base}/tiny-mlp")
     reference = tmp_path / "ref.npz"
     assert cli.main(["quantize", str(EXAMPLE), "-o", str(reference), "-q", "--format", "npz"]) == 0
     store = sqlite_store.SqliteJobStore(tmp_path / "jobs.sqlite3")
-    record, _ = store.create(
+    record, _ = records.create(
+        store,
         tenant="default",
-        request_id="",
         source=f"{base}/tiny-mlp",
         destination=f"{base}/out.npz",
         recipe=INT8,
-        output_format="npz",
-        overwrite=False,
     )
     policy = paths_lib.PathPolicy(url_roots=(f"s3://{bucket}/jobs",))
     work = scratch.Scratch(tmp_path / "job-staging")

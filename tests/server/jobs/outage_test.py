@@ -17,6 +17,7 @@ from qmill.server.jobs import paths as paths_lib
 from qmill.server.jobs import runner as runner_lib
 from qmill.server.jobs import sqlite_store
 from qmill.server.jobs import store as store_lib
+from tests.server.jobs import records
 
 TENSORS = 60
 
@@ -72,15 +73,7 @@ def test_a_job_that_ends_while_the_database_is_away_keeps_its_true_counts(tmp_pa
     }
     np.savez(root / "team-a" / "params.npz", **arrays)
     store = AwayStore(tmp_path / "jobs.sqlite3")
-    record, _ = store.create(
-        tenant="team-a",
-        request_id="",
-        source="params.npz",
-        destination="out.npz",
-        recipe={"rules": [{"qtype": "int8"}]},
-        output_format="npz",
-        overwrite=False,
-    )
+    record, _ = records.create(store, tenant="team-a", source="params.npz", destination="out.npz")
     runner = runner_lib.JobRunner(
         store, paths=paths_lib.PathPolicy(jobs_root=str(root), multi_tenant=True)
     )

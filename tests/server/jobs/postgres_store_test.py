@@ -15,6 +15,7 @@ from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import errors
 from qmill.server.jobs import postgres_store, store
 from qmill.server.jobs.postgres_store import PostgresJobStore
+from tests.server.jobs import records
 
 INT8 = {"rules": [{"qtype": "int8"}]}
 
@@ -39,15 +40,7 @@ def connect(url):
 
 
 def _create(jobs, tenant="a", request_id=""):
-    return jobs.create(
-        tenant=tenant,
-        request_id=request_id,
-        source="/s",
-        destination="/d",
-        recipe=INT8,
-        output_format="npz",
-        overwrite=False,
-    )
+    return records.create(jobs, tenant=tenant, request_id=request_id, recipe=INT8)
 
 
 def test_records_idempotency_listing_and_a_migration_that_runs_once(connect, url):
@@ -70,16 +63,7 @@ def test_records_idempotency_listing_and_a_migration_that_runs_once(connect, url
 def test_a_language_model_request_and_its_report_are_kept(connect):
     jobs = connect()
     request = pb.LanguageModelCalibration(method="gptq", gptq_block_size=64).SerializeToString()
-    job, _ = jobs.create(
-        tenant="a",
-        request_id="",
-        source="/s",
-        destination="/d",
-        recipe=INT8,
-        output_format="",
-        overwrite=False,
-        language_model=request,
-    )
+    job, _ = records.create(jobs, recipe=INT8, output_format="", language_model=request)
     jobs.update(job.job_id, calibration_report_json='{"perplexity": null}')
     kept = connect().get(job.job_id)  # another replica reads it back
     assert kept is not None and kept.language_model == request

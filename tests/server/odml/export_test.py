@@ -13,7 +13,7 @@ import pytest
 import qmill.engine as qe
 from qmill.engine.providers import odml
 from qmill.server.odml import export as odml_export
-from tests import litert_run
+from tests import digits_data, litert_run
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers",
@@ -28,11 +28,7 @@ W8A8 = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_sc
 
 @pytest.fixture(scope="module")
 def trained():
-    data = digits.load_digits()
-    x = (data.images / 16.0).astype(np.float32)[..., None]
-    y = data.target.astype(np.int32)
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
+    x, y = digits_data.shuffled()
     model = digits.CNN()
     variables = digits._train(
         model, model.init(jax.random.key(0), x[:1]), x[:1400], y[:1400], epochs=3, lr=3e-3
