@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+import ct_bench  # bench/ is the script's directory
+
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, float]:
     """(wall s, CPU s, peak RSS MB) of a child run to completion; raises if it fails."""
@@ -56,10 +58,7 @@ def cases(args: argparse.Namespace, out: pathlib.Path) -> dict[str, tuple[list[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--folder", type=pathlib.Path, required=True)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/cp-ratio-bench"))
-    parser.add_argument("--runs", type=int, default=5)
+    parser = ct_bench.folder_parser(__doc__, "/tmp/cp-ratio-bench", runs=5)
     parser.add_argument("--recipe", default="W4A16")
     parser.add_argument("--before", type=pathlib.Path, help="a tree holding qmill/ to compare")
     parser.add_argument("--before-cache", choices=("off", "warm"), default="off")

@@ -156,11 +156,18 @@ def _run_case(
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def folder_parser(doc: str, out: str, runs: int) -> argparse.ArgumentParser:
+    """The flags of a bench over a Hugging Face folder: --folder, --out (default `out`), --runs
+    (default `runs`); `doc`: the bench's module docstring."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--folder", type=pathlib.Path, required=True)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/ct-bench-out"))
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(out))
+    parser.add_argument("--runs", type=int, default=runs)
+    return parser
+
+
+def main() -> None:
+    parser = folder_parser(__doc__, "/tmp/ct-bench-out", runs=2)
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
