@@ -5,7 +5,7 @@ Design: the client uploads the folder's weight files (Uploads: resumable, crc'd,
 sha256, so a file the server holds is not sent again) and sends config.json, the recipe and the
 token ids in the request. The server lays out the folder again under its data dir (config.json
 and links to the uploaded files) and runs the CLI's own calibration on it
-(checkpoints/lm_calibration.py), so memory is what the in-process run holds (one layer, the
+(checkpoints/lm/calibration.py), so memory is what the in-process run holds (one layer, the
 hidden states, one Hessian) and the results are its results. They stay on the server under a
 calibration id; QuantizeParams with that id (static_ranges.calibration_id) answers the
 calibrated linears with them and quantizes every other tensor as usual, so the client's

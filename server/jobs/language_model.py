@@ -1,7 +1,7 @@
 """Jobs that calibrate a Hugging Face causal-LM folder before writing it
 (SubmitJobRequest.language_model): `qmill quantize FOLDER --method gptq` run by the server.
 
-The job runs the CLI's own code: checkpoints/lm_calibration.py calibrates the decoder layers one
+The job runs the CLI's own code: checkpoints/lm/calibration.py calibrates the decoder layers one
 at a time, keeping each finished layer in `<destination>.qmill-calibration/`, then the checkpoint
 pipeline writes the output with the calibrated linears' results (`Precomputed`) and the embedded
 engine for every other tensor. That is what makes the output the in-process run's, byte for

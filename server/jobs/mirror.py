@@ -8,7 +8,7 @@ destination, under `.NAME.qmill-partial-<job id>/` (inside the tenant's prefix, 
 upload's temporary name), at most every MIRROR_SECONDS and whenever the server hands the job
 back; the runner that claims the job next downloads it before starting.
 
-The copy keeps the partial output's rule (checkpoints/staging.py): a tensor is listed in
+The copy keeps the partial output's rule (checkpoints/base/staging.py): a tensor is listed in
 tensors.jsonl only once its parts are there. Parts are uploaded first, then the log, cut after
 its last complete line. The manifest's fingerprint names the local copy of the source, whose
 path and file times differ on each replica; so the copy also records the source's files and

@@ -8,7 +8,7 @@ it runs; a job whose lease lapsed (its runner's pod was killed) is claimed again
 replica, which resumes it from its partial output.
 
 Per-tensor progress is not in the store: it lives beside the destination, in the partial output
-the job's run keeps (checkpoints/staging.py), which is what lets a job resume without redoing
+the job's run keeps (checkpoints/base/staging.py), which is what lets a job resume without redoing
 finished tensors.
 """
 

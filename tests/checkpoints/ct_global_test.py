@@ -1,6 +1,6 @@
-"""NVFP4's global scales (checkpoints/ct_global.py): the fused sets, the scale's rounding, and the
-rules that carry it through the recipe and the wire. The equality with llm-compressor's output is
-tests/interop/ct_write_test.py's."""
+"""NVFP4's global scales (checkpoints/formats/compressed_tensors/global_scales.py): the fused
+sets, the scale's rounding, and the rules that carry it through the recipe and the wire. The
+equality with llm-compressor's output is tests/interop/ct_write_test.py's."""
 
 from __future__ import annotations
 

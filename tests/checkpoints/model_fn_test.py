@@ -1,4 +1,5 @@
-"""checkpoints/model_fn.py: `--model-fn path/to/file.py:function` loads the file as a module."""
+"""checkpoints/programs/model_fn.py: `--model-fn path/to/file.py:function` loads the file as a
+module."""
 
 from __future__ import annotations
 
