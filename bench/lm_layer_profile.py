@@ -54,7 +54,9 @@ def profile_layer(cfg, weights, recipe, layer, hidden, options) -> tuple[tuple, 
     seconds = {}
     for index, stage in enumerate(forward.stages(cfg, layer)):
         t0 = time.perf_counter()
-        carries = [forward.stage_fn(cfg, layer, index)(current, c) for c in carries]
+        for i, carry in enumerate(carries):  # in place, as calibrate_layer does
+            carries[i] = forward.stage_fn(cfg, layer, index)(current, carry)
+        del carry
         jax.block_until_ready(carries)
         seconds[f"s{index}"] = time.perf_counter() - t0
         seconds[f"s{index}_mb"] = _rss_mb()
