@@ -23,6 +23,7 @@ from rich.console import Console
 from qmill import checkpoints
 from qmill.checkpoints import (
     calibration_coverage,
+    ct_activations,
     ct_writer,
     formats,
     hf_folder,
@@ -42,6 +43,7 @@ from qmill.client import (
     report_table,
     retry,
     serving,
+    static_activations,
 )
 
 if TYPE_CHECKING:
@@ -171,13 +173,16 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         recipe = recipes.with_group_size(recipe, args.group_size)
     args.format = recipes.output_format(args.recipe, args.format)
     _check_output_folder(args.output)
-    lm = _language_model(args, out)
+    static = static_activations.static_scheme(recipe, args.format)  # FP8, NVFP4: input scales
+    static_activations.check(args, static)
+    lm = _language_model(args, out) if static is None else None
     if args.dry_run:
         return _dry_run(args, recipe, out)
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
     calibrated, remote = _calibrate_language_model(args, recipe, lm)
+    inputs = static_activations.input_parts(args, recipe, static)
     if remote is not None:
         calibration = remote.quantize_kwargs()
     methods: dict[str, str] = {}  # with statistics in hand: each quantized tensor's method
@@ -197,6 +202,8 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         backend = _backend(args)
         if calibrated is not None:
             backend = lm_calibration.Precomputed(backend, calibrated)
+        if inputs:
+            backend = ct_activations.WithInputScales(backend, inputs)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.quantize_checkpoint(
                 args.source,
