@@ -7,11 +7,18 @@ and only then rounds the weights. So does this: one decoder layer's tensors are 
 and run in float on the hidden states entering it (engine/lm/activation_ranges.py), which
 carries them on to the next.
 
+The ranges are kept beside the destination (lm_calibration.work_directory, as GPTQ's work is)
+until the output is committed: an interrupted write resumes with the same input scales, and a
+rerun with other tokens is refused unless restarted.
+
 Memory: one layer's weights, the embedding and the calibration hidden states (float32).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,10 +31,12 @@ from qmill.checkpoints import (
     embedded,
     formats,
     lm_calibration,
+    lm_work,
     pipeline,
 )
 
 Range = ct_activations.Range
+RANGES = "input_ranges.json"
 
 
 def collect(
@@ -68,6 +77,39 @@ def collect(
             ranges.update(found)
             if progress is not None:
                 progress(layer, cfg.num_layers, time.monotonic() - started)
+    return ranges
+
+
+def kept_or_collect(
+    folder: str,
+    destination: str | os.PathLike,
+    recipe: Mapping[str, Any],
+    calibration_ids: np.ndarray,
+    *,
+    restart: bool = False,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> dict[str, Range]:
+    """`collect`'s ranges, kept beside `destination` by an earlier run with the same source,
+    recipe and tokens if there is one (`restart` discards it), else collected and kept.
+
+    Raises:
+      ValueError: kept work made with other arguments (pass restart), or collect's.
+    """
+    ids = np.ascontiguousarray(calibration_ids, np.int32)
+    tokens = hashlib.sha256(ids.tobytes() + str(ids.shape).encode()).hexdigest()
+    fingerprint = {
+        "input_ranges_of": os.path.abspath(folder),
+        "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
+        "tokens": tokens,
+    }
+    work = lm_work.Work(lm_calibration.work_directory(destination), fingerprint, restart)
+    kept = work.directory / RANGES
+    if kept.is_file():
+        return {name: (lo, hi) for name, (lo, hi) in json.loads(kept.read_text()).items()}
+    ranges = collect(folder, ids, progress=progress)
+    partial = kept.with_name(RANGES + ".tmp")
+    partial.write_text(json.dumps(ranges))  # floats' repr: the same numbers read back
+    os.replace(partial, kept)
     return ranges
 
 

@@ -23,7 +23,6 @@ from rich.console import Console
 from qmill import checkpoints
 from qmill.checkpoints import (
     calibration_coverage,
-    ct_activations,
     ct_writer,
     formats,
     hf_folder,
@@ -173,8 +172,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         recipe = recipes.with_group_size(recipe, args.group_size)
     args.format = recipes.output_format(args.recipe, args.format)
     _check_output_folder(args.output)
-    static = static_activations.static_scheme(recipe, args.format)  # FP8, NVFP4: input scales
-    static_activations.check(args, static)
+    static = static_activations.checked_scheme(args, recipe)  # FP8, NVFP4: input scales
     lm = _language_model(args, out) if static is None else None
     if args.dry_run:
         return _dry_run(args, recipe, out)
@@ -202,8 +200,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         backend = _backend(args)
         if calibrated is not None:
             backend = lm_calibration.Precomputed(backend, calibrated)
-        if inputs:
-            backend = ct_activations.WithInputScales(backend, inputs)
+        backend = static_activations.with_input_scales(backend, inputs)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.quantize_checkpoint(
                 args.source,
@@ -254,7 +251,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         disk_after=report.disk_bytes(args.output),  # what was written, stat'ed after commit
         calibration=lm_report,
     )
-    if calibrated is not None:
+    if calibrated is not None or inputs:
         lm_calibration.discard(args.output)  # the output holds it now
     if args.quiet:
         out.print(report.totals_line(summary), markup=False, highlight=False, soft_wrap=True)

@@ -21,27 +21,23 @@ _CALIBRATION_FLAGS = ("calibration_text", "calibration_ids")
 _LM_ONLY_FLAGS = ("method", "eval_text", "eval_ids", "max_ppl_increase")
 
 
-def static_scheme(recipe: dict[str, Any], output_format: str | None) -> ct_schemes.Scheme | None:
-    """The recipe's scheme when a compressed-tensors output takes static activation scales."""
-    if output_format != ct_schemes.FORMAT:
-        return None
-    try:
-        scheme = ct_schemes.scheme_of_recipe(recipe)
-    except ValueError:
-        return None  # the writer's checks say what is wrong
-    return scheme if scheme.static_inputs else None
-
-
-def check(args: argparse.Namespace, scheme: ct_schemes.Scheme | None) -> None:
-    """Refuses, before any work, what a static scheme cannot be written with.
+def checked_scheme(args: argparse.Namespace, recipe: dict[str, Any]) -> ct_schemes.Scheme | None:
+    """The recipe's scheme when a compressed-tensors output takes static activation scales
+    (None otherwise), once what it cannot be written with is refused, before any work.
 
     Raises:
       ValueError: no calibration data, a server (the ranges are found in this process), or a
         --method run's flags (GPTQ takes neither FP8's one scale per weight nor NVFP4's global
         scale yet).
     """
-    if scheme is None:
-        return
+    if args.format != ct_schemes.FORMAT:
+        return None
+    try:
+        scheme = ct_schemes.scheme_of_recipe(recipe)
+    except ValueError:
+        return None  # the writer's checks say what is wrong
+    if not scheme.static_inputs:
+        return None
     if all(getattr(args, f, None) is None for f in _CALIBRATION_FLAGS):
         raise ValueError(ct_activations.needs_calibration(scheme))
     if args.server:
@@ -56,11 +52,12 @@ def check(args: argparse.Namespace, scheme: ct_schemes.Scheme | None) -> None:
             f"llm-compressor's QuantizationModifier): drop {flag}; qmill's GPTQ takes neither "
             "FP8's one scale per weight nor NVFP4's global scale yet"
         )
+    return scheme
 
 
-def _ranges(args: argparse.Namespace) -> dict[str, ct_activations.Range]:
+def _ranges(args: argparse.Namespace, recipe: dict[str, Any]) -> dict[str, ct_activations.Range]:
     """Each linear's input range on the calibration tokens, the float model run layer by
-    layer, with a progress line per layer."""
+    layer, with a progress line per layer (or as an interrupted run kept them)."""
     from qmill.checkpoints import lm_activations  # lazy: the engine (jax)
 
     ids = calibrated_lm.request(args).calibration_ids
@@ -73,7 +70,9 @@ def _ranges(args: argparse.Namespace) -> dict[str, ct_activations.Range]:
                 flush=True,
             )
 
-    return lm_activations.collect(args.source, ids, progress=progress)
+    return lm_activations.kept_or_collect(
+        args.source, args.output, recipe, ids, restart=args.restart, progress=progress
+    )
 
 
 def input_parts(
@@ -89,4 +88,9 @@ def input_parts(
     formats.check_destination(
         args.source, args.output, overwrite=args.overwrite, output_format=args.format
     )
-    return lm_activations.input_parts(args.source, recipe, scheme, _ranges(args))
+    return lm_activations.input_parts(args.source, recipe, scheme, _ranges(args, recipe))
+
+
+def with_input_scales(backend: Any, parts: dict[str, dict[str, Any]] | None) -> Any:
+    """`backend`, its results carrying their input scales when there are any."""
+    return ct_activations.WithInputScales(backend, parts) if parts else backend

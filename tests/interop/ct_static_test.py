@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import pytest
 
-from qmill.checkpoints import ct_activations, embedded, lm_calibration, pipeline
+from qmill.checkpoints import ct_activations, embedded, lm_activations, lm_calibration, pipeline
 from qmill.cli import main as cli
 from qmill.client import recipes
 from tests.interop.conftest import quantization_config, same_bits, tensors
@@ -160,3 +160,22 @@ def test_without_calibration_data_a_static_scheme_is_refused(tmp_path, llama, id
         )
     assert not (tmp_path / "y").exists()  # nothing committed (the kept tensors wait for a rerun)
     assert not lm_calibration.work_directory(tmp_path / "x").exists()
+
+
+def test_a_rerun_takes_the_kept_ranges_and_refuses_other_tokens(tmp_path, llama, ids, capsys):
+    import ml_dtypes
+
+    out = tmp_path / "out"
+    # As a run killed while writing leaves them: the ranges kept beside the output.
+    kept = lm_activations.kept_or_collect(str(llama), out, recipes.load("FP8"), np.load(ids))
+    other = tmp_path / "other.npy"
+    np.save(other, np.load(ids)[:2])
+    args = ["quantize", str(llama), "-o", str(out), "--recipe", "FP8", "--calibration-ids"]
+    assert cli.main([*args, str(other)]) == 1
+    assert "pass --restart" in capsys.readouterr().err and not out.exists()
+    assert cli.main([*args, str(ids)]) == 0
+    assert "activation ranges" not in capsys.readouterr().err  # taken, not run again
+    assert not lm_calibration.work_directory(out).exists()  # the output holds them now
+    down = "model.layers.1.mlp.down_proj.weight"
+    expected = ct_activations.fp8_input_scale(kept[down], ml_dtypes.bfloat16)
+    assert tensors(out)[down.replace("weight", "input_scale")].item() == float(expected[0])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qmill.checkpoints import ct_schemes, embedded, formats, pipeline, staging
+from qmill.checkpoints.errors import QmillError
 from qmill.client import client as client_lib
 from qmill.client import fanout, recipes
 from tests.interop.conftest import (
@@ -227,6 +228,11 @@ def test_as_a_server_job(tmp_path, llama, peer, server):
         final = list(client.jobs.watch(job.job_id))[-1]
     assert final.job.state == pb.JOB_STATE_SUCCEEDED, final
     assert_same_checkpoint(tmp_path / "job", peer(llama, "W4A16", LLAMA_IGNORE))
+    # A job does not calibrate: a static-activation scheme is refused when submitted.
+    with client_lib.Client(server.address) as client, pytest.raises(QmillError) as refused:
+        client.jobs.submit(str(llama), str(tmp_path / "fp8"), "FP8", output_format=CT)
+    assert "FP8 quantizes each Linear's input" in str(refused.value)
+    assert "which a job does not do" in str(refused.value)
 
 
 class _Interrupted(Exception):
