@@ -21,7 +21,15 @@ import warnings
 import numpy as np
 import pytest
 
-from qmill.checkpoints import ct_activations, embedded, lm_activations, lm_calibration, pipeline
+from qmill.checkpoints import (
+    ct_activations,
+    embedded,
+    hf_folder,
+    lm_activations,
+    lm_calibration,
+    pipeline,
+)
+from qmill.checkpoints.quantization_config import describe as describe_config
 from qmill.cli import main as cli
 from qmill.client import recipes
 from tests.interop.conftest import quantization_config, same_bits, tensors
@@ -115,6 +123,10 @@ def test_static_schemes_equal_oneshot_within_the_calibration_tolerance(
     assert theirs_qc["ignore"] == ["lm_head"]  # oneshot never quantizes an Embedding
     ours_qc.pop("ignore"), theirs_qc.pop("ignore")
     assert ours_qc == theirs_qc
+    # Read back (qmill inspect), either folder says its scheme by the preset's name.
+    for folder in (out, theirs_folder):
+        shown = describe_config(hf_folder.read_config(folder))
+        assert f"scheme {scheme.upper()}, format" in shown, shown
     # transformers runs it (quantizing each input with its static scale): as far from the float
     # model as the peer's is. (Not equal: a scale an ulp apart rounds many activations apart.)
     ids_t = torch.tensor([[1, 5, 9, 200, 33, 7, 411]])
