@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,9 @@ from qmill.engine.modelfree import layout
 from qmill.engine.modelfree import leaf as leaf_lib
 
 Hidden = tuple[jax.Array, ...]
+# Called with each stage's linears (full names) and their common input, chunk by chunk, before
+# they are quantized (activation_ranges.py collects static activation ranges this way).
+Observer = Callable[[tuple[str, ...], Sequence[jax.Array]], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,7 @@ def calibrate_layer(
     hidden: Hidden,
     plans: Mapping[str, layout.LeafPlan],
     options: gptq_core.GptqOptions,
+    observe: Observer | None = None,
 ) -> LayerCalibration:
     """GPTQs the linears of decoder layer `layer` that `plans` quantizes, in the sequential
     scheme (module docstring), on the hidden states entering it.
@@ -118,6 +122,7 @@ def calibrate_layer(
       plans: relative name → LeafPlan (the recipe's), for every linear to quantize; linears not
         in it stay in float.
       options: GPTQ's.
+      observe: given, sees each stage's input (Observer).
 
     Raises:
       ValueError: a plan GPTQ cannot follow (no single contracted axis, a group size that does
@@ -142,6 +147,8 @@ def calibrate_layer(
                 x = carries[i]["x"]
                 h = _add_hessian(_zeros(x) if h is None else h, x)
         del carry
+        if observe is not None and stage.linears:
+            observe(tuple(prefix + n for n in stage.linears), [c["x"] for c in carries])
         if not targets:
             continue
         done = contrib_leaf.gptq_static_leaves(
