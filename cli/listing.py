@@ -10,8 +10,8 @@ from rich.console import Console
 
 from qmill import checkpoints
 from qmill.checkpoints.base import dtypes as checkpoint_dtypes
+from qmill.checkpoints.formats import config_summary
 from qmill.checkpoints.formats.hf_folder import folder as hf_folder
-from qmill.checkpoints.formats.hf_folder import quantization_config
 from qmill.cli import report_table
 
 
@@ -81,5 +81,5 @@ def _folder_lines(source: hf_folder.HfFolderSource) -> list[str]:
             + ", ".join(str(p) for p in left_out)
         )
     if source.has_config:  # else the tensors' names say it (the last line of inspect)
-        lines.append(quantization_config.describe(config))
+        lines.append(config_summary.describe(config))
     return lines

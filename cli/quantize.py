@@ -23,7 +23,7 @@ from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.run import calibration_coverage, pipeline
 from qmill.checkpoints.run import plan as plan_lib
-from qmill.cli import calibrated_lm, connect, lm_server, report, serving
+from qmill.cli import calibrated_lm, connect, lm_server, report, serving, static_activations
 from qmill.client import credentials, recipes, retry
 
 
@@ -33,41 +33,25 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         recipe = recipes.with_group_size(recipe, args.group_size)
     args.format = recipes.output_format(args.recipe, args.format)
     _check_output_folder(args.output)
-    lm = _language_model(args, out)
-    if args.dry_run:
-        return _dry_run(args, recipe, out)
+    if args.dry_run and args.report_json:
+        raise ValueError("--dry-run writes nothing; drop --report-json")
     started = time.monotonic()
-    calibration = _calibration_kwargs(args)
-    if not args.server:
-        from qmill.checkpoints.run import embedded  # lazy: the engine (jax)
-
-        # The plan reads the recipe with the engine: imported first as this process imports it
-        # to quantize (embedded.load_engine: the collector paused, what it made frozen).
-        embedded.load_engine(freeze=True)
-    planned = plan_lib.make(
-        args.source,
-        args.output,
-        recipe,
-        args.format,
-        overwrite=args.overwrite,
-        # A run on a server leaves each tensor's fate to it: no engine (jax) imported here.
-        engine=not args.server,
-    )
+    calibration = {} if args.dry_run else _calibration_kwargs(args)
+    planned = _plan(args, recipe)
+    static = static_activations.checked_scheme(args, planned.scheme)  # FP8, NVFP4: input scales
+    lm = _language_model(args, out) if static is None else None
+    if args.dry_run:
+        summary = report.Summary(planned.rows(), 0.0, str(args.source), str(args.output), recipe)
+        out.print(report.render(summary, args.table, plan=True))
+        return 0
     methods = _methods(args, planned, calibration)
     calibrated, remote = _calibrate_language_model(args, recipe, lm)
+    inputs = static_activations.input_parts(args, recipe, planned, static)
     if remote is not None:
         calibration = remote.quantize_kwargs()
-    rows = _run(args, planned, calibration, calibrated, err)
+    rows = _run(args, planned, calibration, calibrated, inputs, err)
     seconds = time.monotonic() - started
-    if methods:
-        rows = [dataclasses.replace(r, method=methods.get(r.path, "")) for r in rows]
-    lm_report, gptqd = None, None
-    if calibrated is not None:
-        lm_report, gptqd = calibrated_lm.report_fields(lm, calibrated), calibrated.methods
-    elif remote is not None:
-        lm_report, gptqd = remote.report, remote.tensors
-    if gptqd is not None:
-        rows = [dataclasses.replace(r, method=calibrated_lm.method_of(r, gptqd)) for r in rows]
+    rows, lm_report = _with_methods(rows, methods, lm, calibrated, remote)
     summary = report.Summary(
         rows,
         seconds,
@@ -78,22 +62,48 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         disk_after=report.disk_bytes(args.output),  # what was written, stat'ed after commit
         calibration=lm_report,
     )
-    if calibrated is not None:
+    if calibrated is not None or inputs:
         lm_calibration.discard(args.output)  # the output holds it now
     _print(args, summary, out)
     return 0
 
 
-def _dry_run(args: argparse.Namespace, recipe: dict[str, Any], out: Console) -> int:
-    """--dry-run: the plan, each tensor's predicted bytes after included; nothing written."""
-    if args.report_json:
-        raise ValueError("--dry-run writes nothing; drop --report-json")
-    planned = plan_lib.make(
-        args.source, args.output, recipe, args.format, overwrite=args.overwrite, dry_run=True
+def _plan(args: argparse.Namespace, recipe: dict[str, Any]) -> plan_lib.Plan:
+    """The run's plan (for --dry-run, with each tensor's bytes after predicted). A run on a
+    server writing qmill's layout leaves each tensor's fate to it: no engine (jax) here."""
+    engine = not args.server or args.dry_run
+    if engine or args.format == formats.COMPRESSED_TENSORS:
+        from qmill.checkpoints.run import embedded  # lazy: the engine (jax)
+
+        # The plan reads the recipe with the engine: imported first as this process imports it
+        # to quantize (embedded.load_engine: the collector paused, what it made frozen).
+        embedded.load_engine(freeze=True)
+    return plan_lib.make(
+        args.source,
+        args.output,
+        recipe,
+        args.format,
+        overwrite=args.overwrite,
+        engine=engine,
+        dry_run=args.dry_run,
     )
-    summary = report.Summary(planned.rows(), 0.0, str(args.source), str(args.output), recipe)
-    out.print(report.render(summary, args.table, plan=True))
-    return 0
+
+
+def _with_methods(
+    rows: list[pipeline.ReportRow], methods: dict[str, str], lm: Any, calibrated: Any, remote: Any
+) -> tuple[list[pipeline.ReportRow], dict[str, Any] | None]:
+    """The rows with the method that quantized each tensor (--calibration's, or a language
+    model's GPTQ), and the language model's calibration report (None without one)."""
+    if methods:
+        rows = [dataclasses.replace(r, method=methods.get(r.path, "")) for r in rows]
+    lm_report, gptqd = None, None
+    if calibrated is not None:
+        lm_report, gptqd = calibrated_lm.report_fields(lm, calibrated), calibrated.methods
+    elif remote is not None:
+        lm_report, gptqd = remote.report, remote.tensors
+    if gptqd is not None:
+        rows = [dataclasses.replace(r, method=calibrated_lm.method_of(r, gptqd)) for r in rows]
+    return rows, lm_report
 
 
 def _run(
@@ -101,6 +111,7 @@ def _run(
     planned: plan_lib.Plan,
     calibration: dict[str, Any],
     calibrated: Any,
+    inputs: dict[str, dict[str, Any]] | None,
     err: Console,
 ) -> list[pipeline.ReportRow]:
     """Runs the plan, retried (resuming) while a server is unavailable; the report's rows."""
@@ -110,6 +121,7 @@ def _run(
         backend = _backend(args)
         if calibrated is not None:
             backend = lm_calibration.Precomputed(backend, calibrated)
+        backend = static_activations.with_input_scales(backend, inputs)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.run(
                 planned,

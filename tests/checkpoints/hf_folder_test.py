@@ -12,9 +12,9 @@ import pytest
 import safetensors.numpy
 
 from qmill.checkpoints.base import staging
+from qmill.checkpoints.formats import config_summary
 from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.formats.hf_folder import folder as hf_folder
-from qmill.checkpoints.formats.hf_folder import quantization_config
 from qmill.checkpoints.run import embedded, pipeline
 from tests.checkpoints import llama
 
@@ -91,7 +91,7 @@ def test_a_folder_comes_out_as_the_same_folder(tmp_path, sharded):
     assert weights_cfg["num_bits"] == 4 and weights_cfg["type"] == "int"
     assert weights_cfg["strategy"] == "group" and weights_cfg["group_size"] == 16
     # `qmill inspect` says it in words, not in the schema's (not "int4 group group_size 16").
-    assert quantization_config.describe(config) == (
+    assert config_summary.describe(config) == (
         "quantized (qmill): int4 in groups of 16 (per channel where that does not divide) on re:.*"
     )
     assert qc["qmill"]["recipe"]["convention"] == "torch"
