@@ -232,16 +232,24 @@ def calibrate(
                 progress(LayerProgress(layer, cfg.num_layers, loss, seconds, eta))
             # done.hidden is the next layer's input: held here, it would outlive take_hidden.
             del done, tensors
-        perplexity = None
-        if streams.source is not None:
-            quantized_outer = plans.outer_as_quantized(cfg, outer)
-            perplexity = {
-                "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
-                "quantized": sequential.perplexity(
-                    cfg, quantized_outer, streams.quantized, streams.eval_ids
-                ),
-            }
+        perplexity = _perplexity(cfg, plans, outer, streams)
     return LmOutcome(work.directory, work.methods(), work.layers(), perplexity)
+
+
+def _perplexity(cfg: Any, plans: _Plans, outer: Any, streams: Any) -> dict[str, float] | None:
+    """The source's and the quantized model's perplexity on the evaluation tokens (None
+    without them), from the streams the layers were run on."""
+    from qmill.engine.lm import sequential
+
+    if streams.source is None:
+        return None
+    quantized_outer = plans.outer_as_quantized(cfg, outer)
+    return {
+        "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
+        "quantized": sequential.perplexity(
+            cfg, quantized_outer, streams.quantized, streams.eval_ids
+        ),
+    }
 
 
 def _free_large_blocks_at_once() -> None:
