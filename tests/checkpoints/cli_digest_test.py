@@ -11,8 +11,8 @@ table are hashed too.
 The expected digests (cli_digests.json) are these runs' with the code of main at e87703b, before
 issue 35's refactor (this file's __main__ at f6ea68d, whose imports name main's modules; now:
 `python -m tests.checkpoints.cli_digest_test > tests/checkpoints/cli_digests.json`). Regenerate
-them only for a deliberate change of an output, never to make this pass. Quantized codes and scales are exact on every x86-64 CPU
-(docs/numerics-spec.md), so the digests are too.
+them only for a deliberate change of an output, never to make this pass. Quantized codes and
+scales are exact on every x86-64 CPU (docs/numerics-spec.md), so the digests are too.
 """
 
 from __future__ import annotations
