@@ -18,6 +18,8 @@ import numpy as np
 
 _META = "meta.json"
 _STATE = "state.npz"
+# Key prefix of the folded float tensors in a layer's npz (beside NAME/qvalue, NAME/scale).
+_FOLDED = "folded/"
 
 
 @dataclasses.dataclass
@@ -83,11 +85,13 @@ class Work:
             arrays[f"{name}/scale"] = _storable(result.scale)
             if result.zero_point is not None:
                 arrays[f"{name}/zero_point"] = _storable(result.zero_point)
+        for name, array in done.folded.items():  # AWQ / SmoothQuant's folded norms and biases
+            arrays[f"{_FOLDED}{name}"] = _storable(array)
         _save_npz_atomic(self.directory / f"layer-{layer:05d}.npz", arrays)
         line = {
             "layer": layer,
             "seconds": round(seconds, 3),
-            "loss": sum(done.losses.values()),
+            "loss": layer_loss(done),
             "losses": done.losses,
             "tensors": {
                 name: {
@@ -102,6 +106,10 @@ class Work:
                 for name, r in done.results.items()
             },
         }
+        if done.folded or done.methods or done.smoothing:  # lines of a GPTQ run stay as they were
+            line["folded"] = {name: np.dtype(a.dtype).name for name, a in done.folded.items()}
+            line["methods"] = done.methods
+            line["smoothing"] = done.smoothing
         with open(self.directory / "layers.jsonl", "a") as log:
             log.write(json.dumps(line) + "\n")
             log.flush()
@@ -115,11 +123,16 @@ class Work:
         _save_npz_atomic(self.directory / _STATE, state)
 
     def layers(self) -> list[dict[str, Any]]:
-        keep = ("layer", "loss", "seconds", "losses")
-        return [{k: e[k] for k in keep} for _, e in sorted(_log(self.directory).items())]
+        keep = ("layer", "loss", "seconds", "losses", "smoothing")
+        return [{k: e[k] for k in keep if k in e} for _, e in sorted(_log(self.directory).items())]
 
     def methods(self) -> dict[str, str]:
-        return {name: "gptq" for e in _log(self.directory).values() for name in e["tensors"]}
+        """Calibrated tensor → its method ("gptq", "awq", "smoothquant+gptq", "rtn", ...)."""
+        return {
+            name: e.get("methods", {}).get(name, "gptq")
+            for e in _log(self.directory).values()
+            for name in e["tensors"]
+        }
 
 
 def _log(directory: pathlib.Path) -> dict[int, dict[str, Any]]:
@@ -141,6 +154,32 @@ def results_of(directory: pathlib.Path) -> Iterator[tuple[str, Callable[[], Any]
     for layer, entry in _log(directory).items():
         for name, info in entry["tensors"].items():
             yield name, _loader(directory / f"layer-{layer:05d}.npz", name, info)
+
+
+def layer_loss(done: Any) -> float:
+    """A layer's number for its log and progress lines: GPTQ's loss summed over its linears, or
+    without GPTQ the block-output errors AWQ reached (0 for SmoothQuant alone)."""
+    if done.losses:
+        return float(sum(done.losses.values()))
+    return float(sum(fold.get("error", 0.0) for fold in done.smoothing))
+
+
+def folded_of(directory: pathlib.Path) -> dict[str, Callable[[], np.ndarray]]:
+    """Tensor name → a loader of the float tensor a fold changed (a norm, a bias; in its own
+    dtype), which the output holds in place of the source's."""
+    out = {}
+    for layer, entry in _log(directory).items():
+        for name, dtype in entry.get("folded", {}).items():
+            out[name] = _folded_loader(directory / f"layer-{layer:05d}.npz", name, dtype)
+    return out
+
+
+def _folded_loader(path: pathlib.Path, name: str, dtype: str) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        with np.load(path) as stored:
+            return _restore(stored[_FOLDED + name], dtype)
+
+    return load
 
 
 def _storable(a: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import os
 import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -72,6 +72,7 @@ def quantize_checkpoint(
     mapped_reads: bool = False,
     in_place: bool = True,
     on_resume: Callable[[int, int], None] | None = None,
+    replaced: Mapping[str, Callable[[], np.ndarray]] | None = None,
 ) -> list[ReportRow]:
     """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
 
@@ -95,6 +96,10 @@ def quantize_checkpoint(
     (SafetensorsSource.mapped) instead of copies, for a backend that only sends the bytes on (a
     server); the engine in this process wants buffers of its own.
 
+    `replaced`: tensor name → a loader of the array read in place of the source's (same dtype
+    and shape): the norms and biases a language model's AWQ / SmoothQuant folded its scales
+    into (lm_calibration.py). They are part of the partial output's fingerprint.
+
     Raises:
         FileExistsError: `destination` exists and `overwrite` is False.
         staging.FingerprintMismatch: a partial output made with another recipe, source or
@@ -109,14 +114,16 @@ def quantize_checkpoint(
         if mapped_reads and hasattr(checkpoint, "mapped"):
             checkpoint.mapped = True  # a safetensors source maps its tensors instead of reading
         _check_sizes(checkpoint.entries(), max_tensor_bytes)
+        # What the tensors are read from; the writer still takes the source's own layout.
+        reads = ReplacedSource(checkpoint, replaced) if replaced else checkpoint
         fingerprint = _fingerprint(
-            source_path, checkpoint, checkpoint.entries(), dest, recipe, output_format
+            source_path, reads, checkpoint.entries(), dest, recipe, output_format
         )
         recipe, fmt = fingerprint["recipe"], fingerprint["format"]
         formats.check_output(fmt, checkpoint, recipe)
         # The tensors as the engine quantizes them (compressed-tensors FP8_BLOCK: ragged
         # blocks padded, ct_blocks); the writer works from the source as it is.
-        source = formats.engine_view(fmt, checkpoint, recipe)
+        source = formats.engine_view(fmt, reads, recipe)
         entries = source.entries()
         # A full disk or read-only output says what failed and what is kept for resuming.
         opened: list[staging.PartialOutput] = []
@@ -340,6 +347,51 @@ class _InOrder:
         return self._partial.load(path) if done["parts"] else {}
 
 
+class ReplacedSource:
+    """`source` with some tensors read from loaders instead (same dtype and shape)."""
+
+    def __init__(
+        self, source: protocols.TensorSource, loaders: Mapping[str, Callable[[], np.ndarray]]
+    ) -> None:
+        self._source = source
+        self._loaders = dict(loaders)
+        self._entries = {e.path: e for e in source.entries()}
+        unknown = sorted(set(self._loaders) - set(self._entries))
+        if unknown:
+            raise ValueError(f"replaced tensors not in the source: {', '.join(unknown[:3])}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    def entries(self) -> list[protocols.TensorEntry]:
+        return self._source.entries()
+
+    def read(self, path: str) -> np.ndarray:
+        load = self._loaders.get(path)
+        if load is None:
+            return self._source.read(path)
+        array, entry = np.asarray(load()), self._entries[path]
+        if array.dtype != entry.dtype or tuple(array.shape) != entry.shape:
+            raise ValueError(
+                f"{path}: its replacement is {array.dtype}{list(array.shape)}, the source's "
+                f"{entry.dtype}{list(entry.shape)}"
+            )
+        return array
+
+    def digest(self) -> str:
+        """sha256 of the replaced tensors' names and bytes."""
+        h = hashlib.sha256()
+        for path in sorted(self._loaders):
+            h.update(path.encode() + b"\0" + np.ascontiguousarray(self.read(path)).tobytes())
+        return h.hexdigest()
+
+    def __enter__(self) -> ReplacedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def _check_sizes(entries: list[protocols.TensorEntry], max_tensor_bytes: int | None) -> None:
     largest = max(entries, key=lambda e: e.nbytes, default=None)
     if max_tensor_bytes is not None and largest is not None and largest.nbytes > max_tensor_bytes:
@@ -381,12 +433,15 @@ def _fingerprint(
 ) -> dict[str, Any]:
     fmt = output_format or formats.format_for_destination(dest, source.format)
     recipe = with_default_convention(recipe, source.format)
-    return {
+    out = {
         # NVFP4 in compressed-tensors: each tensor's global scale goes into the recipe first.
         "recipe": formats.prepare_recipe(fmt, source, recipe),
         "format": fmt,
         "source": _source_fingerprint(source_path, source.format, entries),
     }
+    if isinstance(source, ReplacedSource):
+        out["replaced"] = source.digest()
+    return out
 
 
 def _source_fingerprint(

@@ -209,6 +209,8 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
                 restart=restart,
                 # The tensors only go out on the wire: read-only views of the file will do.
                 mapped_reads=bool(args.server),
+                # AWQ / SmoothQuant's folded norms and biases, in place of the source's.
+                replaced=(calibrated or remote).folded if (calibrated or remote) else None,
                 on_resume=lambda done, total: print(
                     f"qmill: resumed: {done} of {total} tensors already written "
                     f"(in {args.output}{staging.PARTIAL_SUFFIX}; --restart starts over)",
@@ -234,7 +236,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
     if calibrated is not None:
         lm_report, gptqd = calibrated_lm.report_fields(lm, calibrated), calibrated.methods
     elif remote is not None:
-        lm_report, gptqd = remote.report, remote.tensors
+        lm_report, gptqd = remote.report, remote.methods
     if gptqd is not None:
         rows = [dataclasses.replace(r, method=calibrated_lm.method_of(r, gptqd)) for r in rows]
     summary = report.Summary(

@@ -47,6 +47,13 @@ class LayerCalibration:
     weights: dict[str, jax.Array]
     # The quantized layer's output: the next layer's input.
     hidden: Hidden
+    # Float tensors besides the quantized linears that the calibration changed (full names, their
+    # own dtype): the norms and biases AWQ / SmoothQuant fold their scales into (smoothing.py).
+    folded: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Full tensor name → its method where not GPTQ alone ("awq", "smoothquant+gptq", "rtn", ...).
+    methods: dict[str, str] = dataclasses.field(default_factory=dict)
+    # One entry per fold applied (smoothing.py): its scale's ratio and output errors, or strength.
+    smoothing: list[dict] = dataclasses.field(default_factory=list)
 
 
 def split(samples: np.ndarray | jax.Array, chunk: int) -> tuple[jax.Array, ...]:
