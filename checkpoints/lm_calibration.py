@@ -103,6 +103,8 @@ class LmOutcome:
     # Tensor name → a loader of a float tensor AWQ / SmoothQuant changed (a norm, a bias), which
     # the output holds in place of the source's (pipeline.quantize_checkpoint's `replaced`).
     folded: dict[str, Callable[[], np.ndarray]] = dataclasses.field(default_factory=dict)
+    # The request's method (METHODS).
+    method: str = "gptq"
 
 
 def work_directory(destination: str | os.PathLike) -> pathlib.Path:
@@ -265,8 +267,9 @@ def calibrate(
                     cfg, quantized_outer, streams.quantized, streams.eval_ids
                 ),
             }
+    folded = lm_work.folded_of(work.directory)
     return LmOutcome(
-        work.directory, work.methods(), work.layers(), perplexity, lm_work.folded_of(work.directory)
+        work.directory, work.methods(), work.layers(), perplexity, folded, request.method
     )
 
 

@@ -218,7 +218,7 @@ def test_bad_requests_are_invalid_argument_at_submit(make_server, llama, ids, tm
         (llama, _message(ids, calibration_ids=_inline(np.zeros((2, 8), np.int64))),
          "INVALID_ARGUMENT", "must be DTYPE_INT32"),
         (llama, _message(ids, calibration_ids=crc), "DATA_LOSS", "crc32c"),
-        (llama, _message(ids, method="awq"), "INVALID_ARGUMENT", "not one of: gptq"),
+        (llama, _message(ids, method="squeezellm"), "INVALID_ARGUMENT", "not one of: gptq, awq"),
         (llama, _message(ids, gptq_actorder="dynamic"), "INVALID_ARGUMENT", "static or none"),
         (tmp_path / "missing", _message(ids), "INVALID_ARGUMENT", "does not exist"),
     ]  # fmt: skip
@@ -365,13 +365,13 @@ def test_the_async_client_calibrates_and_refuses_as_the_client_does(make_server,
         good = _lm_request(client, llama, _message(ids))
     bad = pb.CalibrateLanguageModelRequest()
     bad.CopyFrom(good)
-    bad.calibration.method = "awq"
+    bad.calibration.method = "squeezellm"
 
     async def run() -> pb.CalibrateLanguageModelSummary:
         async with AsyncClient(server.address, timeout=60) as client:
             with pytest.raises(errors.QmillError, match="INVALID_ARGUMENT") as raised:
                 await client.calibrate_language_model(bad)
-            assert "not one of: gptq" in raised.value.details
+            assert "not one of: gptq, awq" in raised.value.details
             layers: list[int] = []
             summary = await client.calibrate_language_model(
                 good, on_progress=lambda p: layers.append(p.layer)
