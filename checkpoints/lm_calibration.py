@@ -1,11 +1,14 @@
-"""GPTQ for a Hugging Face causal-LM folder, layer by layer, resumable, with its perplexity.
+"""A Hugging Face causal-LM folder calibrated layer by layer (GPTQ, AWQ, SmoothQuant:
+lm_methods.py), resumable, with its perplexity.
 
 The side effects around engine/lm/sequential.py: reading one decoder layer's tensors at a time
 from the folder's safetensors, keeping each finished layer on disk beside the destination
 (`<destination>.qmill-calibration/`) so a killed run resumes at the last finished layer, and
-reporting progress. What it produces is one LeafResult per calibrated linear; the checkpoint
-pipeline then writes the output from them (`Precomputed`), every other tensor as the recipe
-says, so the output is the same folder as a round-to-nearest run's, in any format.
+reporting progress. What it produces is one LeafResult per calibrated linear (and, for AWQ and
+SmoothQuant, the norms and biases their folds changed); the checkpoint pipeline then writes the
+output from them (`Precomputed`, and the folded tensors in place of the source's), every other
+tensor as the recipe says, so the output is the same folder as a round-to-nearest run's, in any
+format.
 
 Memory: one layer's weights (float32), the calibration and evaluation hidden states, one
 stage's Hessian and input: `estimate` says how much, before any work.
@@ -26,11 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import embedded, hf_folder, lm_work, outcome, safetensors_source
+from qmill.checkpoints import (
+    embedded,
+    hf_folder,
+    lm_methods,
+    lm_work,
+    outcome,
+    safetensors_source,
+)
 
 SUFFIX = ".qmill-calibration"
-# --method: GPTQ alone, or AWQ / SmoothQuant folded first, then round to nearest or GPTQ.
-METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
+METHODS = lm_methods.METHODS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +56,7 @@ class LmRequest:
     actorder: bool = True
     # Samples run through a stage at once: bounds the intermediates (B, T, intermediate).
     chunk: int = 8
-    # One of METHODS (docs/calibrated-methods.md).
+    # One of METHODS (lm_methods.py, docs/calibrated-methods.md).
     method: str = "gptq"
     # SmoothQuant's migration strength α (llm-compressor's smoothing_strength).
     smoothquant_alpha: float = 0.5
@@ -55,25 +64,7 @@ class LmRequest:
     awq_grid: int = 20
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
-        if not 0.0 <= self.smoothquant_alpha <= 1.0:
-            raise ValueError(
-                f"the SmoothQuant strength must be in [0, 1], not {self.smoothquant_alpha}"
-            )
-        if self.awq_grid < 2:
-            raise ValueError(f"the AWQ grid takes at least 2 points, not {self.awq_grid}")
-
-    @property
-    def smoothing(self) -> str | None:
-        """ "awq" or "smoothquant" when the method folds a smoothing first, else None."""
-        first = self.method.split("+")[0]
-        return None if first == "gptq" else first
-
-    @property
-    def gptq(self) -> bool:
-        """Whether the linears are GPTQ'd (else rounded to nearest after the fold)."""
-        return self.method.endswith("gptq")
+        lm_methods.check(self.method, self.smoothquant_alpha, self.awq_grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +215,9 @@ def calibrate(
     folder = pathlib.Path(folder)
     cfg = model_config(folder)
     _check_ids(cfg, request)
-    calibrate_layer = _layer_calibrator(request)
+    calibrate_layer = lm_methods.layer_calibrator(request)
+    # The served model's forward pass (the evaluation's): dynamic input quantization.
+    quantized_cfg = lm_methods.quantized_config(cfg, recipe)
     work = lm_work.Work(work_directory(destination), _fingerprint(folder, recipe, request), restart)
     with _open_weights(folder) as weights:
         entries = {e.path: tuple(e.shape) for e in weights.entries()}
@@ -248,7 +241,7 @@ def calibrate(
             if streams.source is not None:
                 streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
                 streams.quantized = sequential.run_layer(
-                    cfg, layer, done.weights, streams.quantized
+                    quantized_cfg, layer, done.weights, streams.quantized
                 )
             streams.hidden, streams.next_layer = done.hidden, layer + 1
             seconds = time.monotonic() - t0
@@ -271,40 +264,6 @@ def calibrate(
     return LmOutcome(
         work.directory, work.methods(), work.layers(), perplexity, folded, request.method
     )
-
-
-def layer_line(
-    method: str, layer: int, layers: int, loss: float, seconds: float, eta: float
-) -> str:
-    """The progress text of one finished layer ("layer 3/30: GPTQ loss 0.012, 4.1 s, ETA 110 s"):
-    GPTQ's loss, AWQ's block-output error without GPTQ, no number for SmoothQuant alone."""
-    if method.endswith("gptq"):
-        measure = f"GPTQ loss {loss:.4g}, "
-    elif method == "awq":
-        measure = f"AWQ output MSE {loss:.4g}, "
-    else:
-        measure = ""
-    return f"layer {layer + 1}/{layers}: {measure}{seconds:.1f} s, ETA {eta:.0f} s"
-
-
-def _layer_calibrator(request: LmRequest) -> Callable[..., Any]:
-    """f(cfg, layer, tensors, hidden, plans) -> sequential.LayerCalibration for the method."""
-    from qmill.engine.contrib import gptq_core
-    from qmill.engine.lm import awq, sequential, smoothing
-
-    gptq = None
-    if request.gptq:
-        gptq = gptq_core.GptqOptions(
-            blocksize=request.blocksize, percdamp=request.percdamp, actorder=request.actorder
-        )
-    if request.smoothing is None:
-        return lambda *args: sequential.calibrate_layer(*args, gptq)
-    options = smoothing.SmoothingOptions(
-        method=request.smoothing,
-        awq=awq.AwqOptions(n_grid=request.awq_grid),
-        alpha=request.smoothquant_alpha,
-    )
-    return lambda *args: smoothing.calibrate_layer(*args, options, gptq)
 
 
 def discard(destination: str | os.PathLike) -> None:
@@ -457,24 +416,13 @@ def check_request(folder: str | os.PathLike, request: LmRequest) -> Any:
 
 
 def report_fields(request: LmRequest, done: LmOutcome) -> dict[str, Any]:
-    """A calibration's report: the perplexity, each layer's GPTQ losses and the options (what
-    `--report-json` adds, and a job's calibration_report_json)."""
+    """A calibration's report: the perplexity, each layer's losses (and folds) and the options
+    (what `--report-json` adds, and a job's calibration_report_json)."""
     calibration: dict[str, Any] = {
         "method": request.method,
         "samples": int(request.calibration_ids.shape[0]),
         "seq_len": int(request.calibration_ids.shape[1]),
         "eval_windows": None if request.eval_ids is None else int(request.eval_ids.shape[0]),
     }
-    if request.gptq:
-        calibration["gptq"] = {
-            "block_size": request.blocksize,
-            "dampening": request.percdamp,
-            "actorder": "static" if request.actorder else None,
-        }
-    if request.smoothing == "awq":
-        calibration["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True}
-    elif request.smoothing == "smoothquant":
-        calibration["smoothquant"] = {"alpha": request.smoothquant_alpha}
-    if request.smoothing is not None:
-        calibration["methods"] = done.methods  # per linear: a --server client reads them here
+    calibration.update(lm_methods.report_options(request, done.methods))
     return {"perplexity": done.perplexity, "calibration": {**calibration, "layers": done.layers}}

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from qmill.checkpoints import lm_calibration
+from qmill.checkpoints import lm_calibration, lm_methods
 
 METHODS = lm_calibration.METHODS
 # How the report names each method (a calibrated linear's row), as for a --calibration run.
@@ -314,7 +314,7 @@ def gate(args: argparse.Namespace, ppl: dict[str, float] | None, kept: str) -> N
 def progress_line(method: str, p: Any) -> str:
     """One finished layer ("qmill: layer 3/30: GPTQ loss 0.012, 4.1 s, ETA 110 s"): GPTQ's loss,
     AWQ's block-output error without GPTQ, no number for SmoothQuant alone."""
-    return "qmill: " + lm_calibration.layer_line(
+    return "qmill: " + lm_methods.layer_line(
         method, p.layer, p.layers, p.loss, p.seconds, p.eta_seconds
     )
 

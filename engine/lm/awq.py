@@ -70,22 +70,31 @@ def grid(options: AwqOptions) -> list[tuple[float, bool]]:
 
 def activation_mean(xs: Sequence[jax.Array]) -> jax.Array:
     """mean |x| per input channel over every token of every chunk (float32)."""
-    total = sum(jnp.sum(jnp.abs(x.reshape(-1, x.shape[-1]).astype(_F32)), axis=0) for x in xs)
+    total = sum(_abs_sum(x) for x in xs)
     count = sum(int(np.prod(x.shape[:-1])) for x in xs)
     return total / count
 
 
+@jax.jit
+def _abs_sum(x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.abs(x.reshape(-1, x.shape[-1]).astype(_F32)), axis=0)
+
+
 def weight_mean(weights: Sequence[jax.Array], plans: Sequence[layout.LeafPlan]) -> jax.Array:
     """Per input column: the mean over every row of the weights of |W| / its group's absmax."""
-    total, rows = 0.0, 0
-    for w, plan in zip(weights, plans, strict=True):
-        w = jnp.abs(jnp.asarray(w).astype(_F32))
-        chunk = _group(plan, w.shape)
-        grouped = w.reshape(-1, chunk)
-        normed = (grouped / (grouped.max(axis=1, keepdims=True) + 1e-6)).reshape(w.shape)
-        total = total + normed.sum(axis=0)
-        rows += w.shape[0]
-    return total / rows
+    total = sum(
+        _normed_column_sum(jnp.asarray(w), _group(p, jnp.shape(w)))
+        for w, p in zip(weights, plans, strict=True)
+    )
+    return total / sum(jnp.shape(w)[0] for w in weights)
+
+
+@functools.partial(jax.jit, static_argnames="chunk")
+def _normed_column_sum(w: jax.Array, chunk: int) -> jax.Array:
+    w = jnp.abs(w.astype(_F32))
+    grouped = w.reshape(-1, chunk)
+    normed = (grouped / (grouped.max(axis=1, keepdims=True) + 1e-6)).reshape(w.shape)
+    return normed.sum(axis=0)
 
 
 def _group(plan: layout.LeafPlan, shape: tuple[int, ...]) -> int:
@@ -96,12 +105,14 @@ def _group(plan: layout.LeafPlan, shape: tuple[int, ...]) -> int:
     return shape[1] if 0 in plan.channelwise_axes else int(np.prod(shape))
 
 
-def candidate(x_mean: jax.Array, w_mean: jax.Array | None, ratio: float, duo: bool) -> jax.Array:
-    """One grid point's s (module docstring)."""
-    s = x_mean**ratio / (w_mean ** (1 - ratio) + 1e-4) if duo else x_mean**ratio
-    s = jnp.maximum(s, 1e-4)
-    s = s / jnp.sqrt(s.max() * s.min())
-    return jnp.where(jnp.isfinite(s), s, 1.0)
+def candidate(x_mean: np.ndarray, w_mean: np.ndarray | None, ratio: float, duo: bool) -> np.ndarray:
+    """One grid point's s (module docstring), float32 on the host (one entry per channel: no
+    compilation per shape for so little work)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        s = x_mean**ratio / (w_mean ** (1 - ratio) + 1e-4) if duo else x_mean**ratio
+        s = np.maximum(s, np.float32(1e-4))
+        s = s / np.sqrt(s.max() * s.min())
+    return np.where(np.isfinite(s), s, np.float32(1.0)).astype(np.float32)
 
 
 def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
@@ -123,12 +134,12 @@ def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
 def fake_quantize(
     w: jax.Array, s: jax.Array, how: qarray_parts.HowToQuantize, scale_dtype: str | None
 ) -> jax.Array:
-    """Q(W · s) / s in float32: W · s rounded to W's dtype (as the fold stores it), quantized
-    and dequantized as the plan writes it."""
+    """Q(W · s) / s in W's dtype (as llm-compressor's search has it): W · s rounded to W's dtype
+    (as the fold stores it), quantized and dequantized as the plan writes it."""
     ws = (w.astype(_F32) * s).astype(w.dtype)
     codes, scale, zero_point = qarray_parts.quantize_bytes(ws, how, scale_dtype=scale_dtype)
     deq = qarray_parts.dequantize_bytes(codes, how.qtype, scale, zero_point)
-    return deq.astype(_F32) / s
+    return (deq.astype(_F32) / s).astype(w.dtype)
 
 
 @jax.jit
@@ -179,11 +190,11 @@ def search(
     """
     quantized = [n for n in fold.balance if n in plans]
     hows = {n: _how(plans[n]) for n in quantized}
-    x_mean = folds_lib.reduce(fold, activation_mean(xs))
+    x_mean = np.asarray(folds_lib.reduce(fold, activation_mean(xs)), np.float32)
     w_mean = None
     if options.duo_scaling:
         w_mean = weight_mean([weights[n] for n in quantized], [plans[n] for n in quantized])
-        w_mean = folds_lib.reduce(fold, w_mean)
+        w_mean = np.asarray(folds_lib.reduce(fold, w_mean), np.float32)
     error = _error_fn(cfg, layer, fold, weights, xs)
     best, history = None, []
     for ratio, duo in grid(options):

@@ -105,6 +105,16 @@ class Rope:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class InputQuant:
+    """Dynamic quantization of a linear's input: a scale per token, or per group of features."""
+
+    # The codes' qtype: "int8" or "float8_e4m3fn" (symmetric, absmax, PyTorch's arithmetic).
+    qtype: str
+    # Features per scale along the last axis; None: one scale per token (all of them).
+    group: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LmConfig:
     """Everything the forward pass needs; hashable, so it is a static jit argument."""
 
@@ -163,6 +173,9 @@ class LmConfig:
     # Prefix of the decoder's tensor names ("model."; "language_model.model." for Gemma 3's
     # multimodal checkpoints).
     prefix: str = "model."
+    # Every decoder linear's input quantized and dequantized on the fly, as a serving stack runs
+    # a scheme with dynamic input activations (W8A8, FP8_DYNAMIC; activations.py); None: float.
+    input_quant: InputQuant | None = None
 
 
 def from_hf_config(config: Mapping[str, Any]) -> LmConfig:

@@ -20,6 +20,7 @@ engine/lm/forward.py; a fold returns the tensors it changed in their own dtypes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -147,32 +148,34 @@ def apply(
     Raises:
       ValueError: s of the wrong length, or not finite and positive.
     """
-    s = jnp.asarray(s, _F32)
-    width = fold.channels or jnp.shape(weights[fold.balance[0]])[-1]
-    if s.shape != (width,):
-        raise ValueError(f"{fold.name}: the scale has shape {s.shape}, not ({width},)")
-    if not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
+    host = np.asarray(s, np.float32)
+    width = fold.channels or np.shape(weights[fold.balance[0]])[-1]
+    if host.shape != (width,):
+        raise ValueError(f"{fold.name}: the scale has shape {host.shape}, not ({width},)")
+    if not np.all(np.isfinite(host) & (host > 0)):
         raise ValueError(f"{fold.name}: the scale has entries that are not finite and positive")
+    names = (*fold.balance, fold.smooth, *((fold.bias,) if fold.bias else ()))
+    return _apply(fold, {n: jnp.asarray(weights[n]) for n in names}, jnp.asarray(host))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(fold: Fold, weights: dict[str, jax.Array], s: jax.Array) -> dict[str, jax.Array]:
     full = expand(fold, s)
-    out = {name: _scaled_columns(jnp.asarray(weights[name]), full) for name in fold.balance}
-    smooth = jnp.asarray(weights[fold.smooth])
+    out = {name: _scaled_columns(weights[name], full) for name in fold.balance}
+    smooth = weights[fold.smooth]
     if fold.smooth_kind == "norm":
-        out[fold.smooth] = _cast(smooth.astype(_F32) / s, smooth.dtype)
+        out[fold.smooth] = (smooth.astype(_F32) / s).astype(smooth.dtype)
     elif fold.smooth_kind == "norm_plus_one":
-        out[fold.smooth] = _cast((1.0 + smooth.astype(_F32)) / s - 1.0, smooth.dtype)
+        out[fold.smooth] = ((1.0 + smooth.astype(_F32)) / s - 1.0).astype(smooth.dtype)
     else:
         out[fold.smooth] = _divided_rows(smooth, fold.rows, s)
         if fold.bias is not None:
-            out[fold.bias] = _divided_rows(jnp.asarray(weights[fold.bias]), fold.rows, s)
+            out[fold.bias] = _divided_rows(weights[fold.bias], fold.rows, s)
     return out
 
 
-def _cast(x: jax.Array, dtype) -> jax.Array:
-    return x.astype(dtype)
-
-
 def _scaled_columns(w: jax.Array, s: jax.Array) -> jax.Array:
-    return _cast(w.astype(_F32) * s, w.dtype)
+    return (w.astype(_F32) * s).astype(w.dtype)
 
 
 def _divided_rows(w: jax.Array, rows: tuple[int, int] | None, s: jax.Array) -> jax.Array:
@@ -182,4 +185,4 @@ def _divided_rows(w: jax.Array, rows: tuple[int, int] | None, s: jax.Array) -> j
         raise ValueError(f"rows [{start}, {stop}) do not match a scale of {s.shape[0]} entries")
     part = w[start:stop].astype(_F32)
     part = part / (s[:, None] if w.ndim == 2 else s)
-    return w.at[start:stop].set(_cast(part, w.dtype))
+    return w.at[start:stop].set(part.astype(w.dtype))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qmill.engine.lm import activations
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import rope as rope_lib
 
@@ -237,6 +238,8 @@ def _layer(cfg: config_lib.LmConfig, sliding: bool, weights, h: jax.Array) -> ja
     carry = {"h": h}
     for index in range(_STAGES):
         carry = _stage(cfg, sliding, index, weights, carry)
+        if cfg.input_quant is not None and "x" in carry:  # the next stage's linears' input
+            carry = {**carry, "x": activations.quantize_dequantize(cfg.input_quant, carry["x"])}
     return carry["h"]
 
 

@@ -20,6 +20,7 @@ input channel j over every calibration token, w_j = 2 · max over the balanced w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,18 +67,37 @@ def smoothquant_scale(
     alpha: float,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """SmoothQuant's s for `fold` from its input chunks xs (module docstring)."""
-    low = high = None
-    for x in xs:
-        x = x.reshape(-1, x.shape[-1]).astype(_F32)
-        lo, hi = x.min(axis=0), x.max(axis=0)
-        low = lo if low is None else jnp.minimum(low, lo)
-        high = hi if high is None else jnp.maximum(high, hi)
-    spread = high - low
-    column_max = [jnp.abs(jnp.asarray(weights[n]).astype(_F32)).max(axis=0) for n in fold.balance]
-    w = 2.0 * jnp.max(jnp.stack(column_max), axis=0)
-    s = jnp.where(w > 0, spread**alpha / w ** (1 - alpha), spread)
-    s = jnp.maximum(s, _SQ_MIN)
+    low, high = _min_max(xs[0])
+    for x in xs[1:]:
+        low, high = _min_max(x, low, high)
+    w = None
+    for name in fold.balance:
+        w = _column_absmax(jnp.asarray(weights[name]), w)
+    s = _sq_scale(high - low, w, alpha)
     return s, {"alpha": alpha, "scale_min": float(s.min()), "scale_max": float(s.max())}
+
+
+@jax.jit
+def _min_max(x: jax.Array, low: jax.Array | None = None, high: jax.Array | None = None):
+    """Per channel: the min and max of x over its tokens, and of the running ones."""
+    x = x.reshape(-1, x.shape[-1]).astype(_F32)
+    lo, hi = x.min(axis=0), x.max(axis=0)
+    if low is None:
+        return lo, hi
+    return jnp.minimum(low, lo), jnp.maximum(high, hi)
+
+
+@jax.jit
+def _column_absmax(w: jax.Array, running: jax.Array | None = None) -> jax.Array:
+    m = jnp.abs(w.astype(_F32)).max(axis=0)
+    return m if running is None else jnp.maximum(running, m)
+
+
+@jax.jit
+def _sq_scale(spread: jax.Array, w_max: jax.Array, alpha: float) -> jax.Array:
+    w = 2.0 * w_max
+    s = jnp.where(w > 0, spread**alpha / w ** (1 - alpha), spread)
+    return jnp.maximum(s, _SQ_MIN)
 
 
 def _stage(cfg, layer: int, index: int, weights, carry) -> dict[str, jax.Array]:
@@ -131,13 +151,19 @@ def rtn_layer(
     for name, plan in plans.items():
         result = leaf_lib.quantize_leaf(np.asarray(current[name]), plan)
         zero_point = None if result.zero_point is None else jnp.asarray(result.zero_point)
-        current[name] = qarray_parts.dequantize_bytes(
+        current[name] = _dequantize(
             jnp.asarray(result.codes()), plan.qtype, jnp.asarray(result.scale), zero_point
-        ).astype(_F32)
+        )
         results[prefix + name] = result
     return sequential.LayerCalibration(
         results, {}, current, sequential.run_layer(cfg, layer, current, hidden)
     )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize(codes, qtype: str, scale, zero_point) -> jax.Array:
+    """codes × scale (− zero point) in the scale's dtype, as the checkpoint holds them."""
+    return qarray_parts.dequantize_bytes(codes, qtype, scale, zero_point).astype(_F32)
 
 
 def calibrate_layer(

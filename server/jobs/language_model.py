@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from qmill.checkpoints import embedded, lm_calibration
+from qmill.checkpoints import embedded, lm_calibration, lm_methods
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec
 from qmill.server.jobs import urls
@@ -84,7 +84,7 @@ def calibrate(
         if not first:
             first.append(p.layer)
         kept = f" (resumed after {first[0]} kept layers)" if first[0] else ""
-        line = lm_calibration.layer_line(
+        line = lm_methods.layer_line(
             job.request.method, p.layer, p.layers, p.loss, p.seconds, p.eta_seconds
         )
         update(message=line + kept)
@@ -124,7 +124,7 @@ def summary(done: lm_calibration.LmOutcome) -> str:
             f"{_increase(ppl):+.2f} %"
         )
     losses = ", ".join(f"{entry['loss']:.4g}" for entry in done.layers)
-    if done.method.endswith("gptq"):
+    if lm_methods.uses_gptq(done.method):
         parts.append(f"GPTQ loss by layer: {losses}")
     elif done.method == "awq":
         parts.append(f"AWQ output MSE by layer: {losses}")
