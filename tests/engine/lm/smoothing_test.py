@@ -36,11 +36,14 @@ ARCHS = {
     # q/k norms (AWQ leaves input_layernorm alone there; SmoothQuant folds into it).
     "gemma3_qk_norms": dict(model_type="gemma3_text"),
 }
+# tests/lm_folder.py's Llama (GQA, tied, 3 layers), whose config.json gives this LmConfig: the
+# stages compiled here serve the interop and server tests of the same model, and theirs these.
+LLAMA = dict(SMALL, model_type="llama", num_hidden_layers=3, tie_word_embeddings=True)
 OUTLIERS = [3, 17, 40, 51]
 
 
 def _config(arch: str) -> config_lib.LmConfig:
-    return config_lib.from_hf_config({**SMALL, **ARCHS[arch]})
+    return config_lib.from_hf_config(LLAMA if arch == "llama" else {**SMALL, **ARCHS[arch]})
 
 
 def _shape(cfg: config_lib.LmConfig, name: str) -> tuple[int, ...]:
@@ -71,9 +74,11 @@ def _weights(cfg: config_lib.LmConfig, dtype=np.float32, seed: int = 0) -> dict[
 
 
 def _hidden(cfg: config_lib.LmConfig, outliers: float = 1.0, seed: int = 1) -> sequential.Hidden:
-    h = np.random.default_rng(seed).normal(0.0, 1.0, (8, 16, cfg.hidden_size)).astype(np.float32)
+    """Two chunks of 8 windows of 32 tokens: the shapes `qmill quantize` gives the interop and
+    server tests' 16 calibration windows (their compilations are these)."""
+    h = np.random.default_rng(seed).normal(0.0, 1.0, (16, 32, cfg.hidden_size)).astype(np.float32)
     h[..., OUTLIERS] *= outliers
-    return sequential.split(h, 4)
+    return sequential.split(h, 8)
 
 
 def _plans(cfg, weights, rule: dict) -> dict[str, layout.LeafPlan]:
@@ -134,7 +139,7 @@ def _rtn(weights, plans) -> dict[str, np.ndarray]:
 
 
 def test_awq_search_never_loses_to_round_to_nearest_on_its_block():
-    cfg = _config("llama_gqa_biases")
+    cfg = _config("llama")
     weights = _weights(cfg, ml_dtypes.bfloat16)
     hidden = _hidden(cfg, outliers=20.0)
     plans = _plans(cfg, weights, W4)
@@ -166,7 +171,7 @@ def test_awq_search_never_loses_to_round_to_nearest_on_its_block():
 
 
 def test_smoothquant_lowers_the_w8a8_error_of_the_linears_it_balances():
-    cfg = _config("llama_gqa_biases")
+    cfg = _config("llama")
     weights = _weights(cfg, ml_dtypes.bfloat16)
     hidden = _hidden(cfg, outliers=40.0)
     plans = _plans(cfg, weights, W8)
