@@ -178,13 +178,17 @@ def estimate(cfg: Any, entries: Mapping[str, Any], request: LmRequest) -> dict[s
         evaluation = 4 * (2 * windows * length * cfg.hidden_size)
         evaluation += min(4 * min(windows, request.chunk) * length * cfg.vocab_size, 2 << 25)
     hessian = 4 * widest * widest * 3  # H, its inverse factor, and the work copy
-    return {
+    parts = {
         "layer": 2 * layer,  # as read and in float32
         "embedding and head": outer,
         "hidden states": hidden,
         "evaluation": evaluation,
         "hessian": hessian,
     }
+    if lm_methods.smoothing(request.method) == "awq":
+        # The float block's output for every sample, which each candidate is compared with.
+        parts["awq search"] = 4 * samples * tokens * cfg.hidden_size
+    return parts
 
 
 def calibrate(
