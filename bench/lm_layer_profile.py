@@ -12,6 +12,7 @@ e.g. `OPENBLAS_NUM_THREADS=2 JAX_PLATFORMS=cpu taskset -c 0,1 python bench/lm_la
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import tempfile
@@ -33,6 +34,12 @@ from qmill.engine.lm import forward, sequential
 from qmill.engine.modelfree import layout, recipes
 
 
+def _rss_mb() -> float:
+    """The process's resident memory now, in MB (Linux: /proc/self/statm)."""
+    pages = int(pathlib.Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
 def profile_layer(cfg, weights, recipe, layer, hidden, options) -> tuple[tuple, dict]:
     prefix = config_lib.layer_prefix(cfg, layer)
     current = {
@@ -47,9 +54,12 @@ def profile_layer(cfg, weights, recipe, layer, hidden, options) -> tuple[tuple, 
     seconds = {}
     for index, stage in enumerate(forward.stages(cfg, layer)):
         t0 = time.perf_counter()
-        carries = [forward.stage_fn(cfg, layer, index)(current, c) for c in carries]
+        for i, carry in enumerate(carries):  # in place, as calibrate_layer does
+            carries[i] = forward.stage_fn(cfg, layer, index)(current, carry)
+        del carry
         jax.block_until_ready(carries)
         seconds[f"s{index}"] = time.perf_counter() - t0
+        seconds[f"s{index}_mb"] = _rss_mb()
         if not stage.linears:
             continue
         t0 = time.perf_counter()
@@ -62,6 +72,7 @@ def profile_layer(cfg, weights, recipe, layer, hidden, options) -> tuple[tuple, 
         for name, (_, deq, _) in zip(stage.linears, done, strict=True):
             current[name] = deq
         seconds[f"g{index}"] = time.perf_counter() - t0
+        seconds[f"g{index}_mb"] = _rss_mb()
     return tuple(c["h"] for c in carries), seconds
 
 
@@ -86,7 +97,9 @@ def main() -> int:
         hidden, seconds = profile_layer(
             cfg, weights, recipe, layer, hidden, gptq_core.GptqOptions()
         )
-        shown = " ".join(f"{k} {v:.2f}" for k, v in seconds.items())
+        shown = " ".join(
+            f"{k} {v:.0f}" if k.endswith("_mb") else f"{k} {v:.2f}" for k, v in seconds.items()
+        )
         print(f"layer {layer}: {time.perf_counter() - t0:.2f} s ({shown})", flush=True)
     return 0
 

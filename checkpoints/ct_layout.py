@@ -11,8 +11,13 @@ PyTorch layout) become, as compressed-tensors 0.19 writes them:
 - mxfp4- / nvfp4-pack-quantized: `M.weight_packed` uint8 (out, in / 2), fp4 codes two a byte,
   low nibble first; `M.weight_scale` uint8 E8M0 exponents (mx) or float8_e4m3fn (nv); nv adds
   `M.weight_global_scale` float32 [1], which divides the scale (ct_global).
-- int-quantized / float-quantized: `M.weight` int8 or float8_e4m3fn as it is, `M.weight_scale`
-  (out, 1) per channel or (ceil(out/128), ceil(in/128)) per block.
+- int-quantized / float-quantized: `M.weight` int8 or float8_e4m3fn as it is (codes of fewer
+  bits, W4A8's int4, one per int8), `M.weight_scale` (out, 1) per channel, (out, in/128) per
+  group, (ceil(out/128), ceil(in/128)) per block, or [1] per tensor (FP8).
+- mxfp8-quantized: `M.weight` float8_e4m3fn as it is, `M.weight_scale` uint8 E8M0 (out, in/32).
+- A static-activation scheme adds the Linear's calibrated input scale, `M.input_scale` [1] in
+  the weight's dtype (FP8) or `M.input_global_scale` float32 [1] (NVFP4): parts of those names
+  (ct_activations) stored as they are.
 
 `decompress` is the inverse, back to the engine's parts, so a compressed-tensors folder (ours or
 llm-compressor's) loads into the Qwix PTQ tree.
@@ -31,7 +36,10 @@ from qmill.checkpoints import ct_schemes, dtypes
 PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
 ZERO_POINT = "weight_zero_point"
 GLOBAL_SCALE = "weight_global_scale"
+# A Linear's calibrated input scales (static-activation schemes), stored under these names.
+INPUT_PARTS = ("input_scale", "input_global_scale")
 MXFP4 = "mxfp4-pack-quantized"
+MX_FORMATS = (MXFP4, ct_schemes.MXFP8)
 NVFP4 = ct_schemes.NVFP4
 FP4_FORMATS = (MXFP4, NVFP4)
 _WEIGHT = ".weight"
@@ -141,6 +149,18 @@ def compress(
     call: a writer that stores the words at once reuses one buffer instead of faulting in a
     fresh one per weight (the page faults cost ~20x the XOR itself)."""
     module = module_of(path)
+    inputs = {f"{module}.{k}": np.asarray(parts[k]) for k in INPUT_PARTS if k in parts}
+    return inputs | _weight(scheme, path, parts, global_scale, scratch)
+
+
+def _weight(
+    scheme: ct_schemes.Scheme,
+    path: str,
+    parts: dict[str, np.ndarray | dtypes.Packed4],
+    global_scale: float | None,
+    scratch: Callable[[int], np.ndarray] | None,
+) -> dict[str, np.ndarray]:
+    module = module_of(path)
     qvalue = parts["qvalue"]
     scale = np.asarray(parts["scale"])
     zero_point = parts.get("zero_point")
@@ -165,8 +185,15 @@ def compress(
             f"{module}.{PACKED}": codes,
             f"{module}.{SCALE}": scale,
         }
+    if scheme.format == ct_schemes.MXFP8:
+        return {f"{module}.weight": np.asarray(qvalue), f"{module}.{SCALE}": e8m0(scale)}
     if scheme.format != "pack-quantized":
-        return {f"{module}.weight": np.asarray(qvalue), f"{module}.{SCALE}": scale}
+        codes = np.asarray(qvalue)
+        if scheme.weights["type"] == "int" and codes.dtype != np.int8:
+            codes = codes.astype(np.int8)  # int2..int4 codes: one per int8, as torch holds them
+        if scheme.weights.get("strategy") == "tensor":
+            scale = scale.reshape(1)  # one per tensor: compressed-tensors' shape [1]
+        return {f"{module}.weight": codes, f"{module}.{SCALE}": scale}
     bits = scheme.num_bits
     if packed is not None and bits == 4 and cols % 8 == 0:
         flipped = scratch(packed.size) if scratch is not None else np.empty_like(packed)
@@ -193,6 +220,8 @@ def decompress(
     if scheme.format == MXFP4:
         packed = np.asarray(stored[f"{module}.{PACKED}"])
         return {"qvalue": unpack_fp4(packed), "scale": from_e8m0(scale)}
+    if scheme.format == ct_schemes.MXFP8:
+        return {"qvalue": np.asarray(stored[f"{module}.weight"]), "scale": from_e8m0(scale)}
     if scheme.format == NVFP4:
         # The value of a code is code · scale / global scale (float32), as compressed-tensors
         # decompresses it: the Qwix scale is that quotient.
@@ -200,11 +229,15 @@ def decompress(
         glob = np.asarray(stored[f"{module}.{GLOBAL_SCALE}"], np.float32).reshape(())
         return {"qvalue": unpack_fp4(packed), "scale": scale.astype(np.float32) / glob}
     if scheme.format != "pack-quantized":
-        return {"qvalue": np.asarray(stored[f"{module}.weight"]), "scale": scale}
+        codes = np.asarray(stored[f"{module}.weight"])
+        if codes.dtype == np.int8 and scheme.num_bits <= 4:
+            codes = codes.astype(ml_dtypes.int4)  # the logical type the engine stores them in
+        # The Qwix scale has the weight's rank: a per-tensor [1] is (1, 1).
+        return {"qvalue": codes, "scale": scale.reshape(1, 1) if scale.ndim == 1 else scale}
     bits = scheme.num_bits
     out_features, in_features = (int(n) for n in np.asarray(stored[f"{module}.{SHAPE}"]))
     codes = unpack_int32(stored[f"{module}.{PACKED}"], bits, in_features)
-    logical = ml_dtypes.int4 if bits == 4 else np.int8
+    logical = ml_dtypes.int4 if bits <= 4 else np.int8
     parts = {"qvalue": codes.astype(logical), "scale": scale}
     zp = stored.get(f"{module}.{ZERO_POINT}")
     if zp is not None:

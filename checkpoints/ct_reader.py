@@ -37,26 +37,36 @@ def config_of(source: Any) -> dict[str, Any] | None:
 
 
 def scheme_of_config(qc: Mapping[str, Any]) -> ct_schemes.Scheme:
-    """The scheme of a compressed-tensors config with one weight group.
+    """The scheme of a compressed-tensors config with one weight group: the one its weights,
+    format and input activations are, the group's name deciding between aliases (W8A8, INT8).
 
     Raises:
         ValueError: several groups, or a group no scheme qmill reads describes.
     """
-    groups = list((qc.get("config_groups") or {}).values())
+    groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(
             f"this compressed-tensors checkpoint has {len(groups)} config groups; qmill reads "
             "checkpoints of one scheme"
         )
-    (group,) = groups
+    ((name, group),) = groups.items()
     weights = group.get("weights") or {}
+    inputs = group.get("input_activations") or {}
     fmt = group.get("format") or qc.get("format")
+    found = []
     for scheme in ct_schemes.SCHEMES.values():
         size = weights.get("group_size")
         if scheme.grouped and isinstance(size, int) and size > 0:
             scheme = scheme.with_group_size(size)  # any group size (--group-size)
-        if scheme.format == fmt and all(weights.get(k) == scheme.weights.get(k) for k in _DECIDING):
-            return scheme
+        theirs = scheme.input_activations or {}
+        if (
+            scheme.format == fmt
+            and all(weights.get(k) == scheme.weights.get(k) for k in _DECIDING)
+            and all(inputs.get(k) == theirs.get(k) for k in (*_DECIDING, "dynamic"))
+        ):
+            found.append(scheme)
+    if found:
+        return next((s for s in found if s.name == str(name).upper()), found[0])
     shown = {k: weights.get(k) for k in _DECIDING}
     raise ValueError(
         f"qmill does not read compressed-tensors format {fmt!r} with weights {shown}; it reads "

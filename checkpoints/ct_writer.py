@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from qmill.checkpoints import (
+    ct_activations,
     ct_blocks,
     ct_global,
     ct_layout,
@@ -158,12 +159,17 @@ class _Layout:
         return array if shape is None else ct_blocks.unpad(array, shape)
 
     def check_parts(self, path: str, parts: dict[str, Any]) -> None:
-        """Refuses an AWQ / SmoothQuant result. A calibration id's method is known only on the
-        server: its first such tensor stops the run here (the pipeline asks before it keeps the
-        tensor for resuming; _compress asks again), and nothing is committed."""
+        """Refuses an AWQ / SmoothQuant result, and a static-activation scheme's result without
+        its input scale. A calibration id's method is known only on the server: its first such
+        tensor stops the run here (the pipeline asks before it keeps the tensor for resuming;
+        _compress asks again), and nothing is committed."""
         for name, method in writer_base.BESIDE_PARTS.items():
             if name in parts:
                 raise ValueError(per_channel_scale_refusal(path, method))
+        # A static-activation scheme's weight comes with its Linear's calibrated input scale.
+        needed = ct_activations.input_part(self._scheme)
+        if needed is not None and needed not in parts:
+            raise ValueError(f"{path}: {ct_activations.needs_calibration(self._scheme)}")
 
     def _compress(self, path: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.check_parts(path, parts)

@@ -55,7 +55,9 @@ class LmRequest:
     percdamp: float = 0.01
     actorder: bool = True
     # Samples run through a stage at once: bounds the intermediates (B, T, intermediate).
-    chunk: int = 8
+    # 4 is as fast as 8 or 16 on the 2-core VM (smaller score blocks stay in cache) and holds
+    # half the temporaries of 8.
+    chunk: int = 4
     # One of METHODS (lm_methods.py, docs/calibrated-methods.md).
     method: str = "gptq"
     # SmoothQuant's migration strength α (llm-compressor's smoothing_strength).
@@ -216,6 +218,7 @@ def calibrate(
     from qmill.engine.lm import sequential
 
     embedded.load_engine()
+    _free_large_blocks_at_once()
     folder = pathlib.Path(folder)
     cfg = model_config(folder)
     _check_ids(cfg, request)
@@ -230,6 +233,8 @@ def calibrate(
         outer = _outer(cfg, weights)
         plans = _Plans(recipe, entries, dtypes)
         streams = work.resume() or _start(cfg, outer, plans, request)
+        if streams.source is None:
+            outer = None  # the embedding (and head): only the evaluation needs them from here
         started = time.monotonic()
         for layer in range(streams.next_layer, cfg.num_layers):
             if check is not None:
@@ -241,7 +246,7 @@ def calibrate(
                 for n in config_lib.layer_tensor_names(cfg, layer)
             }
             linears = plans.linears(cfg, layer, prefix)
-            done = calibrate_layer(cfg, layer, tensors, streams.hidden, linears)
+            done = calibrate_layer(cfg, layer, tensors, streams.take_hidden(), linears)
             if streams.source is not None:
                 streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
                 streams.quantized = sequential.run_layer(
@@ -255,6 +260,8 @@ def calibrate(
                 eta = (time.monotonic() - started) / finished * (cfg.num_layers - layer - 1)
                 loss = lm_work.layer_loss(done)
                 progress(LayerProgress(layer, cfg.num_layers, loss, seconds, eta))
+            # done.hidden is the next layer's input: held here, it would outlive take_hidden.
+            del done, tensors
         perplexity = None
         if streams.source is not None:
             quantized_outer = plans.outer_as_quantized(cfg, outer)
@@ -268,6 +275,27 @@ def calibrate(
     return LmOutcome(
         work.directory, work.methods(), work.layers(), perplexity, folded, request.method
     )
+
+
+def _free_large_blocks_at_once() -> None:
+    """glibc: blocks of 4 MiB and more get their own mapping, unmapped when freed. By default
+    glibc raises that threshold (up to 32 MiB) each time such a block is freed, after which
+    the stages' per-chunk temporaries (5-40 MB, made and freed at every stage) are carved from
+    its heaps and stay resident, fragmented: ~200 MB more at 64 x 512 tokens
+    (bench/lm_layer_profile.py, the CLI's peak RSS). Process-wide; elsewhere a no-op."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 4 << 20)
+    except (OSError, AttributeError):  # another C library (musl has no mallopt)
+        return
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def discard(destination: str | os.PathLike) -> None:

@@ -37,7 +37,7 @@ def check(method: str, alpha: float, grid: int) -> None:
 
 
 def smoothing(method: str) -> str | None:
-    """"awq" or "smoothquant" when the method folds a smoothing first, else None."""
+    """The smoothing the method folds first ("awq" or "smoothquant"), or None."""
     first = method.split("+")[0]
     return None if first == "gptq" else first
 
@@ -70,12 +70,13 @@ def layer_calibrator(request: Any) -> Callable[..., Any]:
 
 def quantized_config(cfg: Any, recipe: Mapping[str, Any]) -> Any:
     """The LmConfig `cfg` as the quantized model runs: with a compressed-tensors scheme whose
-    input activations are dynamic (W8A8, FP8_DYNAMIC, FP8_BLOCK), each linear's input quantized
-    on the fly (engine/lm/activations.py), as vLLM and transformers run it; otherwise `cfg`.
+    input activations are dynamic (W8A8 / INT8 and the WnA8 / WnA4 family, FP8_DYNAMIC,
+    FP8_BLOCK, W4AFP8, MXFP4, MXFP8), each linear's input quantized on the fly
+    (engine/lm/activations.py), as vLLM and transformers run it; otherwise `cfg`.
 
     Raises:
-      ValueError: a scheme with static input activation scales, which the layer-by-layer
-        calibration does not find yet.
+      ValueError: a scheme with static input scales (FP8, NVFP4), which `--method` does not
+        calibrate (they are calibrated without it: client/static_activations.py).
     """
     from qmill.engine.lm import config as config_lib
 
@@ -86,12 +87,18 @@ def quantized_config(cfg: Any, recipe: Mapping[str, Any]) -> Any:
     act = scheme.input_activations
     if act is None:
         return cfg
-    if not act.get("dynamic"):
+    if scheme.static_inputs:
         raise ValueError(
-            f"{scheme.name} has static input activation scales, which calibrating a language "
-            "model does not find yet: use a scheme with dynamic ones (W8A8, FP8_DYNAMIC)"
+            f"{scheme.name}'s static input scales are calibrated without --method (weights "
+            "rounded to nearest, as llm-compressor's QuantizationModifier): drop --method"
         )
-    qtype = "int8" if act["type"] == "int" else "float8_e4m3fn"
+    bits = int(act["num_bits"])
+    if act["type"] == "int":
+        qtype = f"int{bits}"
+    elif act.get("scale_dtype") == "torch.uint8":  # MX: E8M0 scales per group of 32
+        qtype = f"mxfp{bits}"
+    else:
+        qtype = "float8_e4m3fn"
     group = act["group_size"] if act.get("strategy") == "group" else None
     return dataclasses.replace(cfg, input_quant=config_lib.InputQuant(qtype=qtype, group=group))
 

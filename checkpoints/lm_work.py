@@ -33,6 +33,12 @@ class Streams:
     quantized: tuple | None = None
     eval_ids: tuple | None = None
 
+    def take_hidden(self) -> tuple:
+        """The calibration's hidden states, no longer held here (a layer replaces them chunk
+        by chunk: holding them too would keep a second set alive)."""
+        hidden, self.hidden = self.hidden, ()
+        return hidden
+
 
 class Work:
     """The kept calibration: meta.json (what it was made with), one npz of results per finished

@@ -15,6 +15,8 @@ import re
 from importlib import metadata
 from typing import Any
 
+from qmill.checkpoints import ct_reader
+
 LAYOUT = "P/array/qvalue, P/array/scale, P/array/zero_point (P: the source tensor's own key)"
 
 
@@ -128,7 +130,11 @@ def describe(config: dict[str, Any]) -> str:
         parts.append(f"{w.get('type')}{w.get('num_bits')} {_strategy(w)} on {targets}")
     detail = "; ".join(parts) or qc.get("format", "")
     if method == "compressed-tensors":
-        # What vLLM dispatches on, and the Linear weights left in float.
-        names = ", ".join(qc.get("config_groups") or {})
+        # What vLLM dispatches on, and the Linear weights left in float; the scheme by its
+        # preset's name where qmill knows it (oneshot names its group "group_0").
+        try:
+            names = ct_reader.scheme_of_config(qc).name
+        except ValueError:
+            names = ", ".join(qc.get("config_groups") or {})
         detail += f"; scheme {names}, format {qc.get('format')}, ignore {qc.get('ignore')}"
     return f"quantized ({method}): {detail}"

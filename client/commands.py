@@ -42,6 +42,7 @@ from qmill.client import (
     report_table,
     retry,
     serving,
+    static_activations,
 )
 
 if TYPE_CHECKING:
@@ -171,13 +172,15 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         recipe = recipes.with_group_size(recipe, args.group_size)
     args.format = recipes.output_format(args.recipe, args.format)
     _check_output_folder(args.output)
-    lm = _language_model(args, out)
+    static = static_activations.checked_scheme(args, recipe)  # FP8, NVFP4: input scales
+    lm = _language_model(args, out) if static is None else None
     if args.dry_run:
         return _dry_run(args, recipe, out)
     started = time.monotonic()
     quiet = args.quiet or not err.is_terminal
     calibration = _calibration_kwargs(args)
     calibrated, remote = _calibrate_language_model(args, recipe, lm)
+    inputs = static_activations.input_parts(args, recipe, static)
     if remote is not None:
         calibration = remote.quantize_kwargs()
     methods: dict[str, str] = {}  # with statistics in hand: each quantized tensor's method
@@ -197,6 +200,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         backend = _backend(args)
         if calibrated is not None:
             backend = lm_calibration.Precomputed(backend, calibrated)
+        backend = static_activations.with_input_scales(backend, inputs)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.quantize_checkpoint(
                 args.source,
@@ -249,7 +253,7 @@ def _quantize(args: argparse.Namespace, out: Console, err: Console) -> int:
         disk_after=report.disk_bytes(args.output),  # what was written, stat'ed after commit
         calibration=lm_report,
     )
-    if calibrated is not None:
+    if calibrated is not None or inputs:
         lm_calibration.discard(args.output)  # the output holds it now
     if args.quiet:
         out.print(report.totals_line(summary), markup=False, highlight=False, soft_wrap=True)

@@ -47,10 +47,31 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def scheme_of_name(spec: Recipe) -> ct_schemes.Scheme | None:
+    """The compressed-tensors scheme a recipe name means, or None (a preset of qmill's, a file,
+    a mapping). Names are any case, but qmill's presets keep theirs: `int8` and `fp8` are
+    qmill's, `INT8` and `FP8` compressed-tensors' (W8A8's alias; static fp8).
+
+    Raises:
+      ValueError: a name both could mean in mixed case ("Fp8").
+    """
+    if not isinstance(spec, str):
+        return None
+    scheme = ct_schemes.scheme_named(spec)
+    if scheme is None or spec.lower() not in PRESETS or spec == spec.upper():
+        return scheme
+    if spec == spec.lower():
+        return None
+    raise ValueError(
+        f"recipe {spec!r} is ambiguous: {spec.lower()!r} is qmill's preset, {spec.upper()!r} "
+        "compressed-tensors' scheme"
+    )
+
+
 def output_format(spec: Recipe, output_format: str | None) -> str | None:
     """The output format a recipe implies when none is asked for: a compressed-tensors scheme's
     name (W4A16, ...) means a compressed-tensors output."""
-    if output_format is None and isinstance(spec, str) and ct_schemes.scheme_named(spec):
+    if output_format is None and scheme_of_name(spec) is not None:
         return ct_schemes.FORMAT
     return output_format
 
@@ -67,10 +88,10 @@ def load(spec: Recipe) -> dict[str, Any]:
     """
     if isinstance(spec, Mapping):
         return copy.deepcopy(dict(spec))
+    if (scheme := scheme_of_name(spec)) is not None:
+        return ct_schemes.recipe_for(scheme)
     if isinstance(spec, str) and spec.lower() in PRESETS:  # any case, as the schemes' names
         return copy.deepcopy(PRESETS[spec.lower()])
-    if isinstance(spec, str) and (scheme := ct_schemes.scheme_named(spec)) is not None:
-        return ct_schemes.recipe_for(scheme)
     path = pathlib.Path(spec)
     if not path.is_file():
         close = difflib.get_close_matches(str(spec).lower(), PRESETS, n=1, cutoff=0.6)

@@ -1,7 +1,8 @@
 """Recipe messages <-> plain mappings, the form recipe files and the engine use.
 
 The mapping is {"convention": "auto"|"flax"|"torch", "rules": [{field: value}, ...]} with the
-field names of the Rule message. Unset fields are left out, so the engine's defaults apply.
+field names of the Rule message, and "scheme" (a compressed-tensors preset's name) when set.
+Unset fields are left out, so the engine's defaults apply.
 Checking values (regexes, qtypes, tiles) is the engine's job; this module only moves them.
 """
 
@@ -45,18 +46,24 @@ def to_mapping(message: pb.Recipe) -> dict[str, Any]:
     names = {v: k for k, v in _CONVENTIONS.items()}
     if message.convention not in names:
         raise ValueError(f"unknown convention value {message.convention}")
-    return {"convention": names[message.convention], "rules": rules}
+    scheme = {"scheme": message.scheme} if message.scheme else {}
+    return {"convention": names[message.convention], "rules": rules, **scheme}
 
 
 def from_mapping(fields: Mapping[str, Any]) -> pb.Recipe:
     """Raises ValueError for unknown keys or values of the wrong type, naming them."""
-    unknown = sorted(set(fields) - {"rules", "convention"})
+    unknown = sorted(set(fields) - {"rules", "convention", "scheme"})
     if unknown:
-        raise ValueError(f"unknown recipe key(s) {unknown}; valid: ['convention', 'rules']")
+        raise ValueError(
+            f"unknown recipe key(s) {unknown}; valid: ['convention', 'rules', 'scheme']"
+        )
     convention = fields.get("convention", "auto")
     if not isinstance(convention, str) or convention not in _CONVENTIONS:
         raise ValueError(f"convention {convention!r} is not one of {sorted(_CONVENTIONS)}")
-    message = pb.Recipe(convention=_CONVENTIONS[convention])
+    scheme = fields.get("scheme") or ""
+    if not isinstance(scheme, str):
+        raise ValueError(f"scheme {scheme!r} must be a scheme's name (a string)")
+    message = pb.Recipe(convention=_CONVENTIONS[convention], scheme=scheme)
     rules = fields.get("rules") or ()
     # A TOML file says `rules = 1.5` as easily as [[rules]]: refuse it as the user's mistake.
     if not isinstance(rules, list | tuple) or not all(isinstance(r, Mapping) for r in rules):

@@ -169,7 +169,7 @@ class LmConfig:
     fused: bool = False
     # Queries per block of the attention: its scores take B * H * min(T, this) * T floats
     # (not the config.json's; a caller may replace it to trade memory for speed).
-    attention_chunk: int = 256
+    attention_chunk: int = 128
     # Prefix of the decoder's tensor names ("model."; "language_model.model." for Gemma 3's
     # multimodal checkpoints).
     prefix: str = "model."

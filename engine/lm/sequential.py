@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,9 @@ from qmill.engine.modelfree import layout
 from qmill.engine.modelfree import leaf as leaf_lib
 
 Hidden = tuple[jax.Array, ...]
+# Called with each stage's linears (full names) and their common input, chunk by chunk, before
+# they are quantized (activation_ranges.py collects static activation ranges this way).
+Observer = Callable[[tuple[str, ...], Sequence[jax.Array]], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +93,14 @@ def _add_hessian(h: jax.Array, x: jax.Array) -> jax.Array:
     return h + jnp.block(full)
 
 
+def _zeros(x: jax.Array) -> jax.Array:
+    return jnp.zeros((x.shape[-1], x.shape[-1]), jnp.float32)
+
+
 def hessian(inputs: Sequence[jax.Array]) -> jax.Array:
     """H = Σ xᵀx over every token of every chunk (GPTQ's statistic; its scale does not matter:
     the dampening is relative to its mean diagonal)."""
-    features = inputs[0].shape[-1]
-    h = jnp.zeros((features, features), jnp.float32)
+    h = _zeros(inputs[0])
     for x in inputs:
         h = _add_hessian(h, x)
     return h
@@ -111,16 +117,19 @@ def calibrate_layer(
     hidden: Hidden,
     plans: Mapping[str, layout.LeafPlan],
     options: gptq_core.GptqOptions,
+    observe: Observer | None = None,
 ) -> LayerCalibration:
     """GPTQs the linears of decoder layer `layer` that `plans` quantizes, in the sequential
     scheme (module docstring), on the hidden states entering it.
 
     Args:
       weights: the layer's tensors as read (names relative to its prefix).
-      hidden: the chunks of hidden states entering the layer.
+      hidden: the chunks of hidden states entering the layer (not kept: a caller that drops
+        its own reference lets each be freed as the layer goes).
       plans: relative name → LeafPlan (the recipe's), for every linear to quantize; linears not
         in it stay in float.
       options: GPTQ's.
+      observe: given, sees each stage's input (Observer).
 
     Raises:
       ValueError: a plan GPTQ cannot follow (no single contracted axis, a group size that does
@@ -129,14 +138,26 @@ def calibrate_layer(
     prefix = config_lib.layer_prefix(cfg, layer)
     current = _as_float(weights)
     carries = [{"h": h} for h in hidden]
+    # The carries hold the chunks now: with the caller's reference given up too (lm
+    # checkpoints' Streams.take_hidden), each is freed once the first stage has replaced it.
+    del hidden
     results: dict[str, leaf_lib.LeafResult] = {}
     losses: dict[str, float] = {}
     for index, stage in enumerate(forward.stages(cfg, layer)):
-        carries = [_stage(cfg, layer, index, current, c) for c in carries]
         targets = [name for name in stage.linears if name in plans]
+        h = None
+        for i, carry in enumerate(carries):
+            # In place: a chunk's input is dropped as its output is made, so a stage holds
+            # one set of hidden states (plus one chunk), not its inputs and outputs both.
+            carries[i] = _stage(cfg, layer, index, current, carry)
+            if targets:
+                x = carries[i]["x"]
+                h = _add_hessian(_zeros(x) if h is None else h, x)
+        del carry
+        if observe is not None and stage.linears:
+            observe(tuple(prefix + n for n in stage.linears), [c["x"] for c in carries])
         if not targets:
             continue
-        h = hessian([c["x"] for c in carries])
         done = contrib_leaf.gptq_static_leaves(
             [current[n] for n in targets], [plans[n] for n in targets], h, options
         )

@@ -125,6 +125,9 @@ class Recipe:
     rules: tuple[TensorRule, ...]
     # "flax": 2-D kernels are (in, out); "torch": 2-D weights are (out, in); "auto": by name.
     convention: str = "auto"
+    # The compressed-tensors scheme the rules are (W4A8, INT8, ...), which names the output's
+    # format where several schemes share their weights' numerics; quantizing ignores it.
+    scheme: str = ""
 
     def __post_init__(self) -> None:
         if self.convention not in CONVENTIONS:
@@ -153,9 +156,11 @@ def rule_from_mapping(fields: Mapping[str, Any]) -> TensorRule:
 
 def recipe_from_mapping(fields: Mapping[str, Any]) -> Recipe:
     """A recipe from plain data: {"rules": [{...}, ...], "convention": "auto"}."""
-    unknown = sorted(set(fields) - {"rules", "convention"})
+    unknown = sorted(set(fields) - {"rules", "convention", "scheme"})
     if unknown:
-        raise ValueError(f"unknown recipe field(s) {unknown}; valid: ['convention', 'rules']")
+        raise ValueError(
+            f"unknown recipe field(s) {unknown}; valid: ['convention', 'rules', 'scheme']"
+        )
     rules = []
     for index, rule in enumerate(fields.get("rules") or ()):
         try:
@@ -164,4 +169,8 @@ def recipe_from_mapping(fields: Mapping[str, Any]) -> Recipe:
             raise ValueError(f"recipe rule {index}: {e}") from None
     if not rules:
         raise ValueError("a recipe needs at least one rule")
-    return Recipe(rules=tuple(rules), convention=fields.get("convention", "auto"))
+    return Recipe(
+        rules=tuple(rules),
+        convention=fields.get("convention", "auto"),
+        scheme=str(fields.get("scheme") or ""),
+    )

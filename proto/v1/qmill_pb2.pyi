@@ -158,12 +158,14 @@ class Rule(_message.Message):
     def __init__(self, path_regex: _Optional[str] = ..., qtype: _Optional[str] = ..., tile_size: _Optional[int] = ..., tiled_axes: _Optional[_Mapping[int, int]] = ..., calibration_method: _Optional[str] = ..., contracting_axes: _Optional[_Iterable[int]] = ..., channel_axes: _Optional[_Iterable[int]] = ..., override_layout: _Optional[bool] = ..., skip: _Optional[bool] = ..., include_vectors: _Optional[bool] = ..., scale_dtype: _Optional[str] = ..., tile_if_divisible: _Optional[bool] = ..., arithmetic: _Optional[str] = ..., global_scale: _Optional[float] = ...) -> None: ...
 
 class Recipe(_message.Message):
-    __slots__ = ("rules", "convention")
+    __slots__ = ("rules", "convention", "scheme")
     RULES_FIELD_NUMBER: _ClassVar[int]
     CONVENTION_FIELD_NUMBER: _ClassVar[int]
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
     rules: _containers.RepeatedCompositeFieldContainer[Rule]
     convention: Convention
-    def __init__(self, rules: _Optional[_Iterable[_Union[Rule, _Mapping]]] = ..., convention: _Optional[_Union[Convention, str]] = ...) -> None: ...
+    scheme: str
+    def __init__(self, rules: _Optional[_Iterable[_Union[Rule, _Mapping]]] = ..., convention: _Optional[_Union[Convention, str]] = ..., scheme: _Optional[str] = ...) -> None: ...
 
 class QuantizeParamsRequest(_message.Message):
     __slots__ = ("recipe", "header", "chunk", "upload_id", "static_ranges")

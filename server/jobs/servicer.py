@@ -15,6 +15,7 @@ import urllib.parse
 
 import grpc
 
+from qmill.checkpoints import ct_activations
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -74,6 +75,7 @@ class JobsServicer(pb_grpc.JobsServicer):
         # now, with the engine's message, instead of failing the job later.
         codec.recipe_from_proto(request.recipe)
         recipe = recipe_proto.to_mapping(request.recipe)
+        ct_activations.refuse_uncalibrated(recipe, request.output_format, "a job")
         if recipe["convention"] == "auto":
             # As `qmill quantize` does: no convention → the source format's (job.py fills it).
             del recipe["convention"]

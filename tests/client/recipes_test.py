@@ -29,9 +29,17 @@ def test_recipe_file(tmp_path):
 def test_bad_recipe_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="neither a preset"):
         recipes.load("int9")
-    # A preset in any case is the preset, as a scheme's name is (INT8 as W4A16 or w4a16).
-    assert recipes.load("INT8") == recipes.load("int8") == recipes.PRESETS["int8"]
-    assert recipes.load("Nf4") == recipes.PRESETS["nf4"]
+    # A preset in any case is the preset, as a scheme's name is (W4A16 as w4a16) ...
+    assert recipes.load("int8") == recipes.PRESETS["int8"]
+    assert recipes.load("Nf4") == recipes.load("NF4") == recipes.PRESETS["nf4"]
+    assert recipes.load("w4a16") == recipes.load("W4A16")
+    # ... but where compressed-tensors names a scheme as qmill names a preset, upper case is
+    # the scheme (INT8, W8A8's alias; FP8, static fp8) and mixed case neither.
+    assert recipes.load("INT8")["scheme"] == "INT8" and recipes.load("FP8")["scheme"] == "FP8"
+    assert recipes.output_format("FP8", None) == "compressed-tensors"
+    assert recipes.output_format("fp8", None) is None
+    with pytest.raises(ValueError, match="'Fp8' is ambiguous: 'fp8' is qmill's preset"):
+        recipes.load("Fp8")
     # A preset one letter off gets a suggestion; nonsense does not.
     with pytest.raises(ValueError, match=r"did you mean int8\?$"):
         recipes.load("int-8")

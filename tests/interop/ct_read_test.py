@@ -23,6 +23,11 @@ SCHEMES = [
     "FP8_BLOCK",
     "MXFP4A16",
     "NVFP4A16",
+    # One of each layout the newer presets add (odd bits packed, sub-8-bit codes one per int8,
+    # MX fp8).
+    "W3A16",
+    "W4A8",
+    "MXFP8",
 ]
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qmill.checkpoints import ct_schemes, embedded, formats, pipeline, staging
+from qmill.checkpoints.errors import QmillError
 from qmill.client import client as client_lib
 from qmill.client import fanout, recipes
 from tests.interop.conftest import (
@@ -43,10 +44,42 @@ def _causal_lm_logits(*folders) -> list:
     return logits
 
 
-@pytest.mark.parametrize(
-    "scheme",
-    ["W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block", "mxfp4a16", "nvfp4a16"],
-)
+# Every preset of compressed-tensors' table that model_free_ptq writes (weights only, or
+# activations quantized at run time), in assorted case; FP8 and NVFP4, whose input scales are
+# calibrated, are ct_static_test.py's.
+MODEL_FREE = [
+    *("W4A16", "w4a16_asym", "W8A16", "W8A8", "FP8_DYNAMIC", "fp8_block", "mxfp4a16", "nvfp4a16"),
+    *("INT8", "w2a16", "W3A16", "W5A16", "W6A16", "W7A16"),
+    *("W2A4", "W3A4", "w4a4", "W2A8", "W3A8", "W4A8", "W5A8", "W6A8", "W7A8", "w4afp8"),
+    *("MXFP4", "mxfp8a16", "MXFP8"),
+]
+STATIC = ["FP8", "NVFP4"]
+
+
+def test_every_preset_of_compressed_tensors_is_written_and_its_config_validates():
+    """qmill's table is compressed-tensors' (a preset added there fails here), each config
+    group's arguments are the preset's own, and compressed-tensors validates the config."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    names = {n.upper() for n in MODEL_FREE + STATIC}
+    assert names == set(PRESET_SCHEMES) - {"UNQUANTIZED"} == set(ct_schemes.SCHEMES)
+    for name, scheme in ct_schemes.SCHEMES.items():
+        qc = ct_schemes.quantization_config(scheme, ["lm_head"])
+        parsed = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k != "version"})
+        group = parsed.config_groups[name]
+        preset = preset_name_to_scheme(name, ["Linear"])
+        assert group.format == scheme.format and qc["format"] == scheme.format
+        for part in ("weights", "input_activations"):
+            ours, theirs = getattr(group, part), getattr(preset, part)
+            assert (ours is None) == (theirs is None), (name, part)
+            if ours is not None:
+                # The observer: oneshot records the one it ran (static schemes), not the preset's.
+                skip = {"observer", "zp_dtype"}
+                assert ours.model_dump(exclude=skip) == theirs.model_dump(exclude=skip), name
+
+
+@pytest.mark.parametrize("scheme", MODEL_FREE)
 def test_every_scheme_equals_llm_compressor(tmp_path, llama, peer, scheme):
     out = tmp_path / "out"
     rows = _quantize(llama, out, scheme)
@@ -71,7 +104,13 @@ def test_config_validates_in_compressed_tensors(tmp_path, llama):
 
 
 @pytest.mark.parametrize(
-    "scheme", ["W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "NVFP4A16"]
+    "scheme",
+    [
+        *("W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "NVFP4A16"),
+        # One of each new layout: odd bits packed, sub-8-bit codes one per int8, fp8 activations
+        # of int4 weights, MX fp8 (the others share these layouts; docs/compressed-tensors.md).
+        *("W3A16", "W4A8", "W4AFP8", "MXFP8"),
+    ],
 )
 def test_transformers_runs_ours_as_it_runs_llm_compressors(tmp_path, llama, peer, scheme):
     import torch
@@ -189,6 +228,11 @@ def test_as_a_server_job(tmp_path, llama, peer, server):
         final = list(client.jobs.watch(job.job_id))[-1]
     assert final.job.state == pb.JOB_STATE_SUCCEEDED, final
     assert_same_checkpoint(tmp_path / "job", peer(llama, "W4A16", LLAMA_IGNORE))
+    # A job does not calibrate: a static-activation scheme is refused when submitted.
+    with client_lib.Client(server.address) as client, pytest.raises(QmillError) as refused:
+        client.jobs.submit(str(llama), str(tmp_path / "fp8"), "FP8", output_format=CT)
+    assert "FP8 quantizes each Linear's input" in str(refused.value)
+    assert "which a job does not do" in str(refused.value)
 
 
 class _Interrupted(Exception):

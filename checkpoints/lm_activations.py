@@ -1,0 +1,149 @@
+"""Each linear's input range on calibration tokens, for a Hugging Face causal-LM folder whose
+weights are rounded to nearest (a static-activation scheme without --method).
+
+llm-compressor's QuantizationModifier (what its `oneshot` runs for FP8 or NVFP4 alone) watches
+every Linear's input while the calibration text runs through the *float* model, layer by layer,
+and only then rounds the weights. So does this: one decoder layer's tensors are read at a time
+and run in float on the hidden states entering it (engine/lm/activation_ranges.py), which
+carries them on to the next.
+
+The ranges are kept beside the destination (lm_calibration.work_directory, as GPTQ's work is)
+until the output is committed: an interrupted write resumes with the same input scales, and a
+rerun with other tokens is refused unless restarted.
+
+Memory: one layer's weights, the embedding and the calibration hidden states (float32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from qmill.checkpoints import (
+    ct_activations,
+    ct_schemes,
+    embedded,
+    formats,
+    lm_calibration,
+    lm_work,
+    pipeline,
+)
+
+Range = ct_activations.Range
+RANGES = "input_ranges.json"
+
+
+def collect(
+    folder: str,
+    calibration_ids: np.ndarray,
+    *,
+    chunk: int = 8,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> dict[str, Range]:
+    """{linear weight name: its input's (min, max)} over `calibration_ids` (int, samples ×
+    tokens), the float model run layer by layer; `progress(layer, layers, seconds)` after each.
+
+    Raises:
+      ValueError: an unsupported architecture, missing tensors or token ids outside the
+        vocabulary (lm_calibration.check_request), before any work.
+    """
+    import jax.numpy as jnp
+
+    from qmill.engine.lm import activation_ranges, sequential
+    from qmill.engine.lm import config as config_lib
+
+    ids = np.asarray(calibration_ids)
+    cfg = lm_calibration.check_request(folder, lm_calibration.LmRequest(calibration_ids=ids))
+    embedded.load_engine()
+    ranges: dict[str, Range] = {}
+    with formats.open_source(folder) as source:
+        names = config_lib.outer_tensor_names(cfg)
+        outer = {key: jnp.asarray(source.read(name)) for key, name in names.items() if name}
+        hidden = sequential.embed(cfg, outer, sequential.split(ids.astype(np.int32), chunk))
+        for layer in range(cfg.num_layers):
+            started = time.monotonic()
+            prefix = config_lib.layer_prefix(cfg, layer)
+            weights = {
+                n.removeprefix(prefix): source.read(n)
+                for n in config_lib.layer_tensor_names(cfg, layer)
+            }
+            found, hidden = activation_ranges.layer_ranges(cfg, layer, weights, hidden)
+            ranges.update(found)
+            if progress is not None:
+                progress(layer, cfg.num_layers, time.monotonic() - started)
+    return ranges
+
+
+def kept_or_collect(
+    folder: str,
+    destination: str | os.PathLike,
+    recipe: Mapping[str, Any],
+    calibration_ids: np.ndarray,
+    *,
+    restart: bool = False,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> dict[str, Range]:
+    """`collect`'s ranges, kept beside `destination` by an earlier run with the same source,
+    recipe and tokens if there is one (`restart` discards it), else collected and kept.
+
+    Raises:
+      ValueError: kept work made with other arguments (pass restart), or collect's.
+    """
+    ids = np.ascontiguousarray(calibration_ids, np.int32)
+    tokens = hashlib.sha256(ids.tobytes() + str(ids.shape).encode()).hexdigest()
+    fingerprint = {
+        "input_ranges_of": os.path.abspath(folder),
+        "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
+        "tokens": tokens,
+    }
+    work = lm_work.Work(lm_calibration.work_directory(destination), fingerprint, restart)
+    kept = work.directory / RANGES
+    if kept.is_file():
+        return {name: (lo, hi) for name, (lo, hi) in json.loads(kept.read_text()).items()}
+    ranges = collect(folder, ids, progress=progress)
+    partial = kept.with_name(RANGES + ".tmp")
+    partial.write_text(json.dumps(ranges))  # floats' repr: the same numbers read back
+    os.replace(partial, kept)
+    return ranges
+
+
+def input_parts(
+    folder: str,
+    recipe: dict[str, Any],
+    scheme: ct_schemes.Scheme,
+    ranges: Mapping[str, Range],
+    *,
+    hint: str = "",
+) -> dict[str, dict[str, np.ndarray]]:
+    """{weight path: {input part: scale}} (ct_activations.input_parts) for every weight of the
+    folder that `recipe` quantizes.
+
+    Raises:
+      ValueError: a weight the recipe quantizes whose input is not in `ranges` (only the decoder
+        layers' linears are observed; `hint` is added to the message).
+    """
+    from qmill.engine.modelfree import layout, recipes  # lazy: pulls in jax
+
+    with formats.open_source(folder) as source:
+        entries = source.entries()
+    engine_recipe = recipes.recipe_from_mapping(
+        pipeline.with_default_convention(recipe, "safetensors")
+    )
+    quantized = [
+        e for e in entries if layout.plan_leaf(e.path, e.shape, e.dtype, engine_recipe).quantize
+    ]
+    missing = [e.path for e in quantized if e.path not in ranges]
+    if missing:
+        raise ValueError(
+            f"{missing[0]} would be quantized in {scheme.name}, but its input was not seen on "
+            f"the calibration tokens{hint}: only the decoder layers' linears are; leave it in "
+            "float with a skip rule in a recipe file"
+        )
+    seen = {e.path: ranges[e.path] for e in quantized}
+    return ct_activations.input_parts(scheme, seen, {e.path: e.dtype for e in quantized})
