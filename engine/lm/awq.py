@@ -16,8 +16,9 @@ weight becomes Q(W · s) / s (round to nearest on the tensor's plan), the block 
 calibration x, and the error is the mean squared difference from the float block's output. The
 s of the smallest error is kept (the first of equals). The grid's first point is s = 1: round to
 nearest, whose error the report keeps beside the best one. For o_proj and down_proj, whose block
-is the linear itself, the error is computed from H = Σ xᵀx as Σ_rows δW·H·δWᵀ (δW = W − Ŵ): the
-same number, without running the calibration tokens through each candidate.
+is the linear itself, the error is computed from H = Σ xᵀx as Σ_rows δW·H·δWᵀ (δW = W − Ŵ) when
+the linear has fewer inputs than there are tokens: the same number, without running the
+calibration tokens through each candidate.
 """
 
 from __future__ import annotations
@@ -218,11 +219,14 @@ def search(
 
 
 def _error_fn(cfg, layer, fold, weights, xs) -> Callable[[Mapping[str, jax.Array]], float]:
-    """error(trial weights): the mean squared block-output error against the float weights'."""
-    if fold.name in ("attn_out", "mlp_mid"):
+    """error(trial weights): the mean squared block-output error against the float weights'.
+    A single linear's from its Hessian when that is the cheaper product (in_features² per
+    output row, against tokens · in_features)."""
+    tokens = sum(int(np.prod(x.shape[:-1])) for x in xs)
+    if fold.name in ("attn_out", "mlp_mid") and xs[0].shape[-1] <= tokens:
         (name,) = fold.balance
         h = sum(_gram(x) for x in xs)
-        count = sum(int(np.prod(x.shape[:-1])) for x in xs) * weights[name].shape[0]
+        count = tokens * weights[name].shape[0]
         w = jnp.asarray(weights[name])
         return lambda trial: float(_hessian_error(w, trial[name], h)) / count
     run = block(cfg, layer, fold)

@@ -74,11 +74,11 @@ def _weights(cfg: config_lib.LmConfig, dtype=np.float32, seed: int = 0) -> dict[
 
 
 def _hidden(cfg: config_lib.LmConfig, outliers: float = 1.0, seed: int = 1) -> sequential.Hidden:
-    """Two chunks of 8 windows of 32 tokens: the shapes `qmill quantize` gives the interop and
+    """Four chunks of 4 windows of 32 tokens: the shapes `qmill quantize` gives the interop and
     server tests' 16 calibration windows (their compilations are these)."""
     h = np.random.default_rng(seed).normal(0.0, 1.0, (16, 32, cfg.hidden_size)).astype(np.float32)
     h[..., OUTLIERS] *= outliers
-    return sequential.split(h, 8)
+    return sequential.split(h, 4)
 
 
 def _plans(cfg, weights, rule: dict) -> dict[str, layout.LeafPlan]:
