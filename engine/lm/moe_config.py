@@ -110,9 +110,3 @@ def tensor_names(moe: Moe) -> tuple[str, ...]:
     """Every tensor of the block: its linears, the router (and the shared expert's gate)."""
     extra = (shared_gate(moe),) if moe.shared_intermediate_size else ()
     return (*linear_names(moe), router(moe), *extra)
-
-
-def router_regex() -> str:
-    """The routers of every MoE type read here (a recipe skips them: they stay in the source
-    dtype, as llm-compressor's users ignore them and transformers loads them unquantized)."""
-    return r".*\.(block_sparse_moe\.gate|mlp\.gate|mlp\.shared_expert_gate)\.weight"
