@@ -127,14 +127,12 @@ def calibrate_block(
         inputs = [moe.gather(x, i, n) for x, (i, _, n) in zip(block.xs, stats, strict=True)]
         done = (results, losses, rtn)
         _quantize(weights, [gate, up], plans, inputs, options, reached, done)
-        if observe is not None:
-            observe((prefix + gate, prefix + up), _valid(inputs, stats))
+        _observe(observe, (prefix + gate, prefix + up), inputs, stats)
         act = cfg.activation
         mids = [moe.hidden(act, r, weights[gate], weights[up]) for r in inputs]
         del inputs
         _quantize(weights, [down], plans, mids, options, reached, done)
-        if observe is not None:
-            observe((prefix + down,), _valid(mids, stats))
+        _observe(observe, (prefix + down,), mids, stats)
         del mids
         block.add(weights, e)
     hidden = [
@@ -144,8 +142,12 @@ def calibrate_block(
     return BlockCalibration(results, losses, rtn, hidden)
 
 
-def _valid(inputs: Sequence[jax.Array], stats) -> list[jax.Array]:
-    return [x[:n] for x, (_, _, n) in zip(inputs, stats, strict=True) if n]
+def _observe(observe, names, inputs: Sequence[jax.Array], stats) -> None:
+    """The statistics rows (not the padding) of each chunk that has some: an expert no token
+    reached is not observed (its linears get no input range)."""
+    valid = [x[:n] for x, (_, _, n) in zip(inputs, stats, strict=True) if n]
+    if observe is not None and valid:
+        observe(names, valid)
 
 
 def _quantize(weights, names, plans, inputs, options, reached: bool, done) -> None:
