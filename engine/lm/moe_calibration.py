@@ -145,8 +145,10 @@ def calibrate_block(
 def _observe(observe, names, inputs: Sequence[jax.Array], stats) -> None:
     """The statistics rows (not the padding) of each chunk that has some: an expert no token
     reached is not observed (its linears get no input range)."""
+    if observe is None:
+        return
     valid = [x[:n] for x, (_, _, n) in zip(inputs, stats, strict=True) if n]
-    if observe is not None and valid:
+    if valid:
         observe(names, valid)
 
 
