@@ -58,7 +58,7 @@ def _folder(name: str, root: pathlib.Path) -> pathlib.Path:
 def root(tmp_path_factory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("moe")
     rng = np.random.default_rng(1)
-    for part, shape in (("cal", (8, 16)), ("eval", (4, 16))):
+    for part, shape in (("cal", (4, 16)), ("eval", (2, 16))):
         np.save(root / f"{part}.npy", rng.integers(0, VOCAB, shape).astype(np.int32))
     # Two tokens, two experts each: at most 4 of Qwen3-MoE's 8 experts see one.
     np.save(root / "tiny.npy", np.array([[5, 77]], np.int32))
