@@ -175,7 +175,6 @@ def test_cancel_or_deadline_mid_tensor_frees_its_bytes_promptly(make_server, how
         # mid-tensor: DATA_LOSS), and a client whose deadline passes cancels the stream, often
         # before the server's copy of the deadline expires.
         seen = {"CANCELLED", "DATA_LOSS"} | ({"DEADLINE_EXCEEDED"} if how == "deadline" else set())
-
         def counted(code: str) -> float:
             return running.server.metrics.value("qmill_calls_total", {"rpc": rpc, "code": code})
 
