@@ -47,6 +47,9 @@ class LmRequest:
     # 4 is as fast as 8 or 16 on the 2-core VM (smaller score blocks stay in cache) and holds
     # half the temporaries of 8.
     chunk: int = 4
+    # A mixture of experts: every token through every expert for the statistics (the layer's
+    # output keeps the routed result).
+    all_experts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +69,15 @@ class LmOutcome:
     """What the calibration gave: the calibrated linears' results live in `directory`."""
 
     directory: pathlib.Path
-    # Full tensor name → method ("gptq") for every calibrated linear.
+    # Full tensor name → method ("gptq", or "rtn" for an expert no token reached) for every
+    # linear the calibration quantized.
     methods: dict[str, str]
     # One {"layer", "loss", "seconds", "losses": {name: loss}} per decoder layer.
     layers: list[dict[str, Any]]
     # {"source": ppl, "quantized": ppl} or None without evaluation windows.
     perplexity: dict[str, float] | None
+    # Full tensor name → why it was quantized round to nearest (an expert no token reached).
+    rtn: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def work_directory(destination: str | os.PathLike) -> pathlib.Path:
@@ -118,7 +124,8 @@ def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmReq
         "weights": sizes,
         "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
         "tokens": digest.hexdigest(),
-        "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk],
+        "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk]
+        + ([True] if request.all_experts else []),
     }
 
 
@@ -212,8 +219,15 @@ def calibrate(
             }
             linears = plans.linears(cfg, layer, prefix)
             done = sequential.calibrate_layer(
-                cfg, layer, tensors, streams.take_hidden(), linears, options
+                cfg,
+                layer,
+                tensors,
+                streams.take_hidden(),
+                linears,
+                options,
+                all_experts=request.all_experts,
             )
+            check_scales(done.results)
             if streams.source is not None:
                 streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
                 streams.quantized = sequential.run_layer(
@@ -238,7 +252,24 @@ def calibrate(
                     cfg, quantized_outer, streams.quantized, streams.eval_ids
                 ),
             }
-    return LmOutcome(work.directory, work.methods(), work.layers(), perplexity)
+    return LmOutcome(work.directory, work.methods(), work.layers(), perplexity, work.rtn())
+
+
+def check_scales(results: Mapping[str, Any]) -> None:
+    """Refuses, before anything is kept or written, a result with a NaN, infinite, zero or
+    negative scale (what an expert without calibration tokens gets from other trackers).
+
+    Raises:
+      ValueError: naming the tensor.
+    """
+    for name, result in results.items():
+        scale = np.asarray(result.scale).astype(np.float32)
+        if not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+            bad = int(np.sum(~(np.isfinite(scale) & (scale > 0))))
+            raise ValueError(
+                f"{name}: {bad} of its {scale.size} scales are NaN, infinite or not positive; "
+                "nothing was written (report this: the calibration should not produce them)"
+            )
 
 
 def _free_large_blocks_at_once() -> None:
@@ -427,5 +458,7 @@ def report_fields(request: LmRequest, done: LmOutcome) -> dict[str, Any]:
                 "actorder": "static" if request.actorder else None,
             },
             "layers": done.layers,
+            "calibrate_all_experts": request.all_experts,
+            "round_to_nearest": done.rtn,
         },
     }

@@ -110,6 +110,7 @@ class Work:
                     "sqnr_db": r.quality.sqnr_db,
                     "mean_relative_error": r.quality.mean_relative_error,
                 }
+                | ({"rtn": done.rtn[name]} if name in getattr(done, "rtn", {}) else {})
                 for name, r in done.results.items()
             },
         }
@@ -140,7 +141,21 @@ class Work:
 
     def methods(self) -> dict[str, str]:
         self.wait()
-        return {name: "gptq" for e in _log(self.directory).values() for name in e["tensors"]}
+        return {
+            name: "rtn" if "rtn" in info else "gptq"
+            for e in _log(self.directory).values()
+            for name, info in e["tensors"].items()
+        }
+
+    def rtn(self) -> dict[str, str]:
+        """Tensor name → why it was quantized round to nearest (no token reached it)."""
+        self.wait()
+        return {
+            name: info["rtn"]
+            for e in _log(self.directory).values()
+            for name, info in e["tensors"].items()
+            if "rtn" in info
+        }
 
 
 def _log(directory: pathlib.Path) -> dict[int, dict[str, Any]]:

@@ -13,7 +13,7 @@ import math
 import pathlib
 import re
 import sys
-from collections.abc import Collection
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,8 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     """The flags of a calibrated language-model run on `qmill quantize`."""
     g = q.add_argument_group(
         "calibrated language models",
-        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3",
+        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, "
+        "Mixtral, Qwen2-MoE, Qwen3-MoE",
     )
     g.add_argument(
         "--method",
@@ -83,6 +84,14 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="refuse before any work a calibration whose estimated peak exceeds SIZE (e.g. "
         "8GiB); --dry-run prints the estimate",
+    )
+    g.add_argument(
+        "--calibrate-all-experts",
+        action="store_true",
+        help="mixtures of experts: every calibration token through every expert for its "
+        "statistics (the layer's output keeps the routed result), so that no expert is left "
+        "without tokens; by default an expert sees the tokens routed to it, and one that gets "
+        "none is quantized round to nearest and named in the report",
     )
     g.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ columns per block (128)")
     g.add_argument(
@@ -206,6 +215,7 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
         blocksize=args.gptq_block_size,
         percdamp=args.gptq_dampening,
         actorder=args.gptq_actorder == "static",
+        all_experts=args.calibrate_all_experts,
     )
 
 
@@ -287,11 +297,12 @@ def gate(args: argparse.Namespace, ppl: dict[str, float] | None, kept: str) -> N
         )
 
 
-def method_of(row: Any, calibrated: Collection[str]) -> str:
+def method_of(row: Any, calibrated: Mapping[str, str]) -> str:
     """A report row's method, as for a --calibration run: GPTQ for the calibrated linears,
-    RTN for what else the recipe quantized, "" for what it kept."""
+    RTN for what else the recipe quantized (and for experts no token reached: the report's
+    calibration.round_to_nearest says why), "" for what it kept."""
     if row.path in calibrated:
-        return "GPTQ"
+        return "RTN" if calibrated[row.path] == "rtn" else "GPTQ"
     return "" if row.qtype == "kept" else "RTN"
 
 
