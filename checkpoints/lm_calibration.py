@@ -58,6 +58,9 @@ class LmRequest:
     # 4 is as fast as 8 or 16 on the 2-core VM (smaller score blocks stay in cache) and holds
     # half the temporaries of 8.
     chunk: int = 4
+    # A mixture of experts: every token through every expert for the statistics (the layer's
+    # output keeps the routed result).
+    all_experts: bool = False
     # One of METHODS (lm_methods.py, docs/calibrated-methods.md).
     method: str = "gptq"
     # SmoothQuant's migration strength α (llm-compressor's smoothing_strength).
@@ -86,13 +89,15 @@ class LmOutcome:
     """What the calibration gave: the calibrated linears' results live in `directory`."""
 
     directory: pathlib.Path
-    # Full tensor name → method ("gptq", "awq", "awq+gptq", "rtn", ...) for every calibrated
-    # linear.
+    # Full tensor name → method ("gptq", "awq", "awq+gptq", ...; "rtn" for an expert no token
+    # reached or a linear no fold scaled) for every linear the calibration quantized.
     methods: dict[str, str]
     # One {"layer", "loss", "seconds", "losses": {name: loss}} per decoder layer.
     layers: list[dict[str, Any]]
     # {"source": ppl, "quantized": ppl} or None without evaluation windows.
     perplexity: dict[str, float] | None
+    # Full tensor name → why it was quantized round to nearest (an expert no token reached).
+    rtn: dict[str, str] = dataclasses.field(default_factory=dict)
     # Tensor name → a loader of a float tensor AWQ / SmoothQuant changed (a norm, a bias), which
     # the output holds in place of the source's (pipeline.quantize_checkpoint's `replaced`).
     folded: dict[str, Callable[[], np.ndarray]] = dataclasses.field(default_factory=dict)
@@ -144,7 +149,8 @@ def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmReq
         "weights": sizes,
         "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
         "tokens": digest.hexdigest(),
-        "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk],
+        "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk]
+        + ([True] if request.all_experts else []),
         # Only where there is one: a GPTQ calibration kept before methods existed still matches.
         **(
             {"method": [request.method, request.smoothquant_alpha, request.awq_grid]}
@@ -247,6 +253,7 @@ def calibrate(
             }
             linears = plans.linears(cfg, layer, prefix)
             done = calibrate_layer(cfg, layer, tensors, streams.take_hidden(), linears)
+            check_scales(done.results)
             if streams.source is not None:
                 streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
                 streams.quantized = sequential.run_layer(
@@ -271,10 +278,32 @@ def calibrate(
                     cfg, quantized_outer, streams.quantized, streams.eval_ids
                 ),
             }
-    folded = lm_work.folded_of(work.directory)
     return LmOutcome(
-        work.directory, work.methods(), work.layers(), perplexity, folded, request.method
+        work.directory,
+        work.methods(),
+        work.layers(),
+        perplexity,
+        rtn=work.rtn(),
+        folded=lm_work.folded_of(work.directory),
+        method=request.method,
     )
+
+
+def check_scales(results: Mapping[str, Any]) -> None:
+    """Refuses, before anything is kept or written, a result with a NaN, infinite, zero or
+    negative scale (what an expert without calibration tokens gets from other trackers).
+
+    Raises:
+      ValueError: naming the tensor.
+    """
+    for name, result in results.items():
+        scale = np.asarray(result.scale).astype(np.float32)
+        if not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+            bad = int(np.sum(~(np.isfinite(scale) & (scale > 0))))
+            raise ValueError(
+                f"{name}: {bad} of its {scale.size} scales are NaN, infinite or not positive; "
+                "nothing was written (report this: the calibration should not produce them)"
+            )
 
 
 def _free_large_blocks_at_once() -> None:
@@ -455,6 +484,8 @@ def report_fields(request: LmRequest, done: LmOutcome) -> dict[str, Any]:
         "samples": int(request.calibration_ids.shape[0]),
         "seq_len": int(request.calibration_ids.shape[1]),
         "eval_windows": None if request.eval_ids is None else int(request.eval_ids.shape[0]),
+        "calibrate_all_experts": request.all_experts,
+        "round_to_nearest": done.rtn,
     }
     calibration.update(lm_methods.report_options(request, done.methods))
     return {"perplexity": done.perplexity, "calibration": {**calibration, "layers": done.layers}}

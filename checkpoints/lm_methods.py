@@ -60,12 +60,13 @@ def layer_calibrator(request: Any) -> Callable[..., Any]:
             blocksize=request.blocksize, percdamp=request.percdamp, actorder=request.actorder
         )
     fold = smoothing(request.method)
+    experts = {"all_experts": request.all_experts}
     if fold is None:
-        return lambda *args: sequential.calibrate_layer(*args, gptq)
+        return lambda *args: sequential.calibrate_layer(*args, gptq, **experts)
     options = smoothing_lib.SmoothingOptions(
         method=fold, awq=awq.AwqOptions(n_grid=request.awq_grid), alpha=request.smoothquant_alpha
     )
-    return lambda *args: smoothing_lib.calibrate_layer(*args, options, gptq)
+    return lambda *args: smoothing_lib.calibrate_layer(*args, options, gptq, **experts)
 
 
 def quantized_config(cfg: Any, recipe: Mapping[str, Any]) -> Any:

@@ -41,7 +41,8 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     """The flags of a calibrated language-model run on `qmill quantize`."""
     g = q.add_argument_group(
         "calibrated language models",
-        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3",
+        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, "
+        "Mixtral, Qwen2-MoE, Qwen3-MoE",
     )
     g.add_argument(
         "--method",
@@ -95,6 +96,14 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="refuse before any work a calibration whose estimated peak exceeds SIZE (e.g. "
         "8GiB); --dry-run prints the estimate",
+    )
+    g.add_argument(
+        "--calibrate-all-experts",
+        action="store_true",
+        help="mixtures of experts: every calibration token through every expert for its "
+        "statistics (the layer's output keeps the routed result), so that no expert is left "
+        "without tokens; by default an expert sees the tokens routed to it, and one that gets "
+        "none is quantized round to nearest and named in the report",
     )
     g.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ columns per block (128)")
     g.add_argument(
@@ -235,6 +244,7 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
         method=args.method,
         smoothquant_alpha=args.smoothquant_alpha,
         awq_grid=args.awq_grid,
+        all_experts=args.calibrate_all_experts,
     )
 
 
@@ -321,7 +331,8 @@ def progress_line(method: str, p: Any) -> str:
 
 def method_of(row: Any, calibrated: Mapping[str, str]) -> str:
     """A report row's method, as for a --calibration run: the calibrated linears' (GPTQ, AWQ,
-    AWQ+GPTQ, SmoothQuant, SmoothQuant+GPTQ; RTN for one no fold scaled), RTN for what else the
+    AWQ+GPTQ, SmoothQuant, SmoothQuant+GPTQ; RTN for one no fold scaled, and for experts no
+    token reached: the report's calibration.round_to_nearest says why), RTN for what else the
     recipe quantized, "" for what it kept."""
     if row.path in calibrated:
         return METHOD_NAMES[calibrated[row.path]]

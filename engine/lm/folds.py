@@ -64,12 +64,15 @@ class Fold:
         return None if self.heads is None else self.heads[0] * self.heads[2]
 
 
-def table(cfg: config_lib.LmConfig, method: str) -> tuple[Fold, ...]:
-    """The folds of one decoder layer for `method`, in forward order.
+def table(cfg: config_lib.LmConfig, method: str, layer: int | None = None) -> tuple[Fold, ...]:
+    """The folds of a decoder layer for `method`, in forward order (of `layer` when given: a
+    mixture of experts' sparse layer takes only the attention's).
 
     Gemma 3 takes no fold into input_layernorm under AWQ, as in llm-compressor: its q/k norms
     follow q_proj and k_proj, and smoothing them was measured to lose to round to nearest there
-    (vllm-project/llm-compressor#2522).
+    (vllm-project/llm-compressor#2522). On a sparse layer (Mixtral, Qwen2/3-MoE) the norm before
+    the MLP feeds the router and every expert: no fold there (one s across all experts is what
+    llm-compressor's SmoothQuant leaves out for MoE too), nor into the experts' down_proj.
 
     Raises:
       ValueError: an unknown method.
@@ -96,8 +99,9 @@ def table(cfg: config_lib.LmConfig, method: str) -> tuple[Fold, ...]:
     mlp_in = Fold(
         name="mlp_in", stage=2, balance=mlp, smooth=f"{mlp_norm}.weight", smooth_kind=norm
     )
+    sparse = layer is not None and config_lib.is_moe_layer(cfg, layer)
     if method == SMOOTHQUANT:
-        return (attn_in, mlp_in)
+        return (attn_in,) if sparse else (attn_in, mlp_in)
     groups = h // kv
     attn_out = Fold(
         name="attn_out",
@@ -119,7 +123,7 @@ def table(cfg: config_lib.LmConfig, method: str) -> tuple[Fold, ...]:
         bias=up_bias,
     )
     first = () if cfg.model_type in ("gemma3", "gemma3_text") else (attn_in,)
-    return (*first, attn_out, mlp_in, mlp_mid)
+    return (*first, attn_out) if sparse else (*first, attn_out, mlp_in, mlp_mid)
 
 
 def expand(fold: Fold, s: jax.Array) -> jax.Array:

@@ -118,7 +118,7 @@ def smooth_layer(
     current = {name: jnp.asarray(w) for name, w in weights.items()}
     carries = [{"h": h} for h in hidden]
     at, applied, report = 0, [], []
-    for fold in folds_lib.table(cfg, options.method):
+    for fold in folds_lib.table(cfg, options.method, layer):
         if not any(n in plans for n in fold.balance):
             continue
         while at < fold.stage:  # the carries entering the fold's stage
@@ -174,8 +174,11 @@ def calibrate_layer(
     plans: Mapping[str, layout.LeafPlan],
     options: SmoothingOptions,
     gptq: gptq_core.GptqOptions | None,
+    *,
+    all_experts: bool = False,
 ) -> sequential.LayerCalibration:
-    """Smooths decoder layer `layer` and quantizes it: GPTQ with `gptq`, else round to nearest.
+    """Smooths decoder layer `layer` and quantizes it: GPTQ with `gptq` (`all_experts` as
+    sequential.calibrate_layer takes it), else round to nearest.
 
     The result's `folded` holds the float tensors the folds changed that are not quantized (the
     norms, biases; full names, their own dtype), written in place of the source's; `methods`
@@ -187,7 +190,9 @@ def calibrate_layer(
     """
     smoothed, applied, report = smooth_layer(cfg, layer, weights, hidden, plans, options)
     if gptq is not None:
-        done = sequential.calibrate_layer(cfg, layer, smoothed, hidden, plans, gptq)
+        done = sequential.calibrate_layer(
+            cfg, layer, smoothed, hidden, plans, gptq, all_experts=all_experts
+        )
     else:
         done = rtn_layer(cfg, layer, smoothed, hidden, plans)
     prefix = config_lib.layer_prefix(cfg, layer)
