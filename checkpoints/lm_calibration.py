@@ -232,7 +232,7 @@ def calibrate(
     # The served model's forward pass (the evaluation's): dynamic input quantization.
     quantized_cfg = lm_methods.quantized_config(cfg, recipe)
     work = lm_work.Work(work_directory(destination), _fingerprint(folder, recipe, request), restart)
-    with _open_weights(folder) as weights:
+    with work, _open_weights(folder) as weights:
         entries = {e.path: tuple(e.shape) for e in weights.entries()}
         dtypes = {e.path: e.dtype for e in weights.entries()}
         _check_tensors(cfg, entries)

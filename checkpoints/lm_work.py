@@ -7,6 +7,7 @@ resumes at the next layer with the same bytes.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -134,6 +135,22 @@ class Work:
                 state[f"{key}/{i:05d}"] = chunk
         self.wait()
         self._writing = self._writer.submit(_save_npz_atomic, self.directory / _STATE, state)
+
+    def __enter__(self) -> Work:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        """Leaves no write in flight: a caller that then discards the directory (a cancelled
+        job) must not race the last state's write into it. A failed write is raised unless the
+        block is already raising."""
+        try:
+            if kind is None:
+                self.wait()
+            else:
+                with contextlib.suppress(Exception):
+                    self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
 
     def wait(self) -> None:
         """Returns once the last layer's state is on disk (raises what writing it raised).
