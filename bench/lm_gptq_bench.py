@@ -1,9 +1,12 @@
-"""GPTQ W4A16 on a real causal LM, qmill against llm-compressor, as whole commands (issue 34).
+"""GPTQ W4A16 on a real causal LM, qmill against llm-compressor, as whole commands (issue 34);
+with --method, AWQ W4A16 (awq, awq+gptq) or SmoothQuant W8A8 (smoothquant, smoothquant+gptq) the
+same way (issue 36).
 
-    python bench/lm_gptq_bench.py [--tools peer,qmill] [--samples 64] [--seq-len 512]
-                                  [--eval-samples 16] [--group-size 64] [--peer-precision auto]
-                                  [--depths 4,8,16,30] [--depth-samples N] [--no-depth]
-                                  [--work /tmp/lm-gptq-bench] [--json bench/results/lm-gptq.json]
+    python bench/lm_gptq_bench.py [--tools peer,qmill] [--method gptq] [--samples 64]
+                                  [--seq-len 512] [--eval-samples 16] [--group-size 64]
+                                  [--peer-precision auto] [--depths 4,8,16,30]
+                                  [--depth-samples N] [--no-depth] [--work /tmp/lm-gptq-bench]
+                                  [--json bench/results/lm-METHOD.json]
 
 The model is SmolLM2-135M-Instruct (bf16, 30 layers; tests/lm_assets.py builds it once from
 PyPI wheels) and the text gensim's lee_background.cor: calibration windows from its start,
@@ -23,6 +26,13 @@ sampled every 0.1 s (psutil):
            measured with the peer;
   - qmill: `python -m qmill.cli quantize SRC -o OUT --recipe W4A16 --group-size 64
            --method gptq --calibration-ids ids.npy -q` (plus any --qmill-arg).
+With --method awq | awq+gptq the peer's recipe is [AWQModifier(), QuantizationModifier |
+GPTQModifier] (every AWQ option at its default: duo scaling, 20 grid points, its mapping table),
+qmill's `--method awq | awq+gptq`; with --method smoothquant | smoothquant+gptq the scheme is
+W8A8 (int8 weights per channel, dynamic per-token int8 inputs, no groups) and the peer's recipe
+[SmoothQuantModifier(smoothing_strength=0.5), QuantizationModifier | GPTQModifier], qmill's
+`--recipe W8A8 --method smoothquant[+gptq]`; the RTN baseline is model_free_ptq in the same
+scheme, and the results go to bench/results/lm-METHOD.json.
 Each output's held-out perplexity, and the source's, is transformers' (tests/lm_assets.py
 hf_perplexity: float32, CPU). Then the depth series: peak RSS and wall time of each tool's GPTQ
 command on the same model cut to 4, 8, 16 and 30 layers (the 30-layer point is the main run's
@@ -45,33 +55,65 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MB = 1e6
 
 
-def peer_gptq(
-    source: str, output: str, ids_path: str, group_size: int, precision: str = "auto"
-) -> None:
-    """llm-compressor's GPTQ W4A16 as its README writes it, on these token ids (the peer's
-    whole command: this runs in its own process). precision "auto" (oneshot's default) runs
-    the bf16 folder in bf16."""
-    import numpy as np
+METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
+
+
+def scheme_name(method: str) -> str:
+    """The compressed-tensors scheme each method is benched in."""
+    return "W8A8" if method.startswith("smoothquant") else "W4A16"
+
+
+def _scheme(method: str, group_size: int):
     from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(scheme_name(method), ["Linear"])
+    if scheme_name(method) == "W4A16":
+        scheme.weights.group_size = group_size
+    return scheme
+
+
+def peer_recipe(method: str, group_size: int) -> list:
+    """llm-compressor's modifiers for `method`, each at its defaults but the scheme."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
+
+    quantize = GPTQModifier if method.endswith("gptq") else QuantizationModifier
+    recipe = [quantize(config_groups={"group_0": _scheme(method, group_size)}, ignore=["lm_head"])]
+    if method.startswith("awq"):
+        recipe.insert(0, AWQModifier())
+    elif method.startswith("smoothquant"):
+        recipe.insert(0, SmoothQuantModifier(smoothing_strength=0.5))
+    return recipe
+
+
+def peer_gptq(
+    source: str,
+    output: str,
+    ids_path: str,
+    group_size: int,
+    precision: str = "auto",
+    method: str = "gptq",
+) -> None:
+    """llm-compressor's `method` (GPTQ W4A16 as its README writes it, or AWQ / SmoothQuant as
+    peer_recipe says) on these token ids (the peer's whole command: this runs in its own
+    process). precision "auto" (oneshot's default) runs the bf16 folder in bf16."""
+    import numpy as np
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
 
     ids = np.load(ids_path)
     dataset = Dataset.from_dict(
         {"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist()}
     )
-    scheme = preset_name_to_scheme("W4A16", ["Linear"])
-    scheme.weights.group_size = group_size
-    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    recipe = peer_recipe(method, group_size)
+    _cpu_without_pinning()
     oneshot(
         model=source,
         dataset=dataset,
@@ -83,13 +125,24 @@ def peer_gptq(
     )
 
 
-def peer_rtn(source: str, output: str, group_size: int) -> None:
-    """llm-compressor's model_free_ptq, W4A16 with groups of `group_size` (round to nearest)."""
-    from compressed_tensors.quantization import preset_name_to_scheme
+def _cpu_without_pinning() -> None:
+    """llmcompressor 0.14's AWQ pins its cached activations in page-locked memory before each
+    mapping's grid search (IntermediatesCache.pin_memory), which raises "Cannot access
+    accelerator device when none is available" on a CPU-only torch. Pinning only speeds copies
+    to an accelerator: without one it is skipped here, and nothing else changes."""
+    import torch
+    from llmcompressor.pipelines import cache
+
+    if not torch.accelerator.is_available():
+        cache.IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+
+
+def peer_rtn(source: str, output: str, group_size: int, method: str = "gptq") -> None:
+    """llm-compressor's model_free_ptq in the method's scheme (W4A16 with groups of
+    `group_size`, or W8A8): round to nearest."""
     from llmcompressor import model_free_ptq
 
-    scheme = preset_name_to_scheme("W4A16", ["Linear"])
-    scheme.weights.group_size = group_size
+    scheme = _scheme(method, group_size)
     model_free_ptq(source, output, scheme=scheme, ignore=["lm_head", "model.embed_tokens"])
 
 
@@ -140,14 +193,17 @@ def commands(tool: str, source: pathlib.Path, out: pathlib.Path, ids: pathlib.Pa
     """The whole command of one tool's run."""
     if tool == "peer":
         return [sys.executable, __file__, "peer-gptq", str(source), str(out), str(ids),
-                str(args.group_size), args.peer_precision]  # fmt: skip
+                str(args.group_size), args.peer_precision, args.method]  # fmt: skip
     if tool == "rtn":
-        return [sys.executable, __file__, "peer-rtn", str(source), str(out), str(args.group_size)]
+        return [sys.executable, __file__, "peer-rtn", str(source), str(out), str(args.group_size),
+                args.method]  # fmt: skip
     if tool == "qmill":
         # `python -m qmill.cli`, not the `qmill` script: a copied venv's scripts may point at
         # another interpreter.
+        scheme = scheme_name(args.method)
+        group = ["--group-size", str(args.group_size)] if scheme == "W4A16" else []
         return [sys.executable, "-m", "qmill.cli", "quantize", str(source), "-o", str(out),
-                "--recipe", "W4A16", "--group-size", str(args.group_size), "--method", "gptq",
+                "--recipe", scheme, *group, "--method", args.method,
                 "--calibration-ids", str(ids), "-q", *args.qmill_arg]  # fmt: skip
     raise ValueError(f"unknown tool {tool!r}")
 
@@ -194,13 +250,22 @@ def versions() -> dict:
     return found
 
 
-def _parser() -> argparse.ArgumentParser:
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "peer-gptq":
+        peer_gptq(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), *sys.argv[6:8])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "peer-rtn":
+        peer_rtn(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tools", default="peer", help="comma-separated: peer, qmill")
     parser.add_argument("--samples", type=int, default=64, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     parser.add_argument("--eval-samples", type=int, default=16, help="held-out windows")
-    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=64, help="W4A16's (not W8A8's)")
+    parser.add_argument(
+        "--method", default="gptq", choices=METHODS, help="both tools' (module docstring)"
+    )
     parser.add_argument(
         "--peer-precision",
         default="auto",
@@ -214,50 +279,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-depth", action="store_true")
     parser.add_argument("--qmill-arg", action="append", default=[], help="one more qmill flag")
     parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/lm-gptq-bench"))
-    parser.add_argument("--json", type=pathlib.Path, default=RESULTS / "lm-gptq.json")
-    return parser
-
-
-def _depth_series(
-    args: argparse.Namespace,
-    tools: list[str],
-    calibration: Any,
-    doc: dict,
-    save: Callable[[], None],
-) -> None:
-    """The runs of each tool against the model's depth (doc["depth"]), saved as they come."""
-    import numpy as np
-
-    from tests import lm_assets
-
-    samples = args.depth_samples or args.samples
-    depth_ids = args.work / f"ids-{samples}.npy"
-    np.save(depth_ids, calibration[:samples])
-    doc["depth_samples"] = samples
-    for layers in sorted(int(x) for x in args.depths.split(",")):
-        for tool in tools:
-            reuse = [
-                r for r in doc["runs"] if r["tool"] == tool and r["run"] == "main"
-            ]  # the main run is the 30-layer point when the samples agree
-            if layers == lm_assets.SMOLLM2_LAYERS and reuse and samples == args.samples:
-                row = {k: v for k, v in reuse[0].items() if not k.startswith("ppl")}
-            else:
-                folder = lm_assets.smollm2_folder(layers=layers)
-                row, out = run_one(tool, folder, depth_ids, args.work, args, f"{layers}layers")
-                shutil.rmtree(out, ignore_errors=True)
-            doc["depth"].append({**row, "layers": layers})
-            save()
-
-
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "peer-gptq":
-        peer_gptq(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), *sys.argv[6:7])
-        return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "peer-rtn":
-        peer_rtn(sys.argv[2], sys.argv[3], int(sys.argv[4]))
-        return 0
-    parser = _parser()
+    parser.add_argument("--json", type=pathlib.Path, help="default bench/results/lm-METHOD.json")
     args = parser.parse_args()
+    if args.json is None:
+        args.json = RESULTS / f"lm-{args.method.replace('+', '-')}.json"
     tools = [t for t in args.tools.split(",") if t]
     if unknown := set(tools) - {"peer", "qmill"}:
         parser.error(f"unknown tools {sorted(unknown)}: peer, qmill")
@@ -290,7 +315,9 @@ def main() -> int:
             "seq_len": args.seq_len,
             "from_token": total - args.eval_samples * args.seq_len,
         },
-        "group_size": args.group_size,
+        "method": args.method,
+        "scheme": scheme_name(args.method),
+        "group_size": args.group_size if scheme_name(args.method) == "W4A16" else None,
         "peer_precision": args.peer_precision,
         "runs": [],
         "depth": [],
@@ -311,7 +338,23 @@ def main() -> int:
             doc["runs"].append(row)
             save()
     if not args.no_depth:
-        _depth_series(args, tools, calibration, doc, save)
+        samples = args.depth_samples or args.samples
+        depth_ids = args.work / f"ids-{samples}.npy"
+        np.save(depth_ids, calibration[:samples])
+        doc["depth_samples"] = samples
+        for layers in sorted(int(x) for x in args.depths.split(",")):
+            for tool in tools:
+                reuse = [
+                    r for r in doc["runs"] if r["tool"] == tool and r["run"] == "main"
+                ]  # the main run is the 30-layer point when the samples agree
+                if layers == lm_assets.SMOLLM2_LAYERS and reuse and samples == args.samples:
+                    row = {k: v for k, v in reuse[0].items() if not k.startswith("ppl")}
+                else:
+                    folder = lm_assets.smollm2_folder(layers=layers)
+                    row, out = run_one(tool, folder, depth_ids, args.work, args, f"{layers}layers")
+                    shutil.rmtree(out, ignore_errors=True)
+                doc["depth"].append({**row, "layers": layers})
+                save()
     save()
     print(f"wrote {args.json}")
     if doc["depth"]:

@@ -1,4 +1,5 @@
-"""`qmill quantize FOLDER --method gptq`: a Hugging Face causal LM calibrated layer by layer.
+"""`qmill quantize FOLDER --method gptq|awq|awq+gptq|smoothquant|smoothquant+gptq`: a Hugging
+Face causal LM calibrated layer by layer.
 
 The command's side: its flags, the token windows (the folder's own tokenizer.json, read with
 the `tokenizers` library: Rust, no torch), the memory estimate and `--max-memory`, progress
@@ -13,14 +14,24 @@ import math
 import pathlib
 import re
 import sys
-from collections.abc import Collection
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import methods as lm_methods
 
-METHODS = ("gptq",)
+METHODS = lm_calibration.METHODS
+# How the report names each method (a calibrated linear's row), as for a --calibration run.
+METHOD_NAMES = {
+    "gptq": "GPTQ",
+    "rtn": "RTN",
+    "awq": "AWQ",
+    "awq+gptq": "AWQ+GPTQ",
+    "smoothquant": "SmoothQuant",
+    "smoothquant+gptq": "SmoothQuant+GPTQ",
+}
 DEFAULT_SAMPLES = 64
 DEFAULT_SEQ_LEN = 512
 DEFAULT_EVAL_SAMPLES = 32
@@ -31,13 +42,16 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     """The flags of a calibrated language-model run on `qmill quantize`."""
     g = q.add_argument_group(
         "calibrated language models",
-        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3",
+        "a Hugging Face causal-LM folder: Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, "
+        "Mixtral, Qwen2-MoE, Qwen3-MoE",
     )
     g.add_argument(
         "--method",
         choices=METHODS,
         help="calibrate the folder's linear layers with this method, layer by layer, on "
-        "--calibration-text or --calibration-ids (the output is the recipe's format)",
+        "--calibration-text or --calibration-ids (the output is the recipe's format): GPTQ; AWQ "
+        "or SmoothQuant scales folded into the norms and linears before them, then round to "
+        "nearest, or GPTQ with +gptq (docs/calibrated-methods.md)",
     )
     g.add_argument("--calibration-text", metavar="FILE", help="text to calibrate on (UTF-8)")
     g.add_argument(
@@ -84,6 +98,14 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         help="refuse before any work a calibration whose estimated peak exceeds SIZE (e.g. "
         "8GiB); --dry-run prints the estimate",
     )
+    g.add_argument(
+        "--calibrate-all-experts",
+        action="store_true",
+        help="mixtures of experts: every calibration token through every expert for its "
+        "statistics (the layer's output keeps the routed result), so that no expert is left "
+        "without tokens; by default an expert sees the tokens routed to it, and one that gets "
+        "none is quantized round to nearest and named in the report",
+    )
     g.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ columns per block (128)")
     g.add_argument(
         "--gptq-dampening",
@@ -98,6 +120,18 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         help="static (default): columns by descending activation, group scales fixed first "
         "(the GPTQ paper's act-order, llm-compressor's default); none: in order",
     )
+    g.add_argument(
+        "--smoothquant-alpha",
+        type=float,
+        default=0.5,
+        help="SmoothQuant's migration strength α in [0, 1] (0.5, llm-compressor's default)",
+    )
+    g.add_argument(
+        "--awq-grid",
+        type=int,
+        default=20,
+        help="AWQ's grid points over the scale's ratio (20, llm-compressor's default)",
+    )
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -110,7 +144,9 @@ def wanted(args: argparse.Namespace) -> bool:
             raise ValueError(f"{flag} calibrates a language model: add --method gptq")
         return False
     if (args.calibration_text is None) == (args.calibration_ids is None):
-        raise ValueError("--method gptq takes one of --calibration-text or --calibration-ids")
+        raise ValueError(
+            f"--method {args.method} takes one of --calibration-text or --calibration-ids"
+        )
     if args.calibration is not None:
         raise ValueError("--method calibrates the model itself: drop --calibration")
     if args.max_ppl_increase is not None and args.eval_text is None and args.eval_ids is None:
@@ -206,6 +242,10 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
         blocksize=args.gptq_block_size,
         percdamp=args.gptq_dampening,
         actorder=args.gptq_actorder == "static",
+        method=args.method,
+        smoothquant_alpha=args.smoothquant_alpha,
+        awq_grid=args.awq_grid,
+        all_experts=args.calibrate_all_experts,
     )
 
 
@@ -246,12 +286,7 @@ def calibrate(
 
     def progress(p: lm_calibration.LayerProgress) -> None:
         if not quiet:
-            print(
-                f"qmill: layer {p.layer + 1}/{p.layers}: GPTQ loss {p.loss:.4g}, "
-                f"{p.seconds:.1f} s, ETA {p.eta_seconds:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(progress_line(args.method, p), file=sys.stderr, flush=True)
 
     done = lm_calibration.calibrate(
         args.source, args.output, recipe, req, restart=args.restart, progress=progress
@@ -287,11 +322,21 @@ def gate(args: argparse.Namespace, ppl: dict[str, float] | None, kept: str) -> N
         )
 
 
-def method_of(row: Any, calibrated: Collection[str]) -> str:
-    """A report row's method, as for a --calibration run: GPTQ for the calibrated linears,
-    RTN for what else the recipe quantized, "" for what it kept."""
+def progress_line(method: str, p: Any) -> str:
+    """One finished layer ("qmill: layer 3/30: GPTQ loss 0.012, 4.1 s, ETA 110 s"): GPTQ's loss,
+    AWQ's block-output error without GPTQ, no number for SmoothQuant alone."""
+    return "qmill: " + lm_methods.layer_line(
+        method, p.layer, p.layers, p.loss, p.seconds, p.eta_seconds
+    )
+
+
+def method_of(row: Any, calibrated: Mapping[str, str]) -> str:
+    """A report row's method, as for a --calibration run: the calibrated linears' (GPTQ, AWQ,
+    AWQ+GPTQ, SmoothQuant, SmoothQuant+GPTQ; RTN for one no fold scaled, and for experts no
+    token reached: the report's calibration.round_to_nearest says why), RTN for what else the
+    recipe quantized, "" for what it kept."""
     if row.path in calibrated:
-        return "GPTQ"
+        return METHOD_NAMES[calibrated[row.path]]
     return "" if row.qtype == "kept" else "RTN"
 
 

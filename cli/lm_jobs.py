@@ -1,4 +1,5 @@
-"""`qmill submit FOLDER DEST --method gptq ...`: a language-model calibration as a job's request.
+"""`qmill submit FOLDER DEST --method gptq|awq|... ...`: a language-model calibration as a job's
+request.
 
 The flags are `qmill quantize`'s (calibrated_lm.add_arguments); the client makes the token
 windows (the folder's tokenizer.json, or the --*-ids files) and sends them inside the
@@ -32,12 +33,15 @@ def message(
 ) -> pb.LanguageModelCalibration:
     """The wire form of a calibration request."""
     out = pb.LanguageModelCalibration(
-        method="gptq",
+        method=request.method,
         calibration_ids=_inline("calibration_ids", request.calibration_ids),
         gptq_block_size=request.blocksize,
         gptq_dampening=request.percdamp,
         gptq_actorder="static" if request.actorder else "none",
     )
+    if request.method != "gptq":  # a GPTQ request stays the message it was (its server id)
+        out.smoothquant_alpha = request.smoothquant_alpha
+        out.awq_grid = request.awq_grid
     if request.eval_ids is not None:
         out.eval_ids.CopyFrom(_inline("eval_ids", request.eval_ids))
     if max_ppl_increase is not None:

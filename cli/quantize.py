@@ -49,7 +49,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     inputs = static_activations.input_parts(args, recipe, planned, static)
     if remote is not None:
         calibration = remote.quantize_kwargs()
-    rows = _run(args, planned, calibration, calibrated, inputs, err)
+    folded = (calibrated or remote).folded if (calibrated or remote) else None
+    rows = _run(args, planned, calibration, calibrated, inputs, folded, err)
     seconds = time.monotonic() - started
     rows, lm_report = _with_methods(rows, methods, lm, calibrated, remote)
     summary = report.Summary(
@@ -100,7 +101,7 @@ def _with_methods(
     if calibrated is not None:
         lm_report, gptqd = calibrated_lm.report_fields(lm, calibrated), calibrated.methods
     elif remote is not None:
-        lm_report, gptqd = remote.report, remote.tensors
+        lm_report, gptqd = remote.report, remote.methods
     if gptqd is not None:
         rows = [dataclasses.replace(r, method=calibrated_lm.method_of(r, gptqd)) for r in rows]
     return rows, lm_report
@@ -112,6 +113,7 @@ def _run(
     calibration: dict[str, Any],
     calibrated: Any,
     inputs: dict[str, dict[str, Any]] | None,
+    folded: Any,
     err: Console,
 ) -> list[pipeline.ReportRow]:
     """Runs the plan, retried (resuming) while a server is unavailable; the report's rows."""
@@ -130,6 +132,8 @@ def _run(
                 restart=restart,
                 # The tensors only go out on the wire: read-only views of the file will do.
                 mapped_reads=bool(args.server),
+                # AWQ / SmoothQuant's folded norms and biases, in place of the source's.
+                replaced=folded,
                 on_resume=lambda done, total: print(
                     f"qmill: resumed: {done} of {total} tensors already written "
                     f"(in {args.output}{staging.PARTIAL_SUFFIX}; --restart starts over)",

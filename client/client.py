@@ -189,11 +189,13 @@ class Client(_Base):
         request: pb.CalibrateLanguageModelRequest,
         *,
         on_progress: Callable[[pb.LanguageModelProgress], None] | None = None,
+        on_folded: Callable[[pb.InlineTensor], None] | None = None,
     ) -> pb.CalibrateLanguageModelSummary:
         """Calibrates a Hugging Face causal-LM folder whose weight files are uploaded (no
-        timeout: it takes minutes to hours); `on_progress` sees each finished layer. Its summary's
-        calibration_id goes to `quantize(static_ranges=...)`."""
-        collector = _LmCollector(on_progress)
+        timeout: it takes minutes to hours); `on_progress` sees each finished layer, `on_folded`
+        each float tensor AWQ / SmoothQuant changed (to write in place of the source's). Its
+        summary's calibration_id goes to `quantize(static_ranges=...)`."""
+        collector = _LmCollector(on_progress, on_folded)
         stream = self._connection.stream(
             "Calibrator", "CalibrateLanguageModel", request, collector.feed, timeout=None
         )
@@ -314,8 +316,9 @@ class AsyncClient(_Base):
         request: pb.CalibrateLanguageModelRequest,
         *,
         on_progress: Callable[[pb.LanguageModelProgress], None] | None = None,
+        on_folded: Callable[[pb.InlineTensor], None] | None = None,
     ) -> pb.CalibrateLanguageModelSummary:
-        collector = _LmCollector(on_progress)
+        collector = _LmCollector(on_progress, on_folded)
         stream = self._connection.stream(
             "Calibrator", "CalibrateLanguageModel", request, collector.feed, timeout=None
         )
@@ -339,16 +342,23 @@ class AsyncClient(_Base):
 
 
 class _LmCollector:
-    """CalibrateLanguageModel's responses: each layer's progress to `on_progress`, the summary
-    kept."""
+    """CalibrateLanguageModel's responses: each layer's progress to `on_progress`, each folded
+    tensor to `on_folded`, the summary kept."""
 
-    def __init__(self, on_progress: Callable[[pb.LanguageModelProgress], None] | None) -> None:
+    def __init__(
+        self,
+        on_progress: Callable[[pb.LanguageModelProgress], None] | None,
+        on_folded: Callable[[pb.InlineTensor], None] | None = None,
+    ) -> None:
         self._on_progress = on_progress
+        self._on_folded = on_folded
         self._summary: pb.CalibrateLanguageModelSummary | None = None
 
     def feed(self, response: pb.CalibrateLanguageModelResponse) -> None:
         if response.HasField("progress") and self._on_progress is not None:
             self._on_progress(response.progress)
+        elif response.HasField("folded") and self._on_folded is not None:
+            self._on_folded(response.folded)
         elif response.HasField("summary"):
             self._summary = response.summary
 

@@ -184,6 +184,12 @@ def byte_chunks(data: bytes) -> Iterator[pb.TensorChunk]:
     return wire.chunks(np.frombuffer(data, np.uint8))
 
 
+def inline_tensor(path: str, array: np.ndarray) -> pb.InlineTensor:
+    """A small tensor inside a message, as its header and wire bytes."""
+    data = wire.to_bytes(array)
+    return pb.InlineTensor(header=wire.header_for(path, array, data), data=data.tobytes())
+
+
 def token_ids(message: pb.InlineTensor, what: str) -> np.ndarray:
     """An InlineTensor of token ids as an int32 (samples, tokens) array (`what`: the field's
     name, for the message). Raises ValueError saying what to fix."""
@@ -209,8 +215,11 @@ def lm_options(
 ) -> tuple[lm_calibration.LmRequest, float | None]:
     """The calibration a language-model job asks for, as lm_calibration.LmRequest, and its
     perplexity gate (percent, or None). Raises ValueError saying what to fix."""
-    if message.method != "gptq":
-        raise ValueError(f"language_model.method {message.method!r} is not one of: gptq")
+    if message.method not in lm_calibration.METHODS:
+        raise ValueError(
+            f"language_model.method {message.method!r} is not one of: "
+            + ", ".join(lm_calibration.METHODS)
+        )
     if not message.HasField("calibration_ids"):
         raise ValueError("language_model.calibration_ids is unset: send the calibration tokens")
     calibration = token_ids(message.calibration_ids, "language_model.calibration_ids")
@@ -231,11 +240,17 @@ def lm_options(
             raise ValueError("max_ppl_increase is NaN: give a percentage")
         if evaluation is None:
             raise ValueError("max_ppl_increase needs eval_ids (the held-out tokens)")
+    alpha = message.smoothquant_alpha if message.HasField("smoothquant_alpha") else 0.5
+    if message.awq_grid < 0:
+        raise ValueError(f"awq_grid must be at least 2, got {message.awq_grid}")
     request = lm_calibration.LmRequest(
         calibration_ids=calibration,
         eval_ids=evaluation,
         blocksize=message.gptq_block_size or 128,
         percdamp=dampening,
         actorder=message.gptq_actorder != "none",
+        method=message.method,
+        smoothquant_alpha=alpha,
+        awq_grid=message.awq_grid or 20,
     )
     return request, gate

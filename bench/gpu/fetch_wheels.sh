@@ -9,7 +9,7 @@ PY=${PY:-python3}
 WANT=(
     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
     google-crc32c==1.9.0 google-re2==1.1.20251105 flatbuffers==25.12.19
-    qwix==0.1.8 opt_einsum==3.4.0 absl-py==2.5.1
+    qwix==0.1.8 opt_einsum==3.4.0 absl-py==2.5.1 threadpoolctl==3.6.0
 )
 for want in "${WANT[@]}"; do
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -1,11 +1,14 @@
-"""GPTQ for a Hugging Face causal-LM folder, layer by layer, resumable, with its perplexity.
+"""A Hugging Face causal-LM folder calibrated layer by layer (GPTQ, AWQ, SmoothQuant:
+lm_methods.py), resumable, with its perplexity.
 
 The side effects around engine/lm/sequential.py: reading one decoder layer's tensors at a time
 from the folder's safetensors, keeping each finished layer on disk beside the destination
 (`<destination>.qmill-calibration/`) so a killed run resumes at the last finished layer, and
-reporting progress. What it produces is one LeafResult per calibrated linear; the checkpoint
-pipeline then writes the output from them (`Precomputed`), every other tensor as the recipe
-says, so the output is the same folder as a round-to-nearest run's, in any format.
+reporting progress. What it produces is one LeafResult per calibrated linear (and, for AWQ and
+SmoothQuant, the norms and biases their folds changed); the checkpoint pipeline then writes the
+output from them (`Precomputed`, and the folded tensors in place of the source's), every other
+tensor as the recipe says, so the output is the same folder as a round-to-nearest run's, in any
+format.
 
 Memory: one layer's weights (float32), the calibration and evaluation hidden states, one
 stage's Hessian and input: `estimate` says how much, before any work.
@@ -28,10 +31,12 @@ import numpy as np
 
 from qmill.checkpoints.formats.hf_folder import folder as hf_folder
 from qmill.checkpoints.formats.safetensors import source as safetensors_source
+from qmill.checkpoints.lm import methods as lm_methods
 from qmill.checkpoints.lm import work as lm_work
 from qmill.checkpoints.run import embedded, outcome
 
 SUFFIX = ".qmill-calibration"
+METHODS = lm_methods.METHODS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +55,18 @@ class LmRequest:
     # 4 is as fast as 8 or 16 on the 2-core VM (smaller score blocks stay in cache) and holds
     # half the temporaries of 8.
     chunk: int = 4
+    # A mixture of experts: every token through every expert for the statistics (the layer's
+    # output keeps the routed result).
+    all_experts: bool = False
+    # One of METHODS (lm_methods.py, docs/calibrated-methods.md).
+    method: str = "gptq"
+    # SmoothQuant's migration strength α (llm-compressor's smoothing_strength).
+    smoothquant_alpha: float = 0.5
+    # AWQ's grid points over the ratio (llm-compressor's n_grid).
+    awq_grid: int = 20
+
+    def __post_init__(self) -> None:
+        lm_methods.check(self.method, self.smoothquant_alpha, self.awq_grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +86,20 @@ class LmOutcome:
     """What the calibration gave: the calibrated linears' results live in `directory`."""
 
     directory: pathlib.Path
-    # Full tensor name → method ("gptq") for every calibrated linear.
+    # Full tensor name → method ("gptq", "awq", "awq+gptq", ...; "rtn" for an expert no token
+    # reached or a linear no fold scaled) for every linear the calibration quantized.
     methods: dict[str, str]
     # One {"layer", "loss", "seconds", "losses": {name: loss}} per decoder layer.
     layers: list[dict[str, Any]]
     # {"source": ppl, "quantized": ppl} or None without evaluation windows.
     perplexity: dict[str, float] | None
+    # Full tensor name → why it was quantized round to nearest (an expert no token reached).
+    rtn: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Tensor name → a loader of a float tensor AWQ / SmoothQuant changed (a norm, a bias), which
+    # the output holds in place of the source's (pipeline.quantize_checkpoint's `replaced`).
+    folded: dict[str, Callable[[], np.ndarray]] = dataclasses.field(default_factory=dict)
+    # The request's method (METHODS).
+    method: str = "gptq"
 
 
 def work_directory(destination: str | os.PathLike) -> pathlib.Path:
@@ -121,7 +146,14 @@ def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmReq
         "weights": sizes,
         "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
         "tokens": digest.hexdigest(),
-        "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk],
+        "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk]
+        + ([True] if request.all_experts else []),
+        # Only where there is one: a GPTQ calibration kept before methods existed still matches.
+        **(
+            {"method": [request.method, request.smoothquant_alpha, request.awq_grid]}
+            if request.method != "gptq"
+            else {}
+        ),
     }
 
 
@@ -151,13 +183,17 @@ def estimate(cfg: Any, entries: Mapping[str, Any], request: LmRequest) -> dict[s
         evaluation = 4 * (2 * windows * length * cfg.hidden_size)
         evaluation += min(4 * min(windows, request.chunk) * length * cfg.vocab_size, 2 << 25)
     hessian = 4 * widest * widest * 3  # H, its inverse factor, and the work copy
-    return {
+    parts = {
         "layer": 2 * layer,  # as read and in float32
         "embedding and head": outer,
         "hidden states": hidden,
         "evaluation": evaluation,
         "hessian": hessian,
     }
+    if lm_methods.smoothing(request.method) == "awq":
+        # The float block's output for every sample, which each candidate is compared with.
+        parts["awq search"] = 4 * samples * tokens * cfg.hidden_size
+    return parts
 
 
 def calibrate(
@@ -181,7 +217,6 @@ def calibrate(
       ValueError: an unsupported architecture, missing tensors, token ids outside the
         vocabulary, or kept work made with other arguments (pass restart).
     """
-    from qmill.engine.contrib import gptq_core
     from qmill.engine.lm import config as config_lib
     from qmill.engine.lm import sequential
 
@@ -190,11 +225,11 @@ def calibrate(
     folder = pathlib.Path(folder)
     cfg = model_config(folder)
     _check_ids(cfg, request)
-    options = gptq_core.GptqOptions(
-        blocksize=request.blocksize, percdamp=request.percdamp, actorder=request.actorder
-    )
+    calibrate_layer = lm_methods.layer_calibrator(request)
+    # The served model's forward pass (the evaluation's): dynamic input quantization.
+    quantized_cfg = lm_methods.quantized_config(cfg, recipe)
     work = lm_work.Work(work_directory(destination), _fingerprint(folder, recipe, request), restart)
-    with _open_weights(folder) as weights:
+    with work, _open_weights(folder) as weights:
         entries = {e.path: tuple(e.shape) for e in weights.entries()}
         dtypes = {e.path: e.dtype for e in weights.entries()}
         _check_tensors(cfg, entries)
@@ -214,13 +249,12 @@ def calibrate(
                 for n in config_lib.layer_tensor_names(cfg, layer)
             }
             linears = plans.linears(cfg, layer, prefix)
-            done = sequential.calibrate_layer(
-                cfg, layer, tensors, streams.take_hidden(), linears, options
-            )
+            done = calibrate_layer(cfg, layer, tensors, streams.take_hidden(), linears)
+            check_scales(done.results)
             if streams.source is not None:
                 streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
                 streams.quantized = sequential.run_layer(
-                    cfg, layer, done.weights, streams.quantized
+                    quantized_cfg, layer, done.weights, streams.quantized
                 )
             streams.hidden, streams.next_layer = done.hidden, layer + 1
             seconds = time.monotonic() - t0
@@ -228,28 +262,45 @@ def calibrate(
             if progress is not None:
                 finished = layer + 1 - work.resumed_at
                 eta = (time.monotonic() - started) / finished * (cfg.num_layers - layer - 1)
-                loss = sum(done.losses.values())
+                loss = lm_work.layer_loss(done)
                 progress(LayerProgress(layer, cfg.num_layers, loss, seconds, eta))
             # done.hidden is the next layer's input: held here, it would outlive take_hidden.
             del done, tensors
-        perplexity = _perplexity(cfg, plans, outer, streams)
-    return LmOutcome(work.directory, work.methods(), work.layers(), perplexity)
+        perplexity = None
+        if streams.source is not None:
+            quantized_outer = plans.outer_as_quantized(cfg, outer)
+            perplexity = {
+                "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
+                "quantized": sequential.perplexity(
+                    cfg, quantized_outer, streams.quantized, streams.eval_ids
+                ),
+            }
+    return LmOutcome(
+        work.directory,
+        work.methods(),
+        work.layers(),
+        perplexity,
+        rtn=work.rtn(),
+        folded=lm_work.folded_of(work.directory),
+        method=request.method,
+    )
 
 
-def _perplexity(cfg: Any, plans: _Plans, outer: Any, streams: Any) -> dict[str, float] | None:
-    """The source's and the quantized model's perplexity on the evaluation tokens (None
-    without them), from the streams the layers were run on."""
-    from qmill.engine.lm import sequential
+def check_scales(results: Mapping[str, Any]) -> None:
+    """Refuses, before anything is kept or written, a result with a NaN, infinite, zero or
+    negative scale (what an expert without calibration tokens gets from other trackers).
 
-    if streams.source is None:
-        return None
-    quantized_outer = plans.outer_as_quantized(cfg, outer)
-    return {
-        "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
-        "quantized": sequential.perplexity(
-            cfg, quantized_outer, streams.quantized, streams.eval_ids
-        ),
-    }
+    Raises:
+      ValueError: naming the tensor.
+    """
+    for name, result in results.items():
+        scale = np.asarray(result.scale).astype(np.float32)
+        if not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+            bad = int(np.sum(~(np.isfinite(scale) & (scale > 0))))
+            raise ValueError(
+                f"{name}: {bad} of its {scale.size} scales are NaN, infinite or not positive; "
+                "nothing was written (report this: the calibration should not produce them)"
+            )
 
 
 def _free_large_blocks_at_once() -> None:
@@ -423,20 +474,15 @@ def check_request(folder: str | os.PathLike, request: LmRequest) -> Any:
 
 
 def report_fields(request: LmRequest, done: LmOutcome) -> dict[str, Any]:
-    """A calibration's report: the perplexity, each layer's GPTQ losses and the options (what
-    `--report-json` adds, and a job's calibration_report_json)."""
-    return {
-        "perplexity": done.perplexity,
-        "calibration": {
-            "method": "gptq",
-            "samples": int(request.calibration_ids.shape[0]),
-            "seq_len": int(request.calibration_ids.shape[1]),
-            "eval_windows": None if request.eval_ids is None else int(request.eval_ids.shape[0]),
-            "gptq": {
-                "block_size": request.blocksize,
-                "dampening": request.percdamp,
-                "actorder": "static" if request.actorder else None,
-            },
-            "layers": done.layers,
-        },
+    """A calibration's report: the perplexity, each layer's losses (and folds) and the options
+    (what `--report-json` adds, and a job's calibration_report_json)."""
+    calibration: dict[str, Any] = {
+        "method": request.method,
+        "samples": int(request.calibration_ids.shape[0]),
+        "seq_len": int(request.calibration_ids.shape[1]),
+        "eval_windows": None if request.eval_ids is None else int(request.eval_ids.shape[0]),
+        "calibrate_all_experts": request.all_experts,
+        "round_to_nearest": done.rtn,
     }
+    calibration.update(lm_methods.report_options(request, done.methods))
+    return {"perplexity": done.perplexity, "calibration": {**calibration, "layers": done.layers}}

@@ -6,6 +6,8 @@ resumes at the next layer with the same bytes.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,6 +20,8 @@ import numpy as np
 
 _META = "meta.json"
 _STATE = "state.npz"
+# Key prefix of the folded float tensors in a layer's npz (beside NAME/qvalue, NAME/scale).
+_FOLDED = "folded/"
 
 
 @dataclasses.dataclass
@@ -45,6 +49,10 @@ class Work:
     def __init__(self, directory: pathlib.Path, fingerprint: dict, restart: bool) -> None:
         self.directory = directory
         self.resumed_at = 0
+        # The state after a layer is written while the next layer computes (75 MB at 64 x 512
+        # tokens: ~0.2 s a layer otherwise); one write at a time, in layer order.
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "qmill-lm-state")
+        self._writing: concurrent.futures.Future | None = None
         if restart:
             shutil.rmtree(directory, ignore_errors=True)
         meta = directory / _META
@@ -89,11 +97,13 @@ class Work:
             arrays[f"{name}/scale"] = _storable(result.scale)
             if result.zero_point is not None:
                 arrays[f"{name}/zero_point"] = _storable(result.zero_point)
+        for name, array in done.folded.items():  # AWQ / SmoothQuant's folded norms and biases
+            arrays[f"{_FOLDED}{name}"] = _storable(array)
         _save_npz_atomic(self.directory / f"layer-{layer:05d}.npz", arrays)
         line = {
             "layer": layer,
             "seconds": round(seconds, 3),
-            "loss": sum(done.losses.values()),
+            "loss": layer_loss(done),
             "losses": done.losses,
             "tensors": {
                 name: {
@@ -105,9 +115,14 @@ class Work:
                     "sqnr_db": r.quality.sqnr_db,
                     "mean_relative_error": r.quality.mean_relative_error,
                 }
+                | ({"rtn": done.rtn[name]} if name in getattr(done, "rtn", {}) else {})
                 for name, r in done.results.items()
             },
         }
+        if done.folded or done.methods or done.smoothing:  # lines of a GPTQ run stay as they were
+            line["folded"] = {name: np.dtype(a.dtype).name for name, a in done.folded.items()}
+            line["methods"] = done.methods
+            line["smoothing"] = done.smoothing
         with open(self.directory / "layers.jsonl", "a") as log:
             log.write(json.dumps(line) + "\n")
             log.flush()
@@ -117,15 +132,56 @@ class Work:
             value = getattr(streams, key)
             # Chunk by chunk: no concatenated copy of every sample's hidden states.
             for i, chunk in enumerate(value or ()):
-                state[f"{key}/{i:05d}"] = np.asarray(chunk)
-        _save_npz_atomic(self.directory / _STATE, state)
+                state[f"{key}/{i:05d}"] = chunk
+        self.wait()
+        self._writing = self._writer.submit(_save_npz_atomic, self.directory / _STATE, state)
+
+    def __enter__(self) -> Work:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        """Leaves no write in flight: a caller that then discards the directory (a cancelled
+        job) must not race the last state's write into it. A failed write is raised unless the
+        block is already raising."""
+        try:
+            if kind is None:
+                self.wait()
+            else:
+                with contextlib.suppress(Exception):
+                    self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+
+    def wait(self) -> None:
+        """Returns once the last layer's state is on disk (raises what writing it raised).
+        A kill before then resumes at that layer, as a kill before finish_layer would."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
 
     def layers(self) -> list[dict[str, Any]]:
-        keep = ("layer", "loss", "seconds", "losses")
-        return [{k: e[k] for k in keep} for _, e in sorted(_log(self.directory).items())]
+        self.wait()  # read at the end of a calibration: the kept work is then complete
+        keep = ("layer", "loss", "seconds", "losses", "smoothing")
+        return [{k: e[k] for k in keep if k in e} for _, e in sorted(_log(self.directory).items())]
 
     def methods(self) -> dict[str, str]:
-        return {name: "gptq" for e in _log(self.directory).values() for name in e["tensors"]}
+        """Calibrated tensor → its method ("gptq", "awq", "smoothquant+gptq", "rtn", ...)."""
+        self.wait()
+        return {
+            name: "rtn" if "rtn" in info else e.get("methods", {}).get(name, "gptq")
+            for e in _log(self.directory).values()
+            for name, info in e["tensors"].items()
+        }
+
+    def rtn(self) -> dict[str, str]:
+        """Tensor name → why it was quantized round to nearest (no token reached it)."""
+        self.wait()
+        return {
+            name: info["rtn"]
+            for e in _log(self.directory).values()
+            for name, info in e["tensors"].items()
+            if "rtn" in info
+        }
 
 
 def _log(directory: pathlib.Path) -> dict[int, dict[str, Any]]:
@@ -147,6 +203,32 @@ def results_of(directory: pathlib.Path) -> Iterator[tuple[str, Callable[[], Any]
     for layer, entry in _log(directory).items():
         for name, info in entry["tensors"].items():
             yield name, _loader(directory / f"layer-{layer:05d}.npz", name, info)
+
+
+def layer_loss(done: Any) -> float:
+    """A layer's number for its log and progress lines: GPTQ's loss summed over its linears, or
+    without GPTQ the block-output errors AWQ reached (0 for SmoothQuant alone)."""
+    if done.losses:
+        return float(sum(done.losses.values()))
+    return float(sum(fold.get("error", 0.0) for fold in done.smoothing))
+
+
+def folded_of(directory: pathlib.Path) -> dict[str, Callable[[], np.ndarray]]:
+    """Tensor name → a loader of the float tensor a fold changed (a norm, a bias; in its own
+    dtype), which the output holds in place of the source's."""
+    out = {}
+    for layer, entry in _log(directory).items():
+        for name, dtype in entry.get("folded", {}).items():
+            out[name] = _folded_loader(directory / f"layer-{layer:05d}.npz", name, dtype)
+    return out
+
+
+def _folded_loader(path: pathlib.Path, name: str, dtype: str) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        with np.load(path) as stored:
+            return _restore(stored[_FOLDED + name], dtype)
+
+    return load
 
 
 def _storable(a: np.ndarray) -> np.ndarray:

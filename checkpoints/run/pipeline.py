@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import os
 import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,6 +24,7 @@ from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.run import in_order
 from qmill.checkpoints.run import outcome as outcome_lib
 from qmill.checkpoints.run import plan as plan_lib
+from qmill.checkpoints.run import replaced as replaced_lib
 from qmill.checkpoints.run import rows as rows_lib
 from qmill.checkpoints.run.plan import QUANTIZABLE as QUANTIZABLE
 from qmill.checkpoints.run.plan import with_default_convention as with_default_convention
@@ -52,6 +53,10 @@ class Options:
     mapped_reads: bool = False
     in_place: bool = True
     on_resume: Callable[[int, int], None] | None = None
+    # Tensor name -> a loader of the array read in place of the source's (same dtype and shape):
+    # the norms and biases a language model's AWQ / SmoothQuant folded its scales into
+    # (lm/calibration.py). They are part of the partial output's fingerprint.
+    replaced: Mapping[str, Callable[[], np.ndarray]] | None = None
 
 
 def quantize_checkpoint(
@@ -90,6 +95,8 @@ def quantize_checkpoint(
     (SafetensorsSource.mapped) instead of copies, for a backend that only sends the bytes on (a
     server); the engine in this process wants buffers of its own.
 
+    `replaced`: tensor name -> a loader of the array read in place of the source's (Options).
+
     Raises:
         FileExistsError: `destination` exists and `overwrite` is False.
         staging.FingerprintMismatch: a partial output made with another recipe, source or
@@ -127,10 +134,12 @@ def _run_opened(
     if options.mapped_reads and hasattr(checkpoint, "mapped"):
         checkpoint.mapped = True  # a safetensors source maps its tensors instead of reading
     _check_sizes(checkpoint.entries(), options.max_tensor_bytes)
-    fingerprint = _fingerprint(plan, checkpoint.entries())
+    # What the tensors are read from; the writer still takes the source's own layout.
+    reads = replaced_lib.ReplacedSource(checkpoint, options.replaced) if options.replaced else None
+    fingerprint = _fingerprint(plan, checkpoint.entries(), reads)
     # The tensors as the engine quantizes them (compressed-tensors FP8_BLOCK: ragged blocks
     # padded); the writer works from the source as it is.
-    source = plan.view(checkpoint)
+    source = plan.view(reads or checkpoint)
     entries = source.entries()
     # A full disk or read-only output says what failed and what is kept for resuming.
     opened: list[staging.PartialOutput] = []
@@ -278,13 +287,20 @@ def partial_fingerprint(
         return _fingerprint(planned, source.entries())
 
 
-def _fingerprint(plan: plan_lib.Plan, entries: list[protocols.TensorEntry]) -> dict[str, Any]:
-    return {
+def _fingerprint(
+    plan: plan_lib.Plan,
+    entries: list[protocols.TensorEntry],
+    replaced: replaced_lib.ReplacedSource | None = None,
+) -> dict[str, Any]:
+    out = {
         # NVFP4 in compressed-tensors: each tensor's global scale is in the recipe.
         "recipe": plan.quantize_recipe,
         "format": plan.format,
         "source": _source_fingerprint(plan.source, plan.source_format, entries),
     }
+    if replaced is not None:
+        out["replaced"] = replaced.digest()
+    return out
 
 
 def _source_fingerprint(

@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from qmill.engine.lm import moe_config
+
 SUPPORTED: tuple[str, ...] = (
     "llama",
     "mistral",
@@ -26,6 +28,7 @@ SUPPORTED: tuple[str, ...] = (
     "gemma2",
     "gemma3_text",
     "gemma3",
+    *moe_config.MOE_TYPES,
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
@@ -42,6 +45,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
     },
     "phi3": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    "mixtral": {
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+        "rope_theta": 1e6,
+    },
+    "qwen2_moe": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_window_layers": 28},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False},
     "gemma": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256},
     "gemma2": {
         "rms_norm_eps": 1e-6,
@@ -67,6 +78,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131_072,
     },
 }
+# A mixture of experts' attention and norms are those of its dense sibling.
+_DENSE_OF = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0}
 _GEMMA3_LOCAL_THETA = 10_000.0
 
@@ -102,6 +115,16 @@ class Rope:
     # longrope: per-frequency divisors up to / beyond the original context length.
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InputQuant:
+    """Dynamic quantization of a linear's input: a scale per token, or per group of features."""
+
+    # The codes' qtype: "int8" or "float8_e4m3fn" (symmetric, absmax, PyTorch's arithmetic).
+    qtype: str
+    # Features per scale along the last axis; None: one scale per token (all of them).
+    group: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,6 +186,11 @@ class LmConfig:
     # Prefix of the decoder's tensor names ("model."; "language_model.model." for Gemma 3's
     # multimodal checkpoints).
     prefix: str = "model."
+    # The sparse MLP block of a mixture of experts (moe_config.py); None for a dense model.
+    moe: moe_config.Moe | None = None
+    # Every decoder linear's input quantized and dequantized on the fly, as a serving stack runs
+    # a scheme with dynamic input activations (W8A8, FP8_DYNAMIC; activations.py); None: float.
+    input_quant: InputQuant | None = None
 
 
 def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
@@ -179,10 +207,13 @@ def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
         )
     c, prefix = _text_config(model_type, config)
-    arch = c["model_type"]
     heads = int(c["num_attention_heads"])
     head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
     layers = int(c["num_hidden_layers"])
+    moe = moe_config.from_hf(c["model_type"], c, layers)
+    arch = _DENSE_OF.get(c["model_type"], c["model_type"])
+    if c["model_type"] == "qwen3_moe" and c.get("use_sliding_window"):
+        raise ValueError("qwen3_moe: use_sliding_window is not supported")
     window, sliding = _sliding(arch, c, layers)
     rope, rope_local = _ropes(arch, c)
     gemma = arch in _GEMMA
@@ -202,7 +233,7 @@ def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
         rms_norm_eps=float(c["rms_norm_eps"]),
         activation=_activation(arch, c),
         tied=bool(c["tie_word_embeddings"]),
-        qkv_bias=bias or arch == "qwen2",
+        qkv_bias=bias or (arch == "qwen2" and bool(c.get("qkv_bias", True))),
         o_bias=bias,
         mlp_bias=bool(c.get("mlp_bias", False)) and arch == "llama",
         qk_norm=arch in ("qwen3", "gemma3_text"),
@@ -218,6 +249,7 @@ def from_hf_config(config: Mapping[str, Any]) -> LmConfig:
         rope_local=rope_local,
         fused=arch == "phi3",
         prefix=prefix,
+        moe=moe,
     )
 
 
@@ -381,8 +413,29 @@ def layer_prefix(cfg: LmConfig, i: int) -> str:
     return f"{cfg.prefix}layers.{i}."
 
 
-def relative_linear_names(cfg: LmConfig) -> tuple[str, ...]:
-    """The linear weights of a decoder layer, relative to its prefix, in forward order."""
+def is_moe_layer(cfg: LmConfig, layer: int) -> bool:
+    """Whether decoder layer `layer`'s MLP is the mixture-of-experts block."""
+    return cfg.moe is not None and cfg.moe.layers[layer]
+
+
+def _mlp_names(cfg: LmConfig, layer: int | None) -> tuple[str, ...] | None:
+    """A mixture-of-experts layer's MLP linears; None for a dense MLP."""
+    if cfg.moe is None:
+        return None
+    if layer is None:
+        raise ValueError(f"{cfg.model_type}: the layers differ; name one")
+    layer_prefix(cfg, layer)  # range check
+    return moe_config.linear_names(cfg.moe) if cfg.moe.layers[layer] else None
+
+
+def relative_linear_names(cfg: LmConfig, layer: int | None = None) -> tuple[str, ...]:
+    """The linear weights of a decoder layer, relative to its prefix, in forward order (a
+    mixture of experts' per expert: gate, up, down). `layer` is needed for a mixture of
+    experts, whose layers may differ."""
+    moe = _mlp_names(cfg, layer)
+    if moe is not None:
+        attn = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
+        return (*attn, "self_attn.o_proj.weight", *moe)
     if cfg.fused:
         attn = ("self_attn.qkv_proj.weight",)
         mlp = ("mlp.gate_up_proj.weight",)
@@ -392,9 +445,11 @@ def relative_linear_names(cfg: LmConfig) -> tuple[str, ...]:
     return (*attn, "self_attn.o_proj.weight", *mlp, "mlp.down_proj.weight")
 
 
-def relative_tensor_names(cfg: LmConfig) -> tuple[str, ...]:
+def relative_tensor_names(cfg: LmConfig, layer: int | None = None) -> tuple[str, ...]:
     """Every tensor of a decoder layer, relative to its prefix."""
-    names = list(relative_linear_names(cfg))
+    names = list(relative_linear_names(cfg, layer))
+    if cfg.moe is not None and cfg.moe.layers[layer]:  # layer checked by the line above
+        names += moe_config.tensor_names(cfg.moe)[len(moe_config.linear_names(cfg.moe)) :]
     if cfg.qkv_bias:
         names += [f"self_attn.{n}_proj.bias" for n in "qkv"]
     if cfg.o_bias:
@@ -412,13 +467,13 @@ def relative_tensor_names(cfg: LmConfig) -> tuple[str, ...]:
 def layer_tensor_names(cfg: LmConfig, i: int) -> tuple[str, ...]:
     """Every HF tensor name of decoder layer i (full names)."""
     prefix = layer_prefix(cfg, i)
-    return tuple(prefix + n for n in relative_tensor_names(cfg))
+    return tuple(prefix + n for n in relative_tensor_names(cfg, i))
 
 
 def linear_names(cfg: LmConfig, i: int) -> tuple[str, ...]:
     """The full names of decoder layer i's linear weights: the quantization targets."""
     prefix = layer_prefix(cfg, i)
-    return tuple(prefix + n for n in relative_linear_names(cfg))
+    return tuple(prefix + n for n in relative_linear_names(cfg, i))
 
 
 def outer_tensor_names(cfg: LmConfig) -> dict[str, str | None]:

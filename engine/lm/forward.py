@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qmill.engine.lm import activations, moe
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import rope as rope_lib
 
@@ -44,7 +45,17 @@ class Stage:
 def stages(cfg: config_lib.LmConfig, layer: int) -> tuple[Stage, ...]:
     """The decoder layer cut at each group of linears sharing one input (the last: none)."""
     config_lib.layer_prefix(cfg, layer)  # range check
-    names = config_lib.relative_linear_names(cfg)
+    names = config_lib.relative_linear_names(cfg, layer if cfg.moe else None)
+    if config_lib.is_moe_layer(cfg, layer):
+        # The block's input (stage 2's x) feeds the router and every expert, each on its own
+        # tokens: stage 3 passes it on unchanged, stage 4 is the block (moe.py).
+        return (
+            Stage("attn_in", names[:3]),
+            Stage("attn_out", names[3:4]),
+            Stage("moe_in", ()),
+            Stage("experts", names[4:]),
+            Stage("out", ()),
+        )
     if cfg.fused:
         attn, o, mlp, down = names[:1], names[1:2], names[2:3], names[3:]
     else:
@@ -198,7 +209,19 @@ def run_stage(
     their input and carry["h"] the residual stream so far; after the last, carry["h"] is the
     layer's output (and no "x").
     """
+    if config_lib.is_moe_layer(cfg, layer) and index >= 3:
+        return _moe_stage(cfg, index, weights, carry)
     return _stage(cfg, _sliding(cfg, layer), index, weights, carry)
+
+
+def _moe_stage(cfg: config_lib.LmConfig, index: int, weights, carry) -> dict[str, jax.Array]:
+    """Stages 3 and 4 of a mixture-of-experts layer (eager: which tokens reach an expert is
+    data)."""
+    if index == 3:
+        return dict(carry)
+    if index == 4:
+        return {"h": carry["h"].astype(_F32) + moe.block(cfg, weights, carry["x"])}
+    raise ValueError(f"stage {index} out of range: a decoder layer has {_STAGES} stages")
 
 
 def _sliding(cfg: config_lib.LmConfig, layer: int) -> bool:
@@ -249,6 +272,8 @@ def stage_fn(
     twice, not 30 times (it compiles again for other shapes or weight dtypes)."""
     if not 0 <= index < _STAGES:
         raise ValueError(f"stage {index} out of range: a decoder layer has {_STAGES} stages")
+    if config_lib.is_moe_layer(cfg, layer) and index >= 3:
+        return functools.partial(_moe_stage, cfg, index)
     return functools.partial(_stage_jit, cfg, _sliding(cfg, layer), index)
 
 
@@ -257,6 +282,8 @@ def _layer(cfg: config_lib.LmConfig, sliding: bool, weights, h: jax.Array) -> ja
     carry = {"h": h}
     for index in range(_STAGES):
         carry = _stage(cfg, sliding, index, weights, carry)
+        if cfg.input_quant is not None and "x" in carry:  # the next stage's linears' input
+            carry = {**carry, "x": activations.quantize_dequantize(cfg.input_quant, carry["x"])}
     return carry["h"]
 
 
@@ -264,7 +291,12 @@ def layer_forward(
     cfg: config_lib.LmConfig, layer: int, weights: Mapping[str, jax.Array], h: jax.Array
 ) -> jax.Array:
     """Decoder layer `layer` on h (B, T, D) float32: every stage in order, in one jitted call
-    (compiled once per kind of layer, as stage_fn)."""
+    (compiled once per kind of layer, as stage_fn; a mixture of experts' block eagerly)."""
+    if config_lib.is_moe_layer(cfg, layer):
+        carry = {"h": h}
+        for index in range(_STAGES):
+            carry = stage_fn(cfg, layer, index)(weights, carry)
+        return carry["h"]
     return _layer(cfg, _sliding(cfg, layer), weights, h)
 
 

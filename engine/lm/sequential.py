@@ -28,7 +28,7 @@ import numpy as np
 from qmill.engine.contrib import gptq_core
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.lm import config as config_lib
-from qmill.engine.lm import forward
+from qmill.engine.lm import forward, moe_calibration
 from qmill.engine.modelfree import layout
 from qmill.engine.modelfree import leaf as leaf_lib
 
@@ -50,6 +50,16 @@ class LayerCalibration:
     weights: dict[str, jax.Array]
     # The quantized layer's output: the next layer's input.
     hidden: Hidden
+    # Full tensor name → why it was quantized round to nearest instead (a mixture of experts'
+    # expert that no calibration token reached).
+    rtn: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Float tensors besides the quantized linears that the calibration changed (full names, their
+    # own dtype): the norms and biases AWQ / SmoothQuant fold their scales into (smoothing.py).
+    folded: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Full tensor name → its method where not GPTQ alone ("awq", "smoothquant+gptq", "rtn", ...).
+    methods: dict[str, str] = dataclasses.field(default_factory=dict)
+    # One entry per fold applied (smoothing.py): its scale's ratio and output errors, or strength.
+    smoothing: list[dict] = dataclasses.field(default_factory=list)
 
 
 def split(samples: np.ndarray | jax.Array, chunk: int) -> tuple[jax.Array, ...]:
@@ -111,6 +121,8 @@ def calibrate_layer(
     plans: Mapping[str, layout.LeafPlan],
     options: gptq_core.GptqOptions,
     observe: Observer | None = None,
+    *,
+    all_experts: bool = False,
 ) -> LayerCalibration:
     """GPTQs the linears of decoder layer `layer` that `plans` quantizes, in the sequential
     scheme (module docstring), on the hidden states entering it.
@@ -123,6 +135,8 @@ def calibrate_layer(
         in it stay in float.
       options: GPTQ's.
       observe: given, sees each stage's input (Observer).
+      all_experts: a mixture of experts' experts take the statistics of every token, not only
+        of those routed to them (moe_calibration.py).
 
     Raises:
       ValueError: a plan GPTQ cannot follow (no single contracted axis, a group size that does
@@ -136,7 +150,15 @@ def calibrate_layer(
     del hidden
     results: dict[str, leaf_lib.LeafResult] = {}
     losses: dict[str, float] = {}
+    rtn: dict[str, str] = {}
     for index, stage in enumerate(forward.stages(cfg, layer)):
+        if stage.name == "experts":  # a mixture of experts' block: the rest of the layer
+            block = _experts(cfg, prefix, current, carries, plans, options, observe, all_experts)
+            results |= {prefix + n: r for n, r in block.results.items()}
+            losses |= {prefix + n: v for n, v in block.losses.items()}
+            rtn = {prefix + n: why for n, why in block.rtn.items()}
+            carries = [{"h": h} for h in block.hidden]
+            break
         targets = [name for name in stage.linears if name in plans]
         h = None
         for i, carry in enumerate(carries):
@@ -159,7 +181,14 @@ def calibrate_layer(
             losses[prefix + name] = loss
             current[name] = deq
         del h
-    return LayerCalibration(results, losses, current, tuple(c["h"] for c in carries))
+    return LayerCalibration(results, losses, current, tuple(c["h"] for c in carries), rtn)
+
+
+def _experts(cfg, prefix, current, carries, plans, options, observe, all_experts):
+    return moe_calibration.calibrate_block(
+        cfg, current, carries, plans, options,
+        all_experts=all_experts, observe=observe, prefix=prefix,
+    )  # fmt: skip
 
 
 def run_layer(

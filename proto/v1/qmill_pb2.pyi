@@ -447,12 +447,14 @@ class LanguageModelProgress(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., layers: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., eta_seconds: _Optional[float] = ...) -> None: ...
 
 class CalibrateLanguageModelResponse(_message.Message):
-    __slots__ = ("progress", "summary")
+    __slots__ = ("progress", "summary", "folded")
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_FIELD_NUMBER: _ClassVar[int]
     progress: LanguageModelProgress
     summary: CalibrateLanguageModelSummary
-    def __init__(self, progress: _Optional[_Union[LanguageModelProgress, _Mapping]] = ..., summary: _Optional[_Union[CalibrateLanguageModelSummary, _Mapping]] = ...) -> None: ...
+    folded: InlineTensor
+    def __init__(self, progress: _Optional[_Union[LanguageModelProgress, _Mapping]] = ..., summary: _Optional[_Union[CalibrateLanguageModelSummary, _Mapping]] = ..., folded: _Optional[_Union[InlineTensor, _Mapping]] = ...) -> None: ...
 
 class CalibrateLanguageModelSummary(_message.Message):
     __slots__ = ("calibration_id", "report_json", "resumed_at_layer", "calibrated_tensors")
@@ -594,7 +596,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ..., language_model: _Optional[_Union[LanguageModelCalibration, _Mapping]] = ...) -> None: ...
 
 class LanguageModelCalibration(_message.Message):
-    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase")
+    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase", "smoothquant_alpha", "awq_grid")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_IDS_FIELD_NUMBER: _ClassVar[int]
     EVAL_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -602,6 +604,8 @@ class LanguageModelCalibration(_message.Message):
     GPTQ_DAMPENING_FIELD_NUMBER: _ClassVar[int]
     GPTQ_ACTORDER_FIELD_NUMBER: _ClassVar[int]
     MAX_PPL_INCREASE_FIELD_NUMBER: _ClassVar[int]
+    SMOOTHQUANT_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    AWQ_GRID_FIELD_NUMBER: _ClassVar[int]
     method: str
     calibration_ids: InlineTensor
     eval_ids: InlineTensor
@@ -609,7 +613,9 @@ class LanguageModelCalibration(_message.Message):
     gptq_dampening: float
     gptq_actorder: str
     max_ppl_increase: float
-    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ...) -> None: ...
+    smoothquant_alpha: float
+    awq_grid: int
+    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ..., smoothquant_alpha: _Optional[float] = ..., awq_grid: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix", "message", "calibration_report_json")

@@ -375,9 +375,10 @@ class CalibratorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CalibrateLanguageModel(self, request, context):
-        """Calibrates a Hugging Face causal-LM folder layer by layer (GPTQ), as `qmill quantize FOLDER
-        --method gptq` does in process: the folder's weight files are completed uploads (Uploads),
-        the token ids travel in the request. Streams one progress message per decoder layer, then a
+        """Calibrates a Hugging Face causal-LM folder layer by layer (GPTQ, AWQ, SmoothQuant), as `qmill
+        quantize FOLDER --method ...` does in process: the folder's weight files are completed uploads
+        (Uploads), the token ids travel in the request. Streams one progress message per decoder
+        layer, then (AWQ, SmoothQuant) the float tensors the folds changed, then a
         summary whose calibration_id QuantizeParams takes (static_ranges.calibration_id): its
         calibrated linears are answered with the kept results, every other tensor as usual, so
         the output is the in-process run's byte for byte. A call repeated with the same request

@@ -49,6 +49,8 @@ class Done:
     report_json: str
     resumed_at_layer: int
     calibrated_tensors: list[str]
+    # AWQ / SmoothQuant: name → the float tensor the folds changed (a norm, a bias).
+    folded: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def is_language_model(calibration_id: str) -> bool:
@@ -179,6 +181,7 @@ class LmCalibrations:
             report_json=json.dumps(report),
             resumed_at_layer=started[0] if started else cfg.num_layers,
             calibrated_tensors=sorted(done.methods),
+            folded={name: load() for name, load in sorted(done.folded.items())},
         )
 
 

@@ -259,6 +259,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         finally:
             stop.set()
         calls.annotate(calibration=done.calibration_id, resumed_at=done.resumed_at_layer)
+        for name, array in done.folded.items():  # AWQ / SmoothQuant: the folded norms, biases
+            yield pb.CalibrateLanguageModelResponse(folded=codec.inline_tensor(name, array))
         yield pb.CalibrateLanguageModelResponse(
             summary=pb.CalibrateLanguageModelSummary(
                 calibration_id=done.calibration_id,

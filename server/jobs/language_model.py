@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import methods as lm_methods
 from qmill.checkpoints.run import embedded
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec
@@ -85,10 +86,10 @@ def calibrate(
         if not first:
             first.append(p.layer)
         kept = f" (resumed after {first[0]} kept layers)" if first[0] else ""
-        update(
-            message=f"layer {p.layer + 1}/{p.layers}: GPTQ loss {p.loss:.4g}, "
-            f"{p.seconds:.1f} s, ETA {p.eta_seconds:.0f} s{kept}"
+        line = lm_methods.layer_line(
+            job.request.method, p.layer, p.layers, p.loss, p.seconds, p.eta_seconds
         )
+        update(message=line + kept)
 
     update(message="calibrating")
     done = lm_calibration.calibrate(
@@ -125,7 +126,10 @@ def summary(done: lm_calibration.LmOutcome) -> str:
             f"{_increase(ppl):+.2f} %"
         )
     losses = ", ".join(f"{entry['loss']:.4g}" for entry in done.layers)
-    parts.append(f"GPTQ loss by layer: {losses}")
+    if lm_methods.uses_gptq(done.method):
+        parts.append(f"GPTQ loss by layer: {losses}")
+    elif done.method == "awq":
+        parts.append(f"AWQ output MSE by layer: {losses}")
     return "; " + "; ".join(parts)
 
 

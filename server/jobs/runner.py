@@ -317,6 +317,8 @@ class JobRunner:
                     max_tensor_bytes=self._max_tensor_bytes,
                     # The mirror copies finished parts, not a data file that grows in place.
                     in_place=mirror is None,
+                    # AWQ / SmoothQuant's folded norms and biases, in place of the source's.
+                    replaced=calibrated.folded if calibrated is not None else None,
                 )
                 spread = peers_lib.describe_spread(backend)
             staged.publish(overwrite=record.overwrite, check=check)

@@ -8,7 +8,7 @@ output is hashed file by file (an Orbax one by what a reader gets back: its data
 at random and its metadata stamps times); the report JSON without its timings and the --dry-run
 table are hashed too.
 
-The expected digests (cli_digests.json) are these runs' with the code of main at e87703b, before
+The expected digests (cli_digests.json) are these runs' with the code of main at df2feeb, before
 issue 35's refactor (this file's __main__ at f6ea68d, whose imports name main's modules; now:
 `python -m tests.checkpoints.cli_digest_test > tests/checkpoints/cli_digests.json`). Regenerate
 them only for a deliberate change of an output, never to make this pass. Quantized codes and

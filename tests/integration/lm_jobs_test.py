@@ -214,7 +214,7 @@ def test_bad_requests_are_invalid_argument_at_submit(make_server, llama, ids, tm
         (llama, _message(ids, calibration_ids=_inline(np.zeros((2, 8), np.int64))),
          "INVALID_ARGUMENT", "must be DTYPE_INT32"),
         (llama, _message(ids, calibration_ids=crc), "DATA_LOSS", "crc32c"),
-        (llama, _message(ids, method="awq"), "INVALID_ARGUMENT", "not one of: gptq"),
+        (llama, _message(ids, method="squeezellm"), "INVALID_ARGUMENT", "not one of: gptq, awq"),
         (llama, _message(ids, gptq_actorder="dynamic"), "INVALID_ARGUMENT", "static or none"),
         (tmp_path / "missing", _message(ids), "INVALID_ARGUMENT", "does not exist"),
     ]  # fmt: skip
@@ -361,13 +361,13 @@ def test_the_async_client_calibrates_and_refuses_as_the_client_does(make_server,
         good = _lm_request(client, llama, _message(ids))
     bad = pb.CalibrateLanguageModelRequest()
     bad.CopyFrom(good)
-    bad.calibration.method = "awq"
+    bad.calibration.method = "squeezellm"
 
     async def run() -> pb.CalibrateLanguageModelSummary:
         async with AsyncClient(server.address, timeout=60) as client:
             with pytest.raises(errors.QmillError, match="INVALID_ARGUMENT") as raised:
                 await client.calibrate_language_model(bad)
-            assert "not one of: gptq" in raised.value.details
+            assert "not one of: gptq, awq" in raised.value.details
             layers: list[int] = []
             summary = await client.calibrate_language_model(
                 good, on_progress=lambda p: layers.append(p.layer)
@@ -386,3 +386,30 @@ def test_quantize_with_several_servers_is_refused_before_any_work(llama, ids, tm
     assert cli.main(args) == 1
     assert "--method gptq with --server takes one server" in capsys.readouterr().err
     assert not output.exists()
+
+
+def test_awq_gptq_through_a_server_and_as_a_job_gives_the_in_process_bytes(
+    make_server, llama, ids, tmp_path
+):
+    """The folded norms travel back (CalibrateLanguageModelResponse.folded) and are written in
+    place of the source's, by the client's pipeline and by a job's."""
+
+    def awq(output, *extra) -> list[str]:
+        args = _cli_args(llama, ids, output, "--awq-grid", "4", *extra)
+        return [*args[: args.index("gptq")], "awq+gptq", *args[args.index("gptq") + 1 :]]
+
+    reference = tmp_path / "in-process"
+    assert cli.main(awq(reference)) == 0
+    server = make_server()
+    output, report = tmp_path / "server", tmp_path / "report.json"
+    assert cli.main(awq(output, "--server", server.address, "--report-json", report)) == 0
+    _same_bytes(output, reference)
+    methods = {row["path"]: row["method"] for row in json.loads(report.read_text())["tensors"]}
+    assert sorted(methods.values()).count("AWQ+GPTQ") == 7 * LAYERS
+    dest = tmp_path / "job"
+    with Client(server.address, timeout=60) as client:
+        job = _submit(client, llama, dest, _message(ids, method="awq+gptq", awq_grid=4))
+        last = list(client.jobs.watch(job.job_id))[-1].job
+    assert last.state == pb.JOB_STATE_SUCCEEDED, last.error
+    assert "GPTQ loss by layer: " in last.message
+    _same_bytes(dest, reference)

@@ -28,6 +28,10 @@ CT_VERSION = "0.19.0"
 # Left in the source dtype by default, as users of llm-compressor pass them in `ignore`:
 # embeddings, the output head and norms (vectors are never quantized anyway). RE2, full match.
 DEFAULT_IGNORE_REGEX = r"(?i).*(embed|lm_head|norm).*"
+# A mixture of experts' routers (Mixtral's block_sparse_moe.gate, Qwen's mlp.gate and Qwen2-MoE's
+# shared_expert_gate) stay in the source dtype too: llm-compressor's users ignore them, and
+# transformers 5 loads them as plain parameters, not quantized Linears.
+ROUTER_IGNORE_REGEX = r".*\.(block_sparse_moe\.gate|mlp\.gate|mlp\.shared_expert_gate)\.weight"
 # compressed-tensors quantizes the `weight` of Linear modules only.
 TARGET_REGEX = r".*\.weight"
 
@@ -228,6 +232,7 @@ def recipe_for(scheme: Scheme) -> dict[str, Any]:
         "convention": "torch",
         "rules": [
             {"path_regex": DEFAULT_IGNORE_REGEX, "skip": True},
+            {"path_regex": ROUTER_IGNORE_REGEX, "skip": True},
             {"path_regex": TARGET_REGEX, **scheme.rule},
         ],
     }

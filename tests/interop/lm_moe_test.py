@@ -1,0 +1,149 @@
+"""`qmill quantize --method gptq` on mixtures of experts that transformers writes (Mixtral;
+Qwen3-MoE with a dense layer among its sparse ones): the output loads in transformers with the
+perplexity qmill reported, every expert's scales are finite and positive, the routers stay in
+the source dtype, an expert no calibration token reaches is round to nearest and named in the
+report, and --calibrate-all-experts GPTQs every expert."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from qmill.cli import main as cli
+
+VOCAB = 256
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+)
+MODELS = {
+    "mixtral": ("MixtralConfig", dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            SMALL,
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+}
+
+
+def _folder(name: str, root: pathlib.Path) -> pathlib.Path:
+    import torch
+    import transformers
+
+    config_class, kwargs = MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**kwargs)
+    folder = root / name
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("moe")
+    rng = np.random.default_rng(1)
+    for part, shape in (("cal", (4, 16)), ("eval", (2, 16))):
+        np.save(root / f"{part}.npy", rng.integers(0, VOCAB, shape).astype(np.int32))
+    # Two tokens, two experts each: at most 4 of Qwen3-MoE's 8 experts see one.
+    np.save(root / "tiny.npy", np.array([[5, 77]], np.int32))
+    return root
+
+
+def _quantize(folder, output, calibration, *extra) -> dict:
+    report = output.with_suffix(".json")
+    rc = cli.main(
+        ["quantize", str(folder), "-o", str(output), "--recipe", "W4A16", "--group-size", "32",
+         "--method", "gptq", "--calibration-ids", str(calibration), "--report-json",
+         str(report), "-q", *map(str, extra)]
+    )  # fmt: skip
+    assert rc == 0
+    return json.loads(report.read_text())
+
+
+def _experts(rows: list[dict]) -> dict[str, str]:
+    return {r["path"]: r["method"] for r in rows["tensors"] if ".experts." in r["path"]}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gptq_output_loads_with_the_reported_perplexity(name, root):
+    import torch
+    import transformers
+
+    folder = _folder(name, root)
+    # Qwen3-MoE on two tokens: some experts get none (the next test says which are RTN).
+    calibration = root / ("tiny.npy" if name == "qwen3_moe" else "cal.npy")
+    output = root / f"{name}-gptq"
+    report = _quantize(folder, output, calibration, "--eval-ids", root / "eval.npy")
+    experts = _experts(report)
+    experts_per_layer = 3 * MODELS[name][1].get("num_local_experts", 8)
+    assert len(experts) == experts_per_layer * (1 if name == "qwen3_moe" else 2)
+    if name == "mixtral":
+        assert set(experts.values()) == {"GPTQ"}, experts
+    routers = [
+        r for r in report["tensors"] if r["path"].endswith(("moe.gate.weight", "mlp.gate.weight"))
+    ]
+    assert routers and all(r["method"] == "" and r["qtype"] == "kept" for r in routers)
+
+    written = {}
+    for path in output.glob("*.safetensors"):
+        written.update(load_file(path))
+    scales = {k: v for k, v in written.items() if ".experts." in k and k.endswith("weight_scale")}
+    assert len(scales) == len(experts)
+    for key, scale in scales.items():
+        scale = scale.astype(np.float32)
+        assert np.all(np.isfinite(scale)) and np.all(scale > 0), key
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        output, dtype=torch.float32, attn_implementation="eager"
+    )
+    # transformers 5.17 leaves the kept (bf16) routers of a compressed-tensors folder in bf16
+    # whatever `dtype` says, and then fails to multiply them with float32 states.
+    for param in model.parameters():
+        if param.dtype == torch.bfloat16:
+            param.data = param.data.float()
+    ids = torch.tensor(np.load(root / "eval.npy"), dtype=torch.long)
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss.item()
+    # float32 on both sides from the same codes × scales; summation order only.
+    ppl = report["perplexity"]
+    assert ppl["quantized"] == pytest.approx(np.exp(loss), rel=1e-4)
+    # Close to the float model's: 4-bit groups of 32 on random weights move it by ~0.2 %
+    # (measured 0.01-0.2 %); a block computed wrongly (an expert's output lost, the routing
+    # taken from quantized weights) moves it by several %.
+    assert ppl["quantized"] == pytest.approx(ppl["source"], rel=0.02)
+
+
+def test_an_expert_without_tokens_is_rtn_and_all_experts_gptqs_every_one(root):
+    folder = root / "qwen3_moe"  # written by the test above
+    if not folder.is_dir():
+        folder = _folder("qwen3_moe", root)
+    report = _quantize(folder, root / "routed", root / "tiny.npy")
+    experts = _experts(report)
+    rtn = report["calibration"]["round_to_nearest"]
+    # Two tokens, top 2 of 8: at least 4 experts got none; their three linears are RTN, with
+    # the reason in the report; the others GPTQ.
+    assert len(rtn) >= 12 and len(rtn) % 3 == 0
+    assert {experts[name] for name in rtn} == {"RTN"}
+    assert all("no calibration token" in why for why in rtn.values())
+    assert {m for name, m in experts.items() if name not in rtn} == {"GPTQ"}
+
+    every = _quantize(folder, root / "every", root / "tiny.npy", "--calibrate-all-experts")
+    assert set(_experts(every).values()) == {"GPTQ"}
+    assert every["calibration"]["round_to_nearest"] == {}
+    assert every["calibration"]["calibrate_all_experts"] is True
