@@ -55,6 +55,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -250,13 +252,7 @@ def versions() -> dict:
     return found
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "peer-gptq":
-        peer_gptq(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), *sys.argv[6:8])
-        return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "peer-rtn":
-        peer_rtn(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])
-        return 0
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tools", default="peer", help="comma-separated: peer, qmill")
     parser.add_argument("--samples", type=int, default=64, help="calibration windows")
@@ -280,6 +276,48 @@ def main() -> int:
     parser.add_argument("--qmill-arg", action="append", default=[], help="one more qmill flag")
     parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/lm-gptq-bench"))
     parser.add_argument("--json", type=pathlib.Path, help="default bench/results/lm-METHOD.json")
+    return parser
+
+
+def _depth_series(
+    args: argparse.Namespace,
+    tools: list[str],
+    calibration: Any,
+    doc: dict,
+    save: Callable[[], None],
+) -> None:
+    """The runs of each tool against the model's depth (doc["depth"]), saved as they come."""
+    import numpy as np
+
+    from tests import lm_assets
+
+    samples = args.depth_samples or args.samples
+    depth_ids = args.work / f"ids-{samples}.npy"
+    np.save(depth_ids, calibration[:samples])
+    doc["depth_samples"] = samples
+    for layers in sorted(int(x) for x in args.depths.split(",")):
+        for tool in tools:
+            reuse = [
+                r for r in doc["runs"] if r["tool"] == tool and r["run"] == "main"
+            ]  # the main run is the 30-layer point when the samples agree
+            if layers == lm_assets.SMOLLM2_LAYERS and reuse and samples == args.samples:
+                row = {k: v for k, v in reuse[0].items() if not k.startswith("ppl")}
+            else:
+                folder = lm_assets.smollm2_folder(layers=layers)
+                row, out = run_one(tool, folder, depth_ids, args.work, args, f"{layers}layers")
+                shutil.rmtree(out, ignore_errors=True)
+            doc["depth"].append({**row, "layers": layers})
+            save()
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "peer-gptq":
+        peer_gptq(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), *sys.argv[6:8])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "peer-rtn":
+        peer_rtn(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])
+        return 0
+    parser = _parser()
     args = parser.parse_args()
     if args.json is None:
         args.json = RESULTS / f"lm-{args.method.replace('+', '-')}.json"
@@ -338,23 +376,7 @@ def main() -> int:
             doc["runs"].append(row)
             save()
     if not args.no_depth:
-        samples = args.depth_samples or args.samples
-        depth_ids = args.work / f"ids-{samples}.npy"
-        np.save(depth_ids, calibration[:samples])
-        doc["depth_samples"] = samples
-        for layers in sorted(int(x) for x in args.depths.split(",")):
-            for tool in tools:
-                reuse = [
-                    r for r in doc["runs"] if r["tool"] == tool and r["run"] == "main"
-                ]  # the main run is the 30-layer point when the samples agree
-                if layers == lm_assets.SMOLLM2_LAYERS and reuse and samples == args.samples:
-                    row = {k: v for k, v in reuse[0].items() if not k.startswith("ppl")}
-                else:
-                    folder = lm_assets.smollm2_folder(layers=layers)
-                    row, out = run_one(tool, folder, depth_ids, args.work, args, f"{layers}layers")
-                    shutil.rmtree(out, ignore_errors=True)
-                doc["depth"].append({**row, "layers": layers})
-                save()
+        _depth_series(args, tools, calibration, doc, save)
     save()
     print(f"wrote {args.json}")
     if doc["depth"]:

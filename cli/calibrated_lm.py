@@ -98,6 +98,11 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         help="refuse before any work a calibration whose estimated peak exceeds SIZE (e.g. "
         "8GiB); --dry-run prints the estimate",
     )
+    _add_method_options(g)
+
+
+def _add_method_options(g: Any) -> None:
+    """The methods' own options: experts' statistics, GPTQ's, SmoothQuant's and AWQ's."""
     g.add_argument(
         "--calibrate-all-experts",
         action="store_true",

@@ -20,6 +20,7 @@ from rich.console import Console
 from qmill.checkpoints.base import staging
 from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
+from qmill.checkpoints.lm import backends as lm_backends
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.run import calibration_coverage, pipeline
 from qmill.checkpoints.run import plan as plan_lib
@@ -122,7 +123,7 @@ def _run(
     def attempt(restart: bool) -> list[pipeline.ReportRow]:
         backend = _backend(args)
         if calibrated is not None:
-            backend = lm_calibration.Precomputed(backend, calibrated)
+            backend = lm_backends.Precomputed(backend, calibrated)
         backend = static_activations.with_input_scales(backend, inputs)
         with backend, contextlib.nullcontext() if quiet else report.ProgressBar(err) as bar:
             return pipeline.run(

@@ -5,7 +5,7 @@ process on a Hugging Face causal LM.
 As llm-compressor's `oneshot` with its QuantizationModifier: the weights are rounded to nearest,
 and each Linear's input range comes from a run of the float model over the calibration tokens,
 layer by layer (checkpoints/lm_activations.py). Each quantized weight's result then carries its
-Linear's input scale to the writer (ct_activations.WithInputScales).
+Linear's input scale to the writer (checkpoints/lm/backends.WithInputScales).
 """
 
 from __future__ import annotations
@@ -88,6 +88,6 @@ def input_parts(
 
 def with_input_scales(backend: Any, parts: dict[str, dict[str, Any]] | None) -> Any:
     """`backend`, its results carrying their input scales when there are any."""
-    from qmill.checkpoints.lm import activations as lm_activations  # lazy: the engine (jax)
+    from qmill.checkpoints.lm import backends as lm_backends
 
-    return lm_activations.WithInputScales(backend, parts) if parts else backend
+    return lm_backends.WithInputScales(backend, parts) if parts else backend

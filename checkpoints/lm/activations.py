@@ -16,12 +16,11 @@ Memory: one layer's weights, the embedding and the calibration hidden states (fl
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.formats.compressed_tensors import activations as ct_activations
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.lm import work as lm_work
-from qmill.checkpoints.run import embedded, outcome
+from qmill.checkpoints.run import embedded
 from qmill.checkpoints.run import plan as plan_lib
 
 Range = ct_activations.Range
@@ -131,27 +130,3 @@ def input_parts(
         )
     seen = {e.path: ranges[e.path] for e in quantized}
     return ct_activations.input_parts(plan.scheme, seen, {e.path: e.dtype for e in quantized})
-
-
-class WithInputScales:
-    """A backend whose quantized results carry their Linear's input scale part
-    (ct_activations.input_parts)."""
-
-    def __init__(self, inner: Any, parts: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        self._inner = inner
-        self._parts = parts
-        self.target = getattr(inner, "target", "embedded")
-
-    def __enter__(self) -> WithInputScales:
-        self._inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._inner.__exit__(*exc)
-
-    def quantize(
-        self, recipe: dict[str, Any], tensors: Any, **kwargs: Any
-    ) -> Iterator[outcome.TensorOutcome]:
-        for result in self._inner.quantize(recipe, tensors, **kwargs):
-            extra = self._parts.get(result.path) if result.quantized else None
-            yield dataclasses.replace(result, parts={**result.parts, **extra}) if extra else result

@@ -6,9 +6,9 @@ from the folder's safetensors, keeping each finished layer on disk beside the de
 (`<destination>.qmill-calibration/`) so a killed run resumes at the last finished layer, and
 reporting progress. What it produces is one LeafResult per calibrated linear (and, for AWQ and
 SmoothQuant, the norms and biases their folds changed); the checkpoint pipeline then writes the
-output from them (`Precomputed`, and the folded tensors in place of the source's), every other
-tensor as the recipe says, so the output is the same folder as a round-to-nearest run's, in any
-format.
+output from them (backends.Precomputed, the folded tensors in place of the source's), every
+other tensor as the recipe says, so the output is the same folder as a round-to-nearest run's, in
+any format.
 
 Memory: one layer's weights (float32), the calibration and evaluation hidden states, one
 stage's Hessian and input: `estimate` says how much, before any work.
@@ -24,7 +24,7 @@ import os
 import pathlib
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,8 +32,9 @@ import numpy as np
 from qmill.checkpoints.formats.hf_folder import folder as hf_folder
 from qmill.checkpoints.formats.safetensors import source as safetensors_source
 from qmill.checkpoints.lm import methods as lm_methods
+from qmill.checkpoints.lm import plans as lm_plans
 from qmill.checkpoints.lm import work as lm_work
-from qmill.checkpoints.run import embedded, outcome
+from qmill.checkpoints.run import embedded
 
 SUFFIX = ".qmill-calibration"
 METHODS = lm_methods.METHODS
@@ -234,7 +235,7 @@ def calibrate(
         dtypes = {e.path: e.dtype for e in weights.entries()}
         _check_tensors(cfg, entries)
         outer = _outer(cfg, weights)
-        plans = _Plans(recipe, entries, dtypes)
+        plans = lm_plans.Plans(recipe, entries, dtypes)
         streams = work.resume() or _start(cfg, outer, plans, request)
         if streams.source is None:
             outer = None  # the embedding (and head): only the evaluation needs them from here
@@ -266,15 +267,7 @@ def calibrate(
                 progress(LayerProgress(layer, cfg.num_layers, loss, seconds, eta))
             # done.hidden is the next layer's input: held here, it would outlive take_hidden.
             del done, tensors
-        perplexity = None
-        if streams.source is not None:
-            quantized_outer = plans.outer_as_quantized(cfg, outer)
-            perplexity = {
-                "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
-                "quantized": sequential.perplexity(
-                    cfg, quantized_outer, streams.quantized, streams.eval_ids
-                ),
-            }
+        perplexity = _perplexity(cfg, plans, outer, streams)
     return LmOutcome(
         work.directory,
         work.methods(),
@@ -284,6 +277,24 @@ def calibrate(
         folded=lm_work.folded_of(work.directory),
         method=request.method,
     )
+
+
+def _perplexity(
+    cfg: Any, plans: lm_plans.Plans, outer: Any, streams: lm_work.Streams
+) -> dict[str, float] | None:
+    """The source's and the quantized model's perplexity on the evaluation tokens (None
+    without them), from the streams the layers were run on."""
+    from qmill.engine.lm import sequential
+
+    if streams.source is None:
+        return None
+    quantized_outer = plans.outer_as_quantized(cfg, outer)
+    return {
+        "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
+        "quantized": sequential.perplexity(
+            cfg, quantized_outer, streams.quantized, streams.eval_ids
+        ),
+    }
 
 
 def check_scales(results: Mapping[str, Any]) -> None:
@@ -372,7 +383,7 @@ def _outer(cfg: Any, weights: Any) -> dict[str, Any]:
 
 
 def _start(
-    cfg: Any, outer: Mapping[str, Any], plans: _Plans, request: LmRequest
+    cfg: Any, outer: Mapping[str, Any], plans: lm_plans.Plans, request: LmRequest
 ) -> lm_work.Streams:
     from qmill.engine.lm import sequential
 
@@ -385,71 +396,6 @@ def _start(
         streams.source = sequential.embed(cfg, outer, ids)
         streams.quantized = sequential.embed(cfg, quantized_outer, ids)
     return streams
-
-
-class _Plans:
-    """The recipe's LeafPlan of each tensor, as the checkpoint pipeline will make it."""
-
-    def __init__(self, recipe: Mapping[str, Any], entries: Mapping, dtypes: Mapping) -> None:
-        from qmill.engine.modelfree import recipes
-
-        self._recipe = recipes.recipe_from_mapping(recipe)
-        self._entries, self._dtypes = entries, dtypes
-
-    def plan(self, name: str) -> Any:
-        from qmill.engine.modelfree import layout
-
-        return layout.plan_leaf(name, self._entries[name], self._dtypes[name], self._recipe)
-
-    def linears(self, cfg: Any, layer: int, prefix: str) -> dict[str, Any]:
-        """Relative name → plan of the layer's linears the recipe quantizes."""
-        from qmill.engine.lm import config as config_lib
-
-        plans = {n: self.plan(n) for n in config_lib.linear_names(cfg, layer)}
-        return {n.removeprefix(prefix): p for n, p in plans.items() if p.quantize}
-
-    def outer_as_quantized(self, cfg: Any, outer: Mapping[str, Any]) -> dict[str, Any]:
-        """The embedding and head as the quantized model has them: round-to-nearest where the
-        recipe quantizes them (qmill's own recipes do; compressed-tensors schemes don't)."""
-        import jax.numpy as jnp
-
-        from qmill.engine.core import qarray_parts
-        from qmill.engine.lm import config as config_lib
-        from qmill.engine.modelfree import leaf
-
-        out = dict(outer)
-        for key, name in config_lib.outer_tensor_names(cfg).items():
-            plan = self.plan(name) if name else None
-            if plan is None or not plan.quantize:
-                continue
-            result = leaf.quantize_leaf(np.asarray(outer[key]), plan)
-            zero_point = None if result.zero_point is None else jnp.asarray(result.zero_point)
-            out[key] = qarray_parts.dequantize_bytes(
-                jnp.asarray(result.codes()), plan.qtype, jnp.asarray(result.scale), zero_point
-            )
-        return out
-
-
-class Precomputed:
-    """A backend that hands back the calibrated linears' results and quantizes every other
-    tensor with the embedded engine, so the checkpoint pipeline writes the output as usual."""
-
-    def __init__(self, inner: embedded.EmbeddedClient, result: LmOutcome) -> None:
-        self._inner = inner
-        self._results = dict(lm_work.results_of(result.directory))
-        self.target = getattr(inner, "target", "embedded")
-
-    def __enter__(self) -> Precomputed:
-        self._inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._inner.__exit__(*exc)
-
-    def quantize(
-        self, recipe: dict[str, Any], tensors: Any, **kwargs: Any
-    ) -> Iterator[outcome.TensorOutcome]:
-        return self._inner.quantize(recipe, tensors, precomputed=self._results, **kwargs)
 
 
 def tensor_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from qmill.checkpoints.lm import backends as lm_backends
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.lm import methods as lm_methods
 from qmill.checkpoints.run import embedded
@@ -110,10 +111,10 @@ def calibrate(
     return done
 
 
-def backend(done: lm_calibration.LmOutcome) -> lm_calibration.Precomputed:
+def backend(done: lm_calibration.LmOutcome) -> lm_backends.Precomputed:
     """The pipeline's backend: the calibrated linears' results, the embedded engine for the
     rest (whatever --job-peers says: the calibration ran here, and the rest is small)."""
-    return lm_calibration.Precomputed(embedded.EmbeddedClient(), done)
+    return lm_backends.Precomputed(embedded.EmbeddedClient(), done)
 
 
 def summary(done: lm_calibration.LmOutcome) -> str:

@@ -16,7 +16,7 @@ weight's, as the model runs in it):
   (ct_global.global_scale).
 
 The scales reach the writer as parts of each quantized weight's result (checkpoints/lm/
-activations.py's WithInputScales), so they are kept with it for a resumed run; the writer refuses
+backends.py's WithInputScales), so they are kept with it for a resumed run; the writer refuses
 a weight of such a scheme without one.
 """
 
