@@ -14,16 +14,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from qmill.cli import main as cli
+from tests import lm_folder
 
-VOCAB = 256
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-)
+VOCAB = lm_folder.VOCAB
+SMALL = dict(lm_folder.SMALL, intermediate_size=96)
 MODELS = {
     "mixtral": ("MixtralConfig", dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": (
@@ -42,16 +36,8 @@ MODELS = {
 
 
 def _folder(name: str, root: pathlib.Path) -> pathlib.Path:
-    import torch
-    import transformers
-
-    config_class, kwargs = MODELS[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**kwargs)
-    folder = root / name
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    model.to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    config_class, fields = MODELS[name]
+    return lm_folder.write(root / name, config_class, fields)
 
 
 @pytest.fixture(scope="module")

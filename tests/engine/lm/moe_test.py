@@ -13,16 +13,10 @@ import pytest
 
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import forward
+from tests import lm_folder
 
 B, T = 2, 16
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+SMALL = dict(lm_folder.SMALL, intermediate_size=96)
 CASES = {
     "mixtral": ("MixtralConfig", dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
     # Layer 0 a dense MLP (mlp_only_layers), layer 1 sparse; probabilities renormalized.
