@@ -27,6 +27,18 @@ SMALL = {
     "num_key_value_heads": 2,
     "vocab_size": VOCAB,
 }
+# Mixtures of experts (their shared fields; each test sets the experts per token).
+MOE_SMALL = dict(SMALL, intermediate_size=96)
+MIXTRAL = dict(MOE_SMALL, num_local_experts=4)
+# Layer 0 a dense MLP (mlp_only_layers), layer 1 sparse; probabilities renormalized.
+QWEN3_MOE = dict(
+    MOE_SMALL,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=8,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+)
 
 
 def write(

@@ -17,21 +17,9 @@ from qmill.cli import main as cli
 from tests import lm_folder
 
 VOCAB = lm_folder.VOCAB
-SMALL = dict(lm_folder.SMALL, intermediate_size=96)
 MODELS = {
-    "mixtral": ("MixtralConfig", dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            SMALL,
-            head_dim=16,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            mlp_only_layers=[0],
-        ),
-    ),
+    "mixtral": ("MixtralConfig", dict(lm_folder.MIXTRAL, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(lm_folder.QWEN3_MOE, num_experts_per_tok=2)),
 }
 
 

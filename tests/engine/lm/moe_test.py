@@ -16,22 +16,11 @@ from qmill.engine.lm import forward
 from tests import lm_folder
 
 B, T = 2, 16
-SMALL = dict(lm_folder.SMALL, intermediate_size=96)
+SMALL = lm_folder.MOE_SMALL
 CASES = {
-    "mixtral": ("MixtralConfig", dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(lm_folder.MIXTRAL, num_experts_per_tok=2)),
     # Layer 0 a dense MLP (mlp_only_layers), layer 1 sparse; probabilities renormalized.
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            SMALL,
-            head_dim=16,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=3,
-            norm_topk_prob=True,
-            mlp_only_layers=[0],
-        ),
-    ),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(lm_folder.QWEN3_MOE, num_experts_per_tok=3)),
     # Not renormalized; a shared expert gated by a sigmoid.
     "qwen2_moe": (
         "Qwen2MoeConfig",

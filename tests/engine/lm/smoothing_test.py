@@ -16,16 +16,9 @@ import pytest
 from qmill.engine.lm import activations, awq, folds, forward, sequential, smoothing
 from qmill.engine.lm import config as config_lib
 from qmill.engine.modelfree import layout, leaf, recipes
+from tests import lm_folder
 
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    head_dim=16,
-)
+SMALL = dict(lm_folder.SMALL, num_hidden_layers=1, head_dim=16)
 ARCHS = {
     # Grouped-query attention (v → o repeated per query head) and biases on v and up.
     "llama_gqa_biases": dict(model_type="llama", attention_bias=True, mlp_bias=True),
