@@ -48,7 +48,10 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--method",
         choices=METHODS,
-        help="calibrate the folder's linear layers with this method, layer by layer, on "
+        # The choices are in the help; as a metavar they overflow the usage line's 80 columns.
+        metavar="METHOD",
+        help=f"{', '.join(METHODS)}: "
+        "calibrate the folder's linear layers with this method, layer by layer, on "
         "--calibration-text or --calibration-ids (the output is the recipe's format): GPTQ; AWQ "
         "or SmoothQuant scales folded into the norms and linears before them, then round to "
         "nearest, or GPTQ with +gptq (docs/calibrated-methods.md)",
@@ -229,17 +232,12 @@ def _ids_file(path: str, what: str) -> np.ndarray:
 
 def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
     """The token windows and GPTQ options the flags ask for."""
-    length = args.calibration_seq_len
-    if args.calibration_ids is not None:
-        calibration = _ids_file(args.calibration_ids, "calibration")
-    else:
-        calibration = windows(
-            args.source, args.calibration_text, args.calibration_samples, length, "calibration"
-        )
+    calibration = calibration_ids(args)
     evaluation = None
     if args.eval_ids is not None:
         evaluation = _ids_file(args.eval_ids, "evaluation")
     elif args.eval_text is not None:
+        length = args.calibration_seq_len
         evaluation = windows(args.source, args.eval_text, args.eval_samples, length, "evaluation")
     return lm_calibration.LmRequest(
         calibration_ids=calibration,
@@ -251,6 +249,20 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
         smoothquant_alpha=args.smoothquant_alpha,
         awq_grid=args.awq_grid,
         all_experts=args.calibrate_all_experts,
+    )
+
+
+def calibration_ids(args: argparse.Namespace) -> np.ndarray:
+    """The calibration token windows the flags ask for (--calibration-ids, or the text cut
+    into --calibration-samples windows of --calibration-seq-len tokens)."""
+    if args.calibration_ids is not None:
+        return _ids_file(args.calibration_ids, "calibration")
+    return windows(
+        args.source,
+        args.calibration_text,
+        args.calibration_samples,
+        args.calibration_seq_len,
+        "calibration",
     )
 
 

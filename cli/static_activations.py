@@ -58,7 +58,7 @@ def _ranges(args: argparse.Namespace, recipe: dict[str, Any]) -> dict[str, ct_ac
     layer, with a progress line per layer (or as an interrupted run kept them)."""
     from qmill.checkpoints.lm import activations as lm_activations  # lazy: the engine (jax)
 
-    ids = calibrated_lm.request(args).calibration_ids
+    ids = calibrated_lm.calibration_ids(args)
 
     def progress(layer: int, layers: int, seconds: float) -> None:
         if not args.quiet:
