@@ -141,19 +141,23 @@ def test_a_tied_head_is_ignored_and_the_model_loads(tmp_path, tied_llama, peer, 
 
 
 def test_fp8_block_on_ragged_blocks_equals_llm_compressor(tmp_path, mixtral, peer):
-    """A MoE's router gates (4, 256) and k/v (64, 256): the blocks at their edges are partial,
-    scaled as compressed-tensors scales them (zero-padded) and stored at the weights' own
-    shapes; the scales are one per block, rounded up."""
+    """A MoE's k/v (64, 256): the blocks at their edges are partial, scaled as compressed-tensors
+    scales them (zero-padded) and stored at the weights' own shapes; the scales are one per
+    block, rounded up. The router gates stay in the source dtype (issue 36: transformers loads
+    a quantized router as random weights), as the peer leaves them when told to ignore them."""
     out = tmp_path / "out"
     rows = _quantize(mixtral, out, "FP8_BLOCK")
-    assert_same_checkpoint(out, peer(mixtral, "FP8_BLOCK", LLAMA_IGNORE))
+    routers = LLAMA_IGNORE + [f"model.layers.{i}.block_sparse_moe.gate" for i in range(2)]
+    assert_same_checkpoint(out, peer(mixtral, "FP8_BLOCK", routers))
     ours = tensors(out)
     gate = next(k for k in ours if k.endswith("layers.0.block_sparse_moe.gate.weight"))
-    assert tuple(ours[gate].shape) == (4, 256)
-    assert tuple(ours[gate + "_scale"].shape) == (1, 2)
+    assert tuple(ours[gate].shape) == (4, 256) and gate + "_scale" not in ours
+    k_proj = next(k for k in ours if k.endswith("layers.0.self_attn.k_proj.weight"))
+    assert tuple(ours[k_proj].shape) == (64, 256)
+    assert tuple(ours[k_proj + "_scale"].shape) == (1, 2)
     by_path = {r.path: r for r in rows}
-    assert by_path[gate].qtype == "float8_e4m3fn"
-    assert by_path[gate].shape == (4, 256)  # the report speaks of the weight, not the padding
+    assert by_path[k_proj].qtype == "float8_e4m3fn"
+    assert by_path[k_proj].shape == (64, 256)  # the report speaks of the weight, not the padding
 
 
 def test_fp8_block_ragged_blocks_load_in_transformers(tmp_path, one_kv_head_llama, peer):
