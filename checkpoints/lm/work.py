@@ -154,19 +154,18 @@ class Work:
 
     def wait(self) -> None:
         """Returns once the last layer's state is on disk (raises what writing it raised).
-        A kill before then resumes at that layer, as a kill before finish_layer would."""
+        A kill before then resumes at that layer, as a kill before finish_layer would. Leaving
+        the `with` block waits too: readers of the kept work (layers, methods) run after it."""
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.result()
 
     def layers(self) -> list[dict[str, Any]]:
-        self.wait()  # read at the end of a calibration: the kept work is then complete
         keep = ("layer", "loss", "seconds", "losses", "smoothing")
         return [{k: e[k] for k in keep if k in e} for _, e in sorted(_log(self.directory).items())]
 
     def methods(self) -> dict[str, str]:
         """Calibrated tensor → its method ("gptq", "awq", "smoothquant+gptq", "rtn", ...)."""
-        self.wait()
         return {
             name: "rtn" if "rtn" in info else e.get("methods", {}).get(name, "gptq")
             for e in _log(self.directory).values()
@@ -175,7 +174,6 @@ class Work:
 
     def rtn(self) -> dict[str, str]:
         """Tensor name → why it was quantized round to nearest (no token reached it)."""
-        self.wait()
         return {
             name: info["rtn"]
             for e in _log(self.directory).values()
