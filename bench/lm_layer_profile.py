@@ -12,6 +12,7 @@ e.g. `OPENBLAS_NUM_THREADS=2 JAX_PLATFORMS=cpu taskset -c 0,1 python bench/lm_la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -91,7 +92,11 @@ def main() -> int:
     recipe = recipes.recipe_from_mapping(
         client_recipes.with_group_size(client_recipes.load("W4A16"), 64)
     )
-    hidden = sequential.embed(cfg, lm_calibration._outer(cfg, weights), sequential.split(ids, 8))
+    # Chunks of the calibration's own default size (LmRequest.chunk), not a second constant.
+    chunk = {f.name: f.default for f in dataclasses.fields(lm_calibration.LmRequest)}["chunk"]
+    hidden = sequential.embed(
+        cfg, lm_calibration._outer(cfg, weights), sequential.split(ids, chunk)
+    )
     for layer in range(args.layers):
         t0 = time.perf_counter()
         hidden, seconds = profile_layer(
