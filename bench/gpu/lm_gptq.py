@@ -2,27 +2,33 @@
 tokens, as whole commands.
 
     python bench/gpu/lm_gptq.py --json OUT.json [--layers 30] [--cpu-layers 8] [--samples 64]
+        [--modes in-process,server] [--platforms default,cpu] [--log servers.log]
 
 The folder is SmolLM2-135M's shape (576 wide, 1536 MLP, 9 heads / 3 KV heads, 49,152 tokens,
 tied head) with RANDOM bf16 weights (the real ones cannot travel to a lent machine), written
 here; the tokens are random too. Timing is what this measures, not quality. The CPU run is
 pinned to 2 cores (`taskset -c 0,1`, like the dev VM) and may cover fewer layers (its per-layer
 seconds are what to compare). Per run: wall seconds, peak RSS of the command, seconds per layer
-(from --report-json), and whether the GPU's and the CPU's codes agree.
+(from --report-json), whether the GPU's and the CPU's codes agree on the layers both ran, and
+whether a `qmill serve` on each platform (the client streaming the folder and the ids to it)
+writes the same bytes as the in-process command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import resource
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -56,29 +62,80 @@ def make_folder(folder: pathlib.Path, layers: int) -> None:
             p + "mlp.down_proj.weight": (d, f),
         }  # fmt: skip
     tensors = {
-        n: (np.ones(s, np.float32) if len(s) == 1 else rng.normal(0, 0.04, s).astype(np.float32))
-        .astype(ml_dtypes.bfloat16)
+        n: (
+            np.ones(s, np.float32) if len(s) == 1 else rng.normal(0, 0.04, s).astype(np.float32)
+        ).astype(ml_dtypes.bfloat16)
         for n, s in shapes.items()
     }
     safetensors.numpy.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def run(folder, ids, out, platform: str, cpus: str | None) -> dict:
-    report = out.with_suffix(".json")
-    command = [sys.executable, "-m", "qmill.cli", "quantize", str(folder), "-o", str(out),
-               "--recipe", "W4A16", "--group-size", "64", "--method", "gptq",
-               "--calibration-ids", str(ids), "--report-json", str(report), "-q"]  # fmt: skip
-    if cpus:
-        command = ["taskset", "-c", cpus, *command]
-    env = dict(os.environ)
+QMILL = [sys.executable, "-m", "qmill.cli"]
+
+
+def platform_env(platform: str) -> dict[str, str]:
+    """ "default" lets jax pick (the GPU where there is one); "cpu" sets JAX_PLATFORMS=cpu."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env.pop("JAX_PLATFORMS", None)
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def pinned(command: list[str], cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus, *command] if cpus else command
+
+
+@contextlib.contextmanager
+def server(platform: str, cpus: str | None, log) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A `qmill serve` on `platform` (pinned to `cpus`), once `qmill capabilities` answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    port = address.rsplit(":", 1)[1]
+    process = subprocess.Popen(pinned([*QMILL, "serve", "--port", port], cpus),
+                               stdout=log, stderr=log, env=platform_env(platform))  # fmt: skip
+    try:
+        for _ in range(240):
+            if process.poll() is not None:
+                raise RuntimeError(f"qmill serve exited with code {process.returncode}")
+            caps = [*QMILL, "capabilities", "--server", address]
+            if subprocess.run(caps, capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
+        yield process, address
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM of a live process: its own peak resident set so far."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def run(folder, ids, out, platform: str, cpus: str | None, address: str | None = None) -> dict:
+    """One whole `qmill quantize --method gptq` command: in process (pinned to `cpus`), or
+    as a client of the server at `address` (which does the work)."""
+    report = out.with_suffix(".json")
+    command = [*QMILL, "quantize", str(folder), "-o", str(out),
+               "--recipe", "W4A16", "--group-size", "64", "--method", "gptq",
+               "--calibration-ids", str(ids), "--report-json", str(report), "-q"]  # fmt: skip
+    if address:
+        command += ["--server", address]
+    else:
+        command = pinned(command, cpus)
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, env=platform_env(platform), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    result = {"platform": platform, "cpus": cpus, "rc": done.returncode, "wall_s": round(wall, 2)}
+    mode = "server" if address else "in-process"
+    result = {"platform": platform, "mode": mode, "cpus": cpus, "rc": done.returncode,
+              "wall_s": round(wall, 2)}  # fmt: skip
     # ru_maxrss of all children so far: exact for the first run, an upper bound after.
     result["peak_rss_mb_at_most"] = round(max(peak, before) / 1024, 1)
     if done.returncode != 0:
@@ -92,6 +149,34 @@ def run(folder, ids, out, platform: str, cpus: str | None) -> dict:
     return result
 
 
+def agreement(outs: list[pathlib.Path]) -> dict:
+    """How many of the shallower output's tensors the other output has equal, element for
+    element (the first layers of both folders hold the same random weights)."""
+    first, second = (safetensors.numpy.load_file(o / "model.safetensors") for o in outs)
+    names = sorted(set(first) & set(second))
+    equal = [n for n in names if np.array_equal(first[n], second[n])]
+    codes = [n for n in names if n.endswith("weight_packed")]
+    values = sum(first[n].size for n in codes)
+    same = sum(int((first[n] == second[n]).sum()) for n in codes)
+    return {"tensors_compared": len(names), "tensors_equal": len(equal),
+            "packed_code_words_equal_fraction": round(same / max(values, 1), 6)}  # fmt: skip
+
+
+def measure(args, tmp: pathlib.Path, ids: pathlib.Path, platform: str, mode: str, log) -> dict:
+    layers = args.layers if platform != "cpu" else args.cpu_layers
+    folder = tmp / f"model-{layers}"
+    if not folder.exists():
+        make_folder(folder, layers)
+    cpus = args.cpus if platform == "cpu" and args.cpus else None
+    out = tmp / f"out-{platform}-{mode}-{layers}"
+    if mode == "in-process":
+        return run(folder, ids, out, platform, cpus) | {"model_layers": layers}
+    with server(platform, cpus, log) as (process, address):
+        result = run(folder, ids, out, platform, cpus, address)
+        result["server_peak_rss_mb"] = peak_rss_mb(process.pid)
+    return result | {"model_layers": layers}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=30)
@@ -100,6 +185,8 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--cpus", default="0,1", help="taskset list for the CPU run ('' = all)")
     parser.add_argument("--platforms", default="default,cpu")
+    parser.add_argument("--modes", default="in-process,server", help="in-process and/or server")
+    parser.add_argument("--log", default=os.devnull, help="the servers' output (appended)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="qmill-lm-gptq-"))
@@ -108,19 +195,23 @@ def main() -> int:
         rng = np.random.default_rng(1)
         ids = tmp / "ids.npy"
         np.save(ids, rng.integers(0, SHAPE["vocab"], (args.samples, args.seq_len), np.int32))
-        for platform in args.platforms.split(","):
-            layers = args.layers if platform != "cpu" else args.cpu_layers
-            folder = tmp / f"model-{layers}"
-            if not folder.exists():
-                make_folder(folder, layers)
-            cpus = args.cpus if platform == "cpu" and args.cpus else None
-            out = tmp / f"out-{platform}-{layers}"
-            results.append(run(folder, ids, out, platform, cpus) | {"model_layers": layers})
-            print(json.dumps(results[-1]), flush=True)
-        outs = [tmp / f"out-{p}-{args.cpu_layers}" for p in args.platforms.split(",")]
-        if args.layers == args.cpu_layers and all(o.exists() for o in outs):
-            same = [(o / "model.safetensors").read_bytes() for o in outs]
-            results.append({"same_bytes": len(set(same)) == 1})
+        with open(args.log, "ab") as log:
+            for mode in args.modes.split(","):
+                for platform in args.platforms.split(","):
+                    results.append(measure(args, tmp, ids, platform, mode, log))
+                    print(json.dumps(results[-1]), flush=True)
+                    pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+        for mode in args.modes.split(","):
+            outs = [tmp / f"out-{p}-{mode}-{args.layers if p != 'cpu' else args.cpu_layers}"
+                    for p in args.platforms.split(",")]  # fmt: skip
+            if len(outs) == 2 and all((o / "model.safetensors").exists() for o in outs):
+                results.append({"mode": mode, "gpu_vs_cpu": agreement(outs)})
+        first = args.platforms.split(",")[0]
+        depth = args.layers if first != "cpu" else args.cpu_layers
+        ins = [tmp / f"out-{first}-{m}-{depth}" for m in ("in-process", "server")]
+        if all((o / "model.safetensors").exists() for o in ins):
+            same = [(o / "model.safetensors").read_bytes() for o in ins]
+            results.append({"server_same_bytes_as_in_process": len(set(same)) == 1})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

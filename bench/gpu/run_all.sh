@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measure of bench/README.md's open items, in one run on a lent machine (one GPU, no
 # network, python3 with jax + CUDA): `bash bench/gpu/run_all.sh` from the repository root, with
-# .whl/ (bench/gpu/fetch_wheels.sh) beside it. Results go to $OUT (9 files at most):
+# .whl/ (bench/gpu/fetch_wheels.sh) beside it. Results go to $OUT (10 files at most):
 #   run_all.log  this script's output (environment, every step's output)
 #   servers.log  the `qmill serve` processes' and the flow's commands' output
 #   steps.jsonl  one line per step: name, exit code (124: its timeout), seconds
@@ -16,6 +16,10 @@
 #   flow.json    bench/calibrated_flow_bench.py: issue 25's export-program -> calibrate --method
 #                gptq -> quantize --calibration, GPU server then CPU server (MiniLM shapes,
 #                RANDOM weights: the real ones cannot travel)
+#   lm_gptq.json bench/gpu/lm_gptq.py: issue 34's `quantize --method gptq` of a SmolLM2-shaped
+#                folder (RANDOM weights), in process and through a `qmill serve`, on the GPU
+#                (30 layers) and on 2 pinned CPU cores (6 layers); codes compared on the
+#                layers both ran, server bytes against in-process bytes
 #   summary.json bench/gpu/summarize.py over the above
 # Each step runs under its own `timeout` (which also stops its servers: timeout signals the whole
 # process group), capped so that the script ends within QMILL_GPU_BUDGET_S (default 400) seconds.
@@ -35,12 +39,14 @@ if [ "$DRY" = 1 ]; then
     ENGINE=(--size 1024 --repeats 2)
     E2E=(--gib 0.047 --tensor-mib 4 --recipes int8,int4 --repeat 1)
     FLOW=(--examples 64 --repeat 1)
+    LM=(--layers 2 --cpu-layers 1 --samples 4 --seq-len 64)
 else
     OUT=${OUT:-/tmp/qmill-gpu-out}
     export PY=${PY:-python3}
     ENGINE=(--size 8192 --repeats 5)
     E2E=(--gib 0.75 --tensor-mib 64 --recipes int8,int4 --repeat 2)
     FLOW=(--examples 256 --repeat 2)
+    LM=(--layers 30 --cpu-layers 6 --samples 64 --seq-len 512)
 fi
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run_all.log") 2>&1
@@ -105,6 +111,8 @@ step e2e 120 "$PY" bench/e2e_bench.py "${E2E[@]}" --server-platforms default,cpu
     --server-log "$OUT/servers.log" --json "$OUT/e2e.json"
 step flow 150 "$PY" bench/calibrated_flow_bench.py --weights random "${FLOW[@]}" \
     --server-platforms default,cpu --log "$OUT/servers.log" --json "$OUT/flow.json"
+step lm 420 "$PY" bench/gpu/lm_gptq.py "${LM[@]}" --log "$OUT/servers.log" \
+    --json "$OUT/lm_gptq.json"
 timeout 20 "$PY" bench/gpu/summarize.py "$OUT" >/dev/null
 echo "=== done in $(($(date +%s) - START))s; results in $OUT:"
 ls -la "$OUT"

@@ -99,13 +99,41 @@ def flow(doc: dict) -> dict:
     return out
 
 
+def lm_gptq(doc: list) -> dict:
+    """Issue 34: seconds per decoder layer (median after the first) on each platform and mode,
+    and the CPU's over the GPU's."""
+    out: dict = {}
+    for run in doc:
+        if "platform" in run and run.get("rc") == 0:
+            key = f"{run['mode']} {run['platform']}"
+            out[f"{key} s/layer"] = run["median_layer_s"]
+            out[f"{key} wall s ({run['model_layers']} layers)"] = run["wall_s"]
+    for mode in ("in-process", "server"):
+        gpu, cpu = out.get(f"{mode} default s/layer"), out.get(f"{mode} cpu s/layer")
+        if gpu and cpu:
+            out[f"{mode} cpu/gpu per layer"] = round(cpu / gpu, 1)
+    out |= {
+        k: v
+        for run in doc
+        for k, v in run.items()
+        if k in ("gpu_vs_cpu", "server_same_bytes_as_in_process")
+    }
+    return out
+
+
 def main() -> int:
     out = pathlib.Path(sys.argv[1])
     summary: dict = {}
     steps = out / "steps.jsonl"
     if steps.exists():
         summary["steps"] = [json.loads(line) for line in steps.read_text().splitlines() if line]
-    for name, fn in (("parity", parity), ("engine", engine), ("e2e", e2e), ("flow", flow)):
+    for name, fn in (
+        ("parity", parity),
+        ("engine", engine),
+        ("e2e", e2e),
+        ("flow", flow),
+        ("lm_gptq", lm_gptq),
+    ):
         doc = _load(out / f"{name}.json")
         try:
             summary[name] = fn(doc) if doc else "missing (see run_all.log)"
