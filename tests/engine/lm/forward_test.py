@@ -7,7 +7,6 @@ Needs the `interop` extra (torch CPU, transformers), as tests/interop does.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import subprocess
 import sys
@@ -21,8 +20,9 @@ from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import forward
 from qmill.engine.lm import rope as rope_lib
 from tests import lm_folder
+from tests.engine.lm import hf_pair
 
-B, T = 2, 16
+B, T = hf_pair.B, hf_pair.T
 SMALL = lm_folder.SMALL
 LLAMA3 = {
     "rope_type": "llama3",
@@ -145,7 +145,6 @@ def _saved(name: str, folder: pathlib.Path):
     config.json and tensors it saves to `folder`: what a user's Hugging Face folder holds."""
     import torch
     import transformers
-    from safetensors.numpy import load_file
 
     class_name, kwargs = CASES[name]
     hf_config = getattr(transformers, class_name)(**kwargs)
@@ -161,32 +160,7 @@ def _saved(name: str, folder: pathlib.Path):
         for key, param in model.named_parameters():
             if "norm" in key:
                 param.add_(0.5 * torch.randn_like(param))
-    model.eval().save_pretrained(folder)
-    config = json.loads((folder / "config.json").read_text())
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return model, config, tensors
-
-
-def _outer(cfg, tensors: dict[str, np.ndarray]) -> dict[str, jnp.ndarray]:
-    names = config_lib.outer_tensor_names(cfg)
-    return {k: jnp.asarray(tensors[v]) for k, v in names.items() if v is not None}
-
-
-def _layer(cfg, i: int, tensors: dict[str, np.ndarray]) -> dict[str, jnp.ndarray]:
-    prefix = config_lib.layer_prefix(cfg, i)
-    return {
-        n[len(prefix) :]: jnp.asarray(tensors[n]) for n in config_lib.layer_tensor_names(cfg, i)
-    }
-
-
-def _ours(cfg, tensors: dict[str, np.ndarray], ids: np.ndarray):
-    outer = _outer(cfg, tensors)
-    h = forward.embed(cfg, outer, jnp.asarray(ids))
-    for i in range(cfg.num_layers):
-        h = forward.layer_forward(cfg, i, _layer(cfg, i, tensors), h)
-    return outer, h
+    return (model, *hf_pair.save(model, folder))
 
 
 def _rope_buffers(model, cfg) -> list[tuple[config_lib.Rope, object, float]]:
@@ -212,15 +186,11 @@ QUICK = ("llama_tied_bias", "phi3_longrope", "gemma3_text")
     "name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)]
 )
 def test_logits_and_loss_equal_transformers(name, tmp_path):
-    import torch
-
     model, config, tensors = _saved(name, tmp_path)
     cfg = config_lib.from_hf_config(config)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    with torch.no_grad():
-        out = model(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long())
+    ids, out = hf_pair.theirs(model, cfg)
     theirs = out.logits.numpy()
-    outer, h = _ours(cfg, tensors, ids)
+    outer, h = hf_pair.ours(cfg, tensors, ids)
     ours = np.asarray(forward.logits(cfg, outer, h))
     # Both compute in float32 from the same weights; what differs is the order of summation
     # (XLA's dots and reductions against torch's), worth a few float32 ulps per operation.
@@ -258,7 +228,7 @@ def test_stages_compose_to_the_layer_and_read_only_earlier_linears(name, tmp_pat
     cfg = config_lib.from_hf_config(config)
     h0 = jax.random.normal(jax.random.key(0), (B, T, cfg.hidden_size), jnp.float32)
     for i in range(cfg.num_layers):
-        weights = _layer(cfg, i, tensors)
+        weights = hf_pair.layer_weights(cfg, i, tensors)
         steps = forward.stages(cfg, i)
         assert not steps[-1].linears
         assert [n for s in steps for n in s.linears] == list(config_lib.relative_linear_names(cfg))
@@ -389,7 +359,7 @@ def test_attention_in_query_blocks_equals_attention_at_once(tmp_path):
     cfg = config_lib.from_hf_config(config)
     blocked = dataclasses.replace(cfg, attention_chunk=5)
     h = jax.random.normal(jax.random.key(1), (B, T, cfg.hidden_size), jnp.float32)
-    weights = _layer(cfg, 0, tensors)
+    weights = hf_pair.layer_weights(cfg, 0, tensors)
     np.testing.assert_allclose(
         forward.layer_forward(blocked, 0, weights, h),
         forward.layer_forward(cfg, 0, weights, h),
