@@ -187,11 +187,8 @@ QUICK = ("llama_tied_bias", "phi3_longrope", "gemma3_text")
 )
 def test_logits_and_loss_equal_transformers(name, tmp_path):
     model, config, tensors = _saved(name, tmp_path)
-    cfg = config_lib.from_hf_config(config)
-    ids, out = hf_pair.theirs(model, cfg)
-    theirs = out.logits.numpy()
-    outer, h = hf_pair.ours(cfg, tensors, ids)
-    ours = np.asarray(forward.logits(cfg, outer, h))
+    pair = hf_pair.compare(model, config, tensors)
+    cfg, out = pair.cfg, pair.out
     # Both compute in float32 from the same weights; what differs is the order of summation
     # (XLA's dots and reductions against torch's), worth a few float32 ulps per operation.
     # Measured here: at most 9.2e-7 of the largest logit (Gemma 2, whose soft-caps add tanh's
@@ -200,9 +197,9 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
     # 5.2e-3, yarn's cos/sin scaling left out 6e-3, longrope's short factors for its long ones
     # 8.6e-3, a soft-cap left out 3e-2, the window ignored or one longer 0.3, Gemma's norm
     # without its +1 1.3).
-    err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    err = pair.logits_error
     assert err <= 1e-5, f"{name}: max |diff| / max |logit| = {err:.2e}"
-    nll = np.asarray(forward.token_nll(cfg, outer, h, jnp.asarray(ids), chunk=5))
+    nll = pair.token_nll(chunk=5)
     assert nll.shape == (B, T - 1)
     # transformers' loss is the mean next-token NLL (measured: within 1.8e-7 relative).
     assert abs(nll.mean() - out.loss.item()) <= 1e-5 * out.loss.item()
@@ -213,8 +210,7 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
         np.testing.assert_allclose(ours_freq, inv_freq.numpy(), rtol=1e-6)
         assert ours_scaling == pytest.approx(scaling, rel=1e-7)
     # Our names are every tensor of the text model, no more.
-    names = {n for i in range(cfg.num_layers) for n in config_lib.layer_tensor_names(cfg, i)}
-    names |= {n for n in config_lib.outer_tensor_names(cfg).values() if n is not None}
+    names = hf_pair.tensor_names(cfg)
     text = {n for n in tensors if not n.startswith(("vision_tower.", "multi_modal_projector."))}
     assert names == text
 

@@ -4,8 +4,10 @@ and loss on random ids, and our hidden state from the same tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -56,3 +58,38 @@ def ours(cfg, tensors: dict[str, np.ndarray], ids: np.ndarray):
     for i in range(cfg.num_layers):
         h = forward.layer_forward(cfg, i, layer_weights(cfg, i, tensors), h)
     return outer, h
+
+
+@dataclasses.dataclass(frozen=True)
+class Compared:
+    """Theirs and ours on the same random ids."""
+
+    cfg: config_lib.LmConfig
+    ids: np.ndarray
+    out: Any  # transformers' output: logits, loss
+    outer: dict[str, jnp.ndarray]
+    h: jnp.ndarray  # our last hidden state
+    # max |our logit - theirs| / max |their logit|
+    logits_error: float
+
+    def token_nll(self, **kwargs: Any) -> np.ndarray:
+        return np.asarray(
+            forward.token_nll(self.cfg, self.outer, self.h, jnp.asarray(self.ids), **kwargs)
+        )
+
+
+def compare(model, config: dict, tensors: dict[str, np.ndarray]) -> Compared:
+    """transformers' `model` and our forward pass on its saved `config` and `tensors`."""
+    cfg = config_lib.from_hf_config(config)
+    ids, out = theirs(model, cfg)
+    outer, h = ours(cfg, tensors, ids)
+    logits = np.asarray(forward.logits(cfg, outer, h))
+    reference = out.logits.numpy()
+    error = float(np.abs(logits - reference).max() / np.abs(reference).max())
+    return Compared(cfg, ids, out, outer, h, error)
+
+
+def tensor_names(cfg: config_lib.LmConfig) -> set[str]:
+    """Every tensor our forward pass reads."""
+    names = {n for i in range(cfg.num_layers) for n in config_lib.layer_tensor_names(cfg, i)}
+    return names | {n for n in config_lib.outer_tensor_names(cfg).values() if n is not None}

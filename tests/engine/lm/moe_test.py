@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import pathlib
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from qmill.engine.lm import config as config_lib
-from qmill.engine.lm import forward
 from tests import lm_folder
 from tests.engine.lm import hf_pair
 
@@ -57,22 +53,16 @@ def saved(name: str, root: pathlib.Path):
 )
 def test_logits_and_loss_equal_transformers(name, tmp_path):
     model, config, tensors = saved(name, tmp_path)
-    cfg = config_lib.from_hf_config(config)
-    ids, out = hf_pair.theirs(model, cfg)
-    theirs = out.logits.numpy()
-    outer, h = hf_pair.ours(cfg, tensors, ids)
-    ours = np.asarray(forward.logits(cfg, outer, h))
+    pair = hf_pair.compare(model, config, tensors)
     # As the dense architectures (forward_test.py): float32 on both sides, summation order
     # only; the routing is the same discrete choice on both sides (no two probabilities of a
     # token within rounding of each other here), so the bound is the dense one, 1e-5 of the
     # largest logit. Measured: at most 3.7e-7; a wrong detail moves it far more: the top-k
     # probabilities renormalized where the config says not (or the reverse) 4.9e-3 to 1.6e-2,
     # Qwen2-MoE's shared expert left out 7.8e-2.
-    err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    err = pair.logits_error
     assert err <= 1e-5, f"{name}: max |diff| / max |logit| = {err:.2e}"
-    nll = np.asarray(forward.token_nll(cfg, outer, h, jnp.asarray(ids)))
-    assert abs(nll.mean() - out.loss.item()) <= 1e-5 * out.loss.item()
+    loss = pair.out.loss.item()
+    assert abs(pair.token_nll().mean() - loss) <= 1e-5 * loss
     # Our names are every tensor of the checkpoint, no more.
-    names = {n for i in range(cfg.num_layers) for n in config_lib.layer_tensor_names(cfg, i)}
-    names |= {n for n in config_lib.outer_tensor_names(cfg).values() if n is not None}
-    assert names == set(tensors)
+    assert hf_pair.tensor_names(pair.cfg) == set(tensors)
