@@ -332,21 +332,26 @@ def _parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--gib", type=float, default=0.5, help="checkpoint size (default 0.5)")
     parser.add_argument("--tensor-mib", type=int, default=32)
-    parser.add_argument("--recipes", default="int8", help="presets, comma-separated")
+    # Comma-separated lists, split here (argparse converts the defaults too); each list's
+    # values are run in turn.
+    parser.add_argument("--recipes", type=_names, default="int8", help="presets, comma-separated")
     parser.add_argument(
         "--replicas",
+        type=_counts,
         default="1",
         help="local `qmill serve` processes to spread the checkpoint over; a list (1,3) runs "
         "each count in turn against the same baseline (default 1)",
     )
     parser.add_argument(
         "--streams",
+        type=_counts,
         default="1",
         help="concurrent QuantizeParams streams per server (`qmill quantize --streams`); a list "
         "(1,2,4) runs each in turn (default 1)",
     )
     parser.add_argument(
         "--server-platforms",
+        type=_names,
         default="default",
         help="where the servers run JAX, a list run in turn against the same baseline: default "
         "(the GPU where jax has one), cpu (JAX_PLATFORMS=cpu) (default: default)",
@@ -358,13 +363,19 @@ def _parse_args() -> argparse.Namespace:
         "--workdir", default=None, help="where to put the checkpoints (default: a temp dir)"
     )
     args = parser.parse_args()
-    args.replicas = [int(n) for n in args.replicas.split(",")]
-    args.streams = [int(n) for n in args.streams.split(",")]
-    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    args.server_platforms = [p.strip() for p in args.server_platforms.split(",") if p.strip()]
     if min(args.replicas) < 1 or min(args.streams) < 1:
         parser.error("--replicas, --streams: counts must be >= 1")
     return args
+
+
+def _counts(text: str) -> list[int]:
+    """'1,3' as [1, 3]."""
+    return [int(n) for n in text.split(",")]
+
+
+def _names(text: str) -> list[str]:
+    """'int8, int4' as ['int8', 'int4'] (blanks dropped)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def print_and_save(result: dict, path: str | None) -> None:

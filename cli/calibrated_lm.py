@@ -56,18 +56,16 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "or SmoothQuant scales folded into the norms and linears before them, then round to "
         "nearest, or GPTQ with +gptq (docs/calibrated-methods.md)",
     )
-    g.add_argument("--calibration-text", metavar="FILE", help="text to calibrate on (UTF-8)")
-    g.add_argument(
-        "--calibration-ids",
-        metavar="IDS.npy",
-        help="token ids to calibrate on instead: int (samples, tokens), made with the "
-        "folder's tokenizer",
-    )
-    g.add_argument(
-        "--calibration-samples",
-        type=int,
-        default=DEFAULT_SAMPLES,
-        help="windows cut from --calibration-text (default %(default)s; a GPU takes 256+)",
+    _add_windows(
+        g,
+        "calibration",
+        "text to calibrate on (UTF-8)",
+        "token ids to calibrate on instead: int (samples, tokens), made with the folder's "
+        "tokenizer",
+        (
+            DEFAULT_SAMPLES,
+            "windows cut from --calibration-text (default %(default)s; a GPU takes 256+)",
+        ),
     )
     g.add_argument(
         "--calibration-seq-len",
@@ -75,18 +73,13 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         default=DEFAULT_SEQ_LEN,
         help="tokens per window, calibration and evaluation (default %(default)s)",
     )
-    g.add_argument(
-        "--eval-text",
-        metavar="FILE",
-        help="held-out text: the perplexity of the source and the quantized model on it is "
-        "printed and in --report-json",
-    )
-    g.add_argument("--eval-ids", metavar="IDS.npy", help="held-out token ids instead")
-    g.add_argument(
-        "--eval-samples",
-        type=int,
-        default=DEFAULT_EVAL_SAMPLES,
-        help="at most this many windows of --eval-text (default %(default)s)",
+    _add_windows(
+        g,
+        "eval",
+        "held-out text: the perplexity of the source and the quantized model on it is printed "
+        "and in --report-json",
+        "held-out token ids instead",
+        (DEFAULT_EVAL_SAMPLES, "at most this many windows of --eval-text (default %(default)s)"),
     )
     g.add_argument(
         "--max-ppl-increase",
@@ -102,6 +95,15 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "8GiB); --dry-run prints the estimate",
     )
     _add_method_options(g)
+
+
+def _add_windows(g: Any, name: str, text: str, ids: str, samples: tuple[int, str]) -> None:
+    """--NAME-text, --NAME-ids and --NAME-samples: the calibration's or the evaluation's token
+    windows, as text (cut with the folder's tokenizer, `_windows_of`) or as ids; `samples`: the
+    windows' default count and its help."""
+    g.add_argument(f"--{name}-text", metavar="FILE", help=text)
+    g.add_argument(f"--{name}-ids", metavar="IDS.npy", help=ids)
+    g.add_argument(f"--{name}-samples", type=int, default=samples[0], help=samples[1])
 
 
 def _add_method_options(g: Any) -> None:
@@ -232,16 +234,9 @@ def _ids_file(path: str, what: str) -> np.ndarray:
 
 def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
     """The token windows and GPTQ options the flags ask for."""
-    calibration = calibration_ids(args)
-    evaluation = None
-    if args.eval_ids is not None:
-        evaluation = _ids_file(args.eval_ids, "evaluation")
-    elif args.eval_text is not None:
-        length = args.calibration_seq_len
-        evaluation = windows(args.source, args.eval_text, args.eval_samples, length, "evaluation")
     return lm_calibration.LmRequest(
-        calibration_ids=calibration,
-        eval_ids=evaluation,
+        calibration_ids=calibration_ids(args),
+        eval_ids=_windows_of(args, "eval", "evaluation"),
         blocksize=args.gptq_block_size,
         percdamp=args.gptq_dampening,
         actorder=args.gptq_actorder == "static",
@@ -255,15 +250,19 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
 def calibration_ids(args: argparse.Namespace) -> np.ndarray:
     """The calibration token windows the flags ask for (--calibration-ids, or the text cut
     into --calibration-samples windows of --calibration-seq-len tokens)."""
-    if args.calibration_ids is not None:
-        return _ids_file(args.calibration_ids, "calibration")
-    return windows(
-        args.source,
-        args.calibration_text,
-        args.calibration_samples,
-        args.calibration_seq_len,
-        "calibration",
-    )
+    return _windows_of(args, "calibration", "calibration")
+
+
+def _windows_of(args: argparse.Namespace, name: str, what: str) -> Any:
+    """The token windows --NAME-ids holds, or --NAME-text cut into at most --NAME-samples
+    windows of --calibration-seq-len tokens; None without either."""
+    ids, text = getattr(args, f"{name}_ids"), getattr(args, f"{name}_text")
+    if ids is not None:
+        return _ids_file(ids, what)
+    if text is None:
+        return None
+    count = getattr(args, f"{name}_samples")
+    return windows(args.source, text, count, args.calibration_seq_len, what)
 
 
 def _bytes(n: float) -> str:

@@ -1,10 +1,14 @@
-"""Checks on the files a checkpoint is read from."""
+"""Checks on the files a checkpoint is read from, and small files written durably (a crash
+leaves the old file or the new one, never half of one)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import stat
+from collections.abc import Iterator
+from typing import BinaryIO
 
 
 def require_regular_file(path: pathlib.Path) -> None:
@@ -31,3 +35,21 @@ def require_regular_tree(root: pathlib.Path) -> None:
     for path in root.rglob("*"):
         if not stat.S_ISDIR(os.stat(path).st_mode):
             require_regular_file(path)
+
+
+@contextlib.contextmanager
+def replacing(path: pathlib.Path) -> Iterator[BinaryIO]:
+    """A file to write `path`'s new content to: `<path>.tmp`, synced to disk and renamed over
+    `path` when the block ends without an exception (left behind, never renamed, when it raises)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_durably(path: pathlib.Path, data: bytes) -> None:
+    """`data` in place of `path`'s content, through `replacing`."""
+    with replacing(path) as f:
+        f.write(data)

@@ -232,10 +232,9 @@ def calibrate(
     work = lm_work.Work(work_directory(destination), _fingerprint(folder, recipe, request), restart)
     with work, _open_weights(folder) as weights:
         entries = {e.path: tuple(e.shape) for e in weights.entries()}
-        dtypes = {e.path: e.dtype for e in weights.entries()}
         _check_tensors(cfg, entries)
+        plans = lm_plans.for_calibration(weights, folder, destination, recipe)
         outer = _outer(cfg, weights)
-        plans = lm_plans.Plans(recipe, entries, dtypes)
         streams = work.resume() or _start(cfg, outer, plans, request)
         if streams.source is None:
             outer = None  # the embedding (and head): only the evaluation needs them from here

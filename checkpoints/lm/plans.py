@@ -1,34 +1,53 @@
-"""The recipe's plan of each tensor of a language model calibrated layer by layer, as the
-checkpoint pipeline will make it (calibration.py's layers quantize the linears it plans)."""
+"""Each tensor's plan for a language model calibrated layer by layer, as the run's plan decided it
+(checkpoints/run/plan.py, the one place a recipe is read): calibration.py's layers quantize the
+linears it plans, and its evaluation the embedding and head as the output holds them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from qmill.checkpoints.base import protocols
+from qmill.checkpoints.run import plan as plan_lib
+
+
+def for_calibration(
+    weights: protocols.TensorSource,
+    folder: str | os.PathLike,
+    destination: str | os.PathLike,
+    recipe: Mapping[str, Any],
+) -> Plans:
+    """Each tensor's plan, made by the run's plan as the calibration quantizes the linears: at
+    their own shapes, planned for the folder's own format (no output format's padded blocks or
+    global scales enter the calibration; the recipe's tiles are checked on every tensor)."""
+    planned = plan_lib.plan_source(weights, folder, destination, dict(recipe), weights.format)
+    return Plans(planned)
+
 
 class Plans:
-    """The recipe's LeafPlan of each tensor, as the checkpoint pipeline will make it."""
+    """The LeafPlan of each tensor of a run's plan, read by layer."""
 
-    def __init__(self, recipe: Mapping[str, Any], entries: Mapping, dtypes: Mapping) -> None:
-        from qmill.engine.modelfree import recipes
-
-        self._recipe = recipes.recipe_from_mapping(recipe)
-        self._entries, self._dtypes = entries, dtypes
+    def __init__(self, planned: plan_lib.Plan) -> None:
+        if not planned.resolved:
+            raise ValueError(
+                "a language model's calibration needs each tensor's plan (engine=True)"
+            )
+        # None for a dtype that is never quantized (integers, bool).
+        self._leaves = {t.path: t.leaf for t in planned.tensors}
 
     def plan(self, name: str) -> Any:
-        from qmill.engine.modelfree import layout
-
-        return layout.plan_leaf(name, self._entries[name], self._dtypes[name], self._recipe)
+        """The tensor's LeafPlan (None: its dtype is never quantized)."""
+        return self._leaves[name]
 
     def linears(self, cfg: Any, layer: int, prefix: str) -> dict[str, Any]:
         """Relative name → plan of the layer's linears the recipe quantizes."""
         from qmill.engine.lm import config as config_lib
 
         plans = {n: self.plan(n) for n in config_lib.linear_names(cfg, layer)}
-        return {n.removeprefix(prefix): p for n, p in plans.items() if p.quantize}
+        return {n.removeprefix(prefix): p for n, p in plans.items() if p is not None and p.quantize}
 
     def outer_as_quantized(self, cfg: Any, outer: Mapping[str, Any]) -> dict[str, Any]:
         """The embedding and head as the quantized model has them: round-to-nearest where the

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from qmill.checkpoints.base import files
+
 _META = "meta.json"
 _STATE = "state.npz"
 # Key prefix of the folded float tensors in a layer's npz (beside NAME/qvalue, NAME/scale).
@@ -64,7 +66,7 @@ class Work:
                 )
         else:
             directory.mkdir(parents=True, exist_ok=True)
-            _write_atomic(meta, json.dumps(fingerprint, indent=1).encode())
+            files.write_durably(meta, json.dumps(fingerprint, indent=1).encode())
 
     def resume(self) -> Streams | None:
         import jax.numpy as jnp
@@ -270,18 +272,5 @@ def _loader(path: pathlib.Path, name: str, info: Mapping[str, Any]) -> Callable[
 def _save_npz_atomic(path: pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
     """An npz written straight to a temporary file, synced and renamed into place (no copy of
     the whole archive in memory: the state holds every sample's hidden states)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with files.replacing(path) as f:
         np.savez(f, **{k: _storable(v) for k, v in arrays.items()})
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

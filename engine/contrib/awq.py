@@ -87,19 +87,9 @@ def quantize_params(
     """
 
     def quantize(ctx: calibration.CalibratedQuantContext) -> Any:
-        act_scale = ctx.calibration_stats["act_scale"]
-        if act_scale.shape != (ctx.weight.shape[1],):
-            raise ValueError(
-                f"{'/'.join(map(str, ctx.path))}: AWQ statistics of shape {act_scale.shape} do "
-                f"not match the weight's {ctx.weight.shape[1]} input channels"
-            )
+        act_scale = ctx.channel_stat("act_scale", "AWQ")
         q, scales = awq_core.quantize_weight(ctx.weight, act_scale, ctx.how, n_grid=n_grid)
-        return WithAwqScale(
-            array=ctx.restore_shape(q),
-            awq_scale=scales.reshape(-1),
-            contracting_axis=ctx.contracting_axis,
-            how=ctx.abs_w.how,
-        )
+        return ctx.with_scale(WithAwqScale, q, awq_scale=scales.reshape(-1))
 
     return calibration.quantize_params_with_calibration(
         params,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import flax
 import jax
@@ -28,6 +28,8 @@ from qmill.engine.modeling import flax_util
 from qmill.engine.modeling import rules as rules_lib
 from qmill.engine.ops import einsum as einsum_lib
 from qmill.engine.providers import base, model, ptq
+
+_W = TypeVar("_W", bound=ptq.WithAux)
 
 
 def _can_update(module: Any) -> bool:
@@ -186,6 +188,30 @@ class CalibratedQuantContext:
     contracting_axis: int
     restore_shape: Callable[[Any], Any]
     path: tuple[Any, ...]
+
+    def channel_stat(self, name: str, method: str) -> jax.Array:
+        """The statistic `name` of `method` (AWQ, SmoothQuant): one value per input channel.
+
+        Raises:
+            ValueError: it does not have one value per column of the weight.
+        """
+        stat = self.calibration_stats[name]
+        if stat.shape != (self.weight.shape[1],):
+            raise ValueError(
+                f"{'/'.join(map(str, self.path))}: {method} statistics of shape {stat.shape} do "
+                f"not match the weight's {self.weight.shape[1]} input channels"
+            )
+        return stat
+
+    def with_scale(self, kind: type[_W], q: qarray.QArray, **scale: jax.Array) -> _W:
+        """`q` (quantized in this context's layout) back in the parameter's, as a WithAux of
+        `kind` carrying its per-channel `scale` (AWQ's WithAwqScale, SmoothQuant's WithSqScale)."""
+        return kind(
+            array=self.restore_shape(q),
+            contracting_axis=self.contracting_axis,
+            how=self.abs_w.how,
+            **scale,
+        )
 
 
 def extract_calibrated_quant_context(

@@ -129,18 +129,9 @@ def quantize_params(
     statistics. Returns the params for SqInferenceProvider (NNX: a pure dict)."""
 
     def quantize(ctx: calibration.CalibratedQuantContext) -> Any:
-        sq = ctx.calibration_stats["sq_scale"]
-        if sq.shape != (ctx.weight.shape[1],):
-            raise ValueError(
-                f"{'/'.join(map(str, ctx.path))}: SmoothQuant statistics of shape {sq.shape} "
-                f"do not match the weight's {ctx.weight.shape[1]} input channels"
-            )
-        return WithSqScale(
-            array=ctx.restore_shape(qarray.quantize(ctx.weight * sq, ctx.how)),
-            inv_sq_scale=ctx.calibration_stats["inv_sq_scale"],
-            contracting_axis=ctx.contracting_axis,
-            how=ctx.abs_w.how,
-        )
+        sq = ctx.channel_stat("sq_scale", "SmoothQuant")
+        q = qarray.quantize(ctx.weight * sq, ctx.how)
+        return ctx.with_scale(WithSqScale, q, inv_sq_scale=ctx.calibration_stats["inv_sq_scale"])
 
     return calibration.quantize_params_with_calibration(
         params,

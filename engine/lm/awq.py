@@ -36,7 +36,7 @@ from qmill.engine.core import qarray_parts
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import folds as folds_lib
 from qmill.engine.lm import forward
-from qmill.engine.modelfree import layout
+from qmill.engine.modelfree import layout, leaf
 
 _F32 = jnp.float32
 
@@ -122,13 +122,7 @@ def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
             f"{plan.path}: AWQ changes the weight its {plan.qtype} global scale was computed "
             "from; use a scheme without one (W4A16, W4A16_ASYM, W8A16, ...)"
         )
-    return qarray_parts.HowToQuantize(
-        qtype=plan.qtype,
-        channelwise_axes=plan.channelwise_axes,
-        tiled_axes=dict(plan.tiled_axes),
-        calibration_method=plan.calibration_method,
-        arithmetic=plan.arithmetic,
-    )
+    return leaf.how_to_quantize(plan)
 
 
 @functools.partial(jax.jit, static_argnames=("how", "scale_dtype"))

@@ -81,7 +81,9 @@ class LeafResult:
         return packing.unpack_nibbles(self.qvalue, *self.packed_as)
 
 
-def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
+def how_to_quantize(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
+    """The plan's HowToQuantize: its qtype, axes, tiles, calibration, arithmetic and global
+    scale (also AWQ's fake quantization, engine/lm/awq.py, so that it rounds as the writer)."""
     return qarray_parts.HowToQuantize(
         qtype=plan.qtype,
         channelwise_axes=plan.channelwise_axes,
@@ -281,7 +283,7 @@ def _quantize_leaf(array: np.ndarray | jax.Array, plan: layout.LeafPlan) -> Leaf
     if not plan.quantize:
         raise ValueError(f"{plan.path}: the plan keeps this tensor ({plan.reason})")
     x = _on_device(array)
-    how = _how(plan)
+    how = how_to_quantize(plan)
     # An NVFP4 global scale is an argument, not part of the compile key (how): in `how`, each
     # tensor of a checkpoint, whose global scale is its own, compiled anew.
     global_scale = None

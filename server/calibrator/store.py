@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from qmill.checkpoints.base import files
 from qmill.server import errors, params
 
 
@@ -117,12 +118,7 @@ class CalibrationStore:
                 (npz_path, buffer.getvalue()),
                 (meta_path, json.dumps(meta).encode()),
             ):
-                tmp = path.with_suffix(path.suffix + ".tmp")
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                files.write_durably(path, data)
 
     def load_stats(self, tenant: str, calibration_id: str) -> dict[str, Any]:
         """For the ODML exporter's Backends: only the stats (errors.NotFound is a LookupError)."""

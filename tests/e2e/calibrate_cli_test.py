@@ -11,7 +11,7 @@ from qmill.cli import model_rules
 from qmill.client import Client
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
-from tests import digits_data
+from tests import digits_data, flax_npz
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +20,7 @@ def setup(make_server, tmp_path_factory):
     running = make_server(data_dir=str(tmp / "data"))
     x = digits_data.images()[:96]
     params = zoo.BUILTIN["cnn"].build(zoo.CnnConfig()).init(jax.random.key(0), x[:1])
-    # An npz of Flax variables, as a training script saves them ({"params": ...} at the top).
-    flat = {
-        f"params/{layer}/{name}": np.asarray(v)
-        for layer, leaves in params["params"].items()
-        for name, v in leaves.items()
-    }
-    np.savez(tmp / "cnn.npz", **flat)
+    flax_npz.save(tmp / "cnn.npz", params["params"])
     np.save(tmp / "first.npy", x[:48])
     np.save(tmp / "second.npy", x[48:])
     return running.address, tmp, x

@@ -6,24 +6,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 from flax import nnx
 
 import qmill.engine as qe
 from qmill.engine import flax_util
 from qmill.engine.contrib import awq, gptq
 from qmill.engine.contrib import smooth_quant as sq
+from tests.engine.contrib.contrib_cases import ReluMlp
 
 KEYS = jax.random.split(jax.random.key(3), 3)
 OUTLIERS = jnp.ones(64).at[::8].set(40.0)  # salient input channels: AWQ's and SQ's setting
 X = jax.random.normal(KEYS[0], (64, 64)) * OUTLIERS
-
-
-class Mlp(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.relu(nn.Dense(32, name="Dense_0")(x))
-        return nn.Dense(8, name="Dense_1")(h)
+# Linen's default names: the reference's own examples name no layers.
+NAMES = ("Dense_0", "Dense_1")
 
 
 class RawParam(nnx.Module):
@@ -40,7 +35,7 @@ def _mae(a, b) -> float:
 
 @pytest.mark.slow
 def test_linen_awq_beats_rtn_and_writes_the_reference_layout() -> None:
-    model = Mlp()
+    model = ReluMlp(names=NAMES)
     variables = model.init(KEYS[2], X)
     rules = [awq.AwqRule(module_path="Dense_0", weight_qtype="int4", tile_size=16)]
     calibrating = qe.quantize_model(model, awq.AwqCalibrationProvider(rules))
@@ -94,7 +89,7 @@ def test_nnx_awq_params_are_a_pure_dict_with_the_scales() -> None:
 
 
 def test_smooth_quant_without_act_qtype_is_refused() -> None:
-    model = Mlp()
+    model = ReluMlp(names=NAMES)
     variables = model.init(KEYS[2], X)
     calibrating = qe.quantize_model(
         model, sq.SqCalibrationProvider([sq.SqRule(weight_qtype="int8")])

@@ -1,4 +1,5 @@
-"""Inputs shared by make_contrib_golden.py (the reference) and contrib_golden_test.py (qmill)."""
+"""Inputs shared by make_contrib_golden.py (the reference) and contrib_golden_test.py (qmill),
+and the whole-model tests' Linen MLP (gptq_model_test.py, awq_sq_model_test.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(16)(nn.gelu(nn.Dense(32)(x)))
+
+
+class ReluMlp(nn.Module):
+    """64 → 32, relu, → 8: the whole-model tests' MLP. Its layers' names are a field because
+    Linen seeds each layer's init from its name: each test keeps the names (and weights) its
+    rules and assertions use."""
+
+    names: tuple[str, str] = ("hidden", "out")
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name=self.names[0])(x))
+        return nn.Dense(8, name=self.names[1])(h)
 
 
 GPTQ_CASES = (("int4_g32_b64", "int4", 32, 64), ("int8_b128", "int8", None, 128))

@@ -7,7 +7,6 @@ Needs the `interop` extra (torch CPU, transformers), as tests/interop does.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import subprocess
 import sys
@@ -21,8 +20,9 @@ from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import forward
 from qmill.engine.lm import rope as rope_lib
 from tests import lm_folder
+from tests.engine.lm import hf_pair
 
-B, T = 2, 16
+B, T = hf_pair.B, hf_pair.T
 SMALL = lm_folder.SMALL
 LLAMA3 = {
     "rope_type": "llama3",
@@ -145,7 +145,6 @@ def _saved(name: str, folder: pathlib.Path):
     config.json and tensors it saves to `folder`: what a user's Hugging Face folder holds."""
     import torch
     import transformers
-    from safetensors.numpy import load_file
 
     class_name, kwargs = CASES[name]
     hf_config = getattr(transformers, class_name)(**kwargs)
@@ -161,32 +160,7 @@ def _saved(name: str, folder: pathlib.Path):
         for key, param in model.named_parameters():
             if "norm" in key:
                 param.add_(0.5 * torch.randn_like(param))
-    model.eval().save_pretrained(folder)
-    config = json.loads((folder / "config.json").read_text())
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return model, config, tensors
-
-
-def _outer(cfg, tensors: dict[str, np.ndarray]) -> dict[str, jnp.ndarray]:
-    names = config_lib.outer_tensor_names(cfg)
-    return {k: jnp.asarray(tensors[v]) for k, v in names.items() if v is not None}
-
-
-def _layer(cfg, i: int, tensors: dict[str, np.ndarray]) -> dict[str, jnp.ndarray]:
-    prefix = config_lib.layer_prefix(cfg, i)
-    return {
-        n[len(prefix) :]: jnp.asarray(tensors[n]) for n in config_lib.layer_tensor_names(cfg, i)
-    }
-
-
-def _ours(cfg, tensors: dict[str, np.ndarray], ids: np.ndarray):
-    outer = _outer(cfg, tensors)
-    h = forward.embed(cfg, outer, jnp.asarray(ids))
-    for i in range(cfg.num_layers):
-        h = forward.layer_forward(cfg, i, _layer(cfg, i, tensors), h)
-    return outer, h
+    return (model, *hf_pair.save(model, folder))
 
 
 def _rope_buffers(model, cfg) -> list[tuple[config_lib.Rope, object, float]]:
@@ -212,16 +186,9 @@ QUICK = ("llama_tied_bias", "phi3_longrope", "gemma3_text")
     "name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)]
 )
 def test_logits_and_loss_equal_transformers(name, tmp_path):
-    import torch
-
     model, config, tensors = _saved(name, tmp_path)
-    cfg = config_lib.from_hf_config(config)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    with torch.no_grad():
-        out = model(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long())
-    theirs = out.logits.numpy()
-    outer, h = _ours(cfg, tensors, ids)
-    ours = np.asarray(forward.logits(cfg, outer, h))
+    pair = hf_pair.compare(model, config, tensors)
+    cfg, out = pair.cfg, pair.out
     # Both compute in float32 from the same weights; what differs is the order of summation
     # (XLA's dots and reductions against torch's), worth a few float32 ulps per operation.
     # Measured here: at most 9.2e-7 of the largest logit (Gemma 2, whose soft-caps add tanh's
@@ -230,9 +197,9 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
     # 5.2e-3, yarn's cos/sin scaling left out 6e-3, longrope's short factors for its long ones
     # 8.6e-3, a soft-cap left out 3e-2, the window ignored or one longer 0.3, Gemma's norm
     # without its +1 1.3).
-    err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    err = pair.logits_error
     assert err <= 1e-5, f"{name}: max |diff| / max |logit| = {err:.2e}"
-    nll = np.asarray(forward.token_nll(cfg, outer, h, jnp.asarray(ids), chunk=5))
+    nll = pair.token_nll(chunk=5)
     assert nll.shape == (B, T - 1)
     # transformers' loss is the mean next-token NLL (measured: within 1.8e-7 relative).
     assert abs(nll.mean() - out.loss.item()) <= 1e-5 * out.loss.item()
@@ -243,8 +210,7 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
         np.testing.assert_allclose(ours_freq, inv_freq.numpy(), rtol=1e-6)
         assert ours_scaling == pytest.approx(scaling, rel=1e-7)
     # Our names are every tensor of the text model, no more.
-    names = {n for i in range(cfg.num_layers) for n in config_lib.layer_tensor_names(cfg, i)}
-    names |= {n for n in config_lib.outer_tensor_names(cfg).values() if n is not None}
+    names = hf_pair.tensor_names(cfg)
     text = {n for n in tensors if not n.startswith(("vision_tower.", "multi_modal_projector."))}
     assert names == text
 
@@ -258,7 +224,7 @@ def test_stages_compose_to_the_layer_and_read_only_earlier_linears(name, tmp_pat
     cfg = config_lib.from_hf_config(config)
     h0 = jax.random.normal(jax.random.key(0), (B, T, cfg.hidden_size), jnp.float32)
     for i in range(cfg.num_layers):
-        weights = _layer(cfg, i, tensors)
+        weights = hf_pair.layer_weights(cfg, i, tensors)
         steps = forward.stages(cfg, i)
         assert not steps[-1].linears
         assert [n for s in steps for n in s.linears] == list(config_lib.relative_linear_names(cfg))
@@ -389,7 +355,7 @@ def test_attention_in_query_blocks_equals_attention_at_once(tmp_path):
     cfg = config_lib.from_hf_config(config)
     blocked = dataclasses.replace(cfg, attention_chunk=5)
     h = jax.random.normal(jax.random.key(1), (B, T, cfg.hidden_size), jnp.float32)
-    weights = _layer(cfg, 0, tensors)
+    weights = hf_pair.layer_weights(cfg, 0, tensors)
     np.testing.assert_allclose(
         forward.layer_forward(blocked, 0, weights, h),
         forward.layer_forward(cfg, 0, weights, h),

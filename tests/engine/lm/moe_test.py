@@ -4,18 +4,13 @@ tiny random model transformers builds and saves, give the same logits and loss."
 
 from __future__ import annotations
 
-import json
 import pathlib
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from qmill.engine.lm import config as config_lib
-from qmill.engine.lm import forward
 from tests import lm_folder
+from tests.engine.lm import hf_pair
 
-B, T = 2, 16
 SMALL = lm_folder.MOE_SMALL
 CASES = {
     "mixtral": ("MixtralConfig", dict(lm_folder.MIXTRAL, num_experts_per_tok=2)),
@@ -39,7 +34,6 @@ def saved(name: str, root: pathlib.Path):
     """(transformers' model, config.json, {name: float32 array}) of a tiny random CASES model."""
     import torch
     import transformers
-    from safetensors.numpy import load_file
 
     config_class, kwargs = CASES[name]
     torch.manual_seed(0)
@@ -50,19 +44,7 @@ def saved(name: str, root: pathlib.Path):
         for p_name, p in model.named_parameters():
             if p_name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
-    folder = root / name
-    model.eval().save_pretrained(folder)
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return model, json.loads((folder / "config.json").read_text()), tensors
-
-
-def _layer(cfg, i: int, tensors) -> dict:
-    prefix = config_lib.layer_prefix(cfg, i)
-    return {
-        n[len(prefix) :]: jnp.asarray(tensors[n]) for n in config_lib.layer_tensor_names(cfg, i)
-    }
+    return (model, *hf_pair.save(model, root / name))
 
 
 # Qwen2-MoE in the full run only: its shared expert is the one thing the other two lack.
@@ -70,30 +52,17 @@ def _layer(cfg, i: int, tensors) -> dict:
     "name", [pytest.param(n, marks=pytest.mark.slow) if n == "qwen2_moe" else n for n in CASES]
 )
 def test_logits_and_loss_equal_transformers(name, tmp_path):
-    import torch
-
     model, config, tensors = saved(name, tmp_path)
-    cfg = config_lib.from_hf_config(config)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    with torch.no_grad():
-        out = model(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long())
-    theirs = out.logits.numpy()
-    outer = {k: jnp.asarray(tensors[v]) for k, v in config_lib.outer_tensor_names(cfg).items() if v}
-    h = forward.embed(cfg, outer, jnp.asarray(ids))
-    for i in range(cfg.num_layers):
-        h = forward.layer_forward(cfg, i, _layer(cfg, i, tensors), h)
-    ours = np.asarray(forward.logits(cfg, outer, h))
+    pair = hf_pair.compare(model, config, tensors)
     # As the dense architectures (forward_test.py): float32 on both sides, summation order
     # only; the routing is the same discrete choice on both sides (no two probabilities of a
     # token within rounding of each other here), so the bound is the dense one, 1e-5 of the
     # largest logit. Measured: at most 3.7e-7; a wrong detail moves it far more: the top-k
     # probabilities renormalized where the config says not (or the reverse) 4.9e-3 to 1.6e-2,
     # Qwen2-MoE's shared expert left out 7.8e-2.
-    err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    err = pair.logits_error
     assert err <= 1e-5, f"{name}: max |diff| / max |logit| = {err:.2e}"
-    nll = np.asarray(forward.token_nll(cfg, outer, h, jnp.asarray(ids)))
-    assert abs(nll.mean() - out.loss.item()) <= 1e-5 * out.loss.item()
+    loss = pair.out.loss.item()
+    assert abs(pair.token_nll().mean() - loss) <= 1e-5 * loss
     # Our names are every tensor of the checkpoint, no more.
-    names = {n for i in range(cfg.num_layers) for n in config_lib.layer_tensor_names(cfg, i)}
-    names |= {n for n in config_lib.outer_tensor_names(cfg).values() if n is not None}
-    assert names == set(tensors)
+    assert hf_pair.tensor_names(pair.cfg) == set(tensors)
