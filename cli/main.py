@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
-import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -69,11 +68,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # process, however often main runs in it.
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
+    own_process = argv is None  # the `qmill` command itself, not a caller's main(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in COMMANDS else ""
     args = _parser(command).parse_args(argv)
     if args.command == "quantize" and getattr(args, "method", None) and not args.server:
-        _no_gpu_autotuning()
+        from qmill.cli import process_env
+
+        process_env.prepare_calibrated_run(argv, own_process)
     from qmill.cli import commands  # lazy: only once a command is run
 
     try:
@@ -92,17 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-
-
-def _no_gpu_autotuning() -> None:
-    """A calibrated language-model run in this process compiles each of its layer programs once
-    and runs them ~30 times: XLA:GPU's autotuning of those first compilations cost 80 of the 91 s
-    of a cold first layer on an H200, for no per-layer gain (0.72 s a layer without it, 0.79 s
-    with; bench/README). A server keeps its compilations in its cache and keeps the default. Set
-    before jax makes its backend (XLA reads XLA_FLAGS then); a user's own setting wins."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_autotune_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
 
 
 if __name__ == "__main__":
