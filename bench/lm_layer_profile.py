@@ -31,7 +31,7 @@ from qmill.client import recipes as client_recipes
 from qmill.engine.contrib import gptq_core
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.lm import config as config_lib
-from qmill.engine.lm import forward, sequential
+from qmill.engine.lm import forward, hessian, sequential
 from qmill.engine.modelfree import layout, recipes
 
 
@@ -64,7 +64,7 @@ def profile_layer(cfg, weights, recipe, layer, hidden, options) -> tuple[tuple, 
         if not stage.linears:
             continue
         t0 = time.perf_counter()
-        h = sequential.hessian([c["x"] for c in carries]).block_until_ready()
+        h = jax.block_until_ready(hessian.of([c["x"] for c in carries]))
         seconds[f"h{index}"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         done = contrib_leaf.gptq_static_leaves(

@@ -30,7 +30,7 @@ from qmill.engine.contrib import gptq_core
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.core import qarray_parts
 from qmill.engine.lm import config as config_lib
-from qmill.engine.lm import moe, moe_config
+from qmill.engine.lm import hessian, moe, moe_config
 from qmill.engine.modelfree import layout
 from qmill.engine.modelfree import leaf as leaf_lib
 
@@ -47,11 +47,6 @@ class BlockCalibration:
     rtn: dict[str, str]
     # Per chunk, the layer's output (B, T, D): the residual stream plus the quantized block's.
     hidden: list[jax.Array]
-
-
-@jax.jit
-def _add_hessian(h: jax.Array, x: jax.Array) -> jax.Array:
-    return h + jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)
 
 
 def _rtn(weight: jax.Array, plan: layout.LeafPlan) -> tuple[leaf_lib.LeafResult, jax.Array]:
@@ -165,9 +160,7 @@ def _quantize(weights, names, plans, inputs, options, reached: bool, done) -> No
             results[name], weights[name] = _rtn(weights[name], plans[name])
             rtn[name] = NO_TOKENS
         return
-    h = jnp.zeros((inputs[0].shape[-1],) * 2, jnp.float32)
-    for x in inputs:
-        h = _add_hessian(h, x)
+    h = hessian.of(inputs)
     gptqd = contrib_leaf.gptq_static_leaves(
         [weights[n] for n in targets], [plans[n] for n in targets], h, options
     )

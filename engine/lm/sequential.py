@@ -18,7 +18,6 @@ stage's Hessian are held at a time.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -28,7 +27,7 @@ import numpy as np
 from qmill.engine.contrib import gptq_core
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.lm import config as config_lib
-from qmill.engine.lm import forward, moe_calibration
+from qmill.engine.lm import forward, hessian, moe_calibration
 from qmill.engine.modelfree import layout
 from qmill.engine.modelfree import leaf as leaf_lib
 
@@ -71,42 +70,6 @@ def split(samples: np.ndarray | jax.Array, chunk: int) -> tuple[jax.Array, ...]:
 
 def _stage(cfg, layer, index, weights, carry):
     return forward.stage_fn(cfg, layer, index)(weights, carry)
-
-
-# Feature blocks of about this width: H is symmetric, so only the blocks on and above its
-# diagonal are multiplied (k(k+1)/2 of k² products: 58 % of the work for 1536 features).
-_HESSIAN_BLOCK = 256
-
-
-@jax.jit
-def _add_hessian(h: jax.Array, x: jax.Array) -> jax.Array:
-    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    n = x.shape[1]
-    k = max(1, n // _HESSIAN_BLOCK)
-    edges = [n * i // k for i in range(k + 1)]
-    blocks = [x[:, a:b] for a, b in itertools.pairwise(edges)]
-    # HIGHEST: a GPU would otherwise multiply float32 in TF32.
-    products = {
-        (i, j): jnp.matmul(blocks[i].T, blocks[j], precision=jax.lax.Precision.HIGHEST)
-        for i in range(k)
-        for j in range(i, k)
-    }
-    full = [[products[min(i, j), max(i, j)] for j in range(k)] for i in range(k)]
-    full = [[p if j >= i else p.T for j, p in enumerate(row)] for i, row in enumerate(full)]
-    return h + jnp.block(full)
-
-
-def _zeros(x: jax.Array) -> jax.Array:
-    return jnp.zeros((x.shape[-1], x.shape[-1]), jnp.float32)
-
-
-def hessian(inputs: Sequence[jax.Array]) -> jax.Array:
-    """H = Σ xᵀx over every token of every chunk (GPTQ's statistic; its scale does not matter:
-    the dampening is relative to its mean diagonal)."""
-    h = _zeros(inputs[0])
-    for x in inputs:
-        h = _add_hessian(h, x)
-    return h
 
 
 def _as_float(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -166,8 +129,7 @@ def calibrate_layer(
             # one set of hidden states (plus one chunk), not its inputs and outputs both.
             carries[i] = _stage(cfg, layer, index, current, carry)
             if targets:
-                x = carries[i]["x"]
-                h = _add_hessian(_zeros(x) if h is None else h, x)
+                h = hessian.add(h, carries[i]["x"])
         del carry
         if observe is not None and stage.linears:
             observe(tuple(prefix + n for n in stage.linears), [c["x"] for c in carries])
