@@ -38,3 +38,29 @@ def bits(a) -> np.ndarray:
     """Floats as their raw bits, integers as int32: compared with array_equal, bit for bit."""
     a = np.asarray(a)
     return a.view(np.uint32) if a.dtype == np.float32 else a.astype(np.int32)
+
+
+class Branch(nn.Module):
+    """QEP's shapes of stage: Dense_0 alone, DenseA and DenseB on one input, DenseC after.
+    Every kernel (16, 16): one shape to compile."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(16)(x))
+        a, b = nn.Dense(16, name="DenseA")(h), nn.Dense(16, name="DenseB")(h)
+        return nn.Dense(16, name="DenseC")(jax.nn.relu(a + b))
+
+
+# (name, weight_qtype, tile_size, gptq_block_size): groups of 4 in blocks of 8 of the 16 columns
+# (group scales found from weights already moved by earlier blocks, the hardest path to match).
+QEP_CASES = (("int4_g4_b8", "int4", 4, 8),)
+KERNELS = (("Dense_0", "kernel"), ("DenseA", "kernel"), ("DenseB", "kernel"), ("DenseC", "kernel"))
+
+
+def qep_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """QEP's core inputs (W (16, 16), X (16, 256) and X_q, X coarsely rounded) from inputs(), and
+    two model batches (8, 16): every shape the Branch model's."""
+    data = inputs()
+    w, x = data["w"][:, :16], data["x"][:16]
+    batches = jax.random.normal(jax.random.key(40), (2, 8, 16), jnp.float32)
+    return w, x, np.round(x * 4) / 4, [np.asarray(b) for b in batches]
