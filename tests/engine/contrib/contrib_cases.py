@@ -64,3 +64,26 @@ def qep_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
     w, x = data["w"][:, :16], data["x"][:16]
     batches = jax.random.normal(jax.random.key(40), (2, 8, 16), jnp.float32)
     return w, x, np.round(x * 4) / 4, [np.asarray(b) for b in batches]
+
+
+def codes(q) -> np.ndarray:
+    """A QArray's codes for array_equal: float codes (fp4, fp8) as their f32 bits, integers as
+    int32 (bits() would truncate fp4's 1.5 to 1)."""
+    qvalue = np.asarray(q.qvalue)
+    if np.issubdtype(qvalue.dtype, np.integer):
+        return qvalue.astype(np.int32)
+    return np.asarray(qvalue, np.float32).view(np.uint32)
+
+
+# Padded PTQ: a contracted axis of 40, tiles of 16 and 32 not dividing it.
+PAD_T, PAD_E, PAD_D, PAD_F = 4, 3, 40, 8
+# (name, weight_qtype, act_qtype, tile_size)
+PAD_CASES = (("int8_a8_t16", "int8", "int8", 16), ("fp4_t32", "float4_e2m1fn", None, 32))
+
+
+def padded_inputs() -> tuple[np.ndarray, np.ndarray]:
+    """x (T, D) and w (E, D, F) for the padded einsum 'td,edf->tef'."""
+    k = jax.random.split(jax.random.key(42))
+    x = jax.random.normal(k[0], (PAD_T, PAD_D), jnp.float32)
+    w = jax.random.normal(k[1], (PAD_E, PAD_D, PAD_F), jnp.float32)
+    return np.asarray(x), np.asarray(w)
