@@ -11,13 +11,16 @@ from __future__ import annotations
 import functools
 import pathlib
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qmill.engine as qe
+from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.contrib import qep, qep_core
+from qmill.engine.modelfree import layout, recipes
 from tests.engine.contrib.contrib_cases import KERNELS, QEP_CASES, Branch, bits, qep_inputs
 from tests.engine.contrib.contrib_golden_test import _close, _ulps
 
@@ -100,3 +103,31 @@ def test_refusals_name_the_fix() -> None:
         variables["params"], abstract["params"], stats, apply_correction=False, gptq_block_size=8
     )
     assert params["Dense_0"]["kernel"].array.qvalue.dtype == jnp.int4
+
+
+def test_model_free_path_applies_qep_statistics_as_the_model_path() -> None:
+    """QuantizeParams' path (contrib/leaf.py): `_qep` statistics in a calibration give, tensor by
+    tensor, the weights qep.quantize gave in the model."""
+    _, variables = _model()
+    _, qtype, tile, block = QEP_CASES[0]
+    result = _run(qtype, tile, block)
+    flat = {
+        "/".join(path): value
+        for path, value in flax.traverse_util.flatten_dict(result.quant_stats).items()
+    }
+    found = contrib_leaf.method_stats(flat)
+    assert {method for method, _ in found.values()} == {"qep"} and len(found) == 4
+    recipe = recipes.recipe_from_mapping(
+        {"rules": [{"path_regex": ".*", "qtype": qtype, "tile_size": tile}]}
+    )
+    for module, param in KERNELS[::3]:  # a first stage and a last one
+        kernel = np.asarray(variables["params"][module][param])
+        plan = layout.plan_leaf(f"{module}/{param}", kernel.shape, kernel.dtype, recipe)
+        leaf = contrib_leaf.quantize_leaf(kernel, plan, *found[plan.path], blocksize=block)
+        want = result.params[module][param].array
+        np.testing.assert_array_equal(leaf.codes(), np.asarray(want.qvalue))
+        np.testing.assert_array_equal(leaf.scale, np.asarray(want.scale))
+    stat = dict(found["DenseC/kernel"][1])
+    del stat["sum_of_hessian_delta"]
+    with pytest.raises(ValueError, match="hessian_delta"):
+        contrib_leaf.quantize_leaf(kernel, plan, "qep", stat)
