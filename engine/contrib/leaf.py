@@ -2,11 +2,13 @@
 streams it, with the statistics a calibration collected for it.
 
 A calibration made by a method's program holds, for a weight at path P, the statistic
-`P<suffix>` (`_gptq`: the input Hessian; `_awq`: mean input magnitudes; `_sq`: smoothing scales),
+`P<suffix>` (`_gptq`: the input Hessian; `_qep`: the Hessian of the partly quantized model's
+inputs and their error's correlation, as qep.quantize gathers them; `_awq`: mean input
+magnitudes; `_sq`: smoothing scales),
 averaged as engine/core/averaging.py keeps them. `method_stats` finds them; `quantize_leaf`
 quantizes P with its method, on the tensor's LeafPlan (qtype, channel axes, group size), and
 returns the same LeafResult (codes, scales, quality) as modelfree.leaf.quantize_leaf, so every
-writer and the wire take it. GPTQ's output is ordinary codes and scales. AWQ and SmoothQuant
+writer and the wire take it. GPTQ and QEP give ordinary codes and scales. AWQ and SmoothQuant
 params also carry a per-channel scale along the contracted axis, the reference's `awq_scale` /
 `inv_sq_scale` (contrib/awq.py, contrib/smooth_quant.py): it travels as LeafResult.beside under
 that name, and the writers store it at P/<name>, beside P/array, where the reference's param
@@ -24,18 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmill.engine.contrib import awq_core, calibration, gptq_core, gptq_host
+from qmill.engine.contrib import awq_core, calibration, gptq_core, gptq_host, qep_core
 from qmill.engine.core import averaging, qarray, qcodes, qtypes
 from qmill.engine.modelfree import layout, packing
 from qmill.engine.modelfree import leaf as leaf_lib
 
-SUFFIXES = {"_gptq": "gptq", "_awq": "awq", "_sq": "smoothquant"}
-SERVED = ("gptq", "awq", "smoothquant")
+SUFFIXES = {"_gptq": "gptq", "_qep": "qep", "_awq": "awq", "_sq": "smoothquant"}
+SERVED = ("gptq", "qep", "awq", "smoothquant")
 # The per-channel part each method stores beside the QArray, as the reference's param tree
 # names it (WithAwqScale.awq_scale, WithSqScale.inv_sq_scale).
 BESIDE = {"awq": "awq_scale", "smoothquant": "inv_sq_scale"}
 # How messages name each method.
-NAMES = {"gptq": "GPTQ", "awq": "AWQ", "smoothquant": "SmoothQuant"}
+NAMES = {"gptq": "GPTQ", "qep": "QEP", "awq": "AWQ", "smoothquant": "SmoothQuant"}
 
 
 def method_of(stat_path: str) -> str | None:
@@ -95,7 +97,8 @@ def quantize_leaf(
 ) -> leaf_lib.LeafResult:
     """Quantizes one tensor by `method` with its averaged statistic (see the module docstring).
 
-    blocksize, percdamp: GPTQ's (gptq.quantize_params' defaults); n_grid: AWQ's (AwqRule's).
+    blocksize, percdamp: GPTQ's (gptq.quantize_params' defaults; QEP's GPTQ step too, its
+    correction as qep.quantize_params' defaults); n_grid: AWQ's (AwqRule's).
 
     Raises:
       ValueError: an unknown method, statistics that don't fit the tensor, or a tensor without
@@ -112,8 +115,8 @@ def quantize_leaf(
     w, restore = calibration.normalize_weight(x, axis)
     averaged = averaging.calibration({k: jax.numpy.asarray(v) for k, v in stat.items()})
     how = _normalized_how(plan, axis)
-    key = {"gptq": "hessian", "awq": "act_scale", "smoothquant": "sq_scale"}[method]
-    want = (w.shape[1],) * (2 if method == "gptq" else 1)
+    key = {"awq": "act_scale", "smoothquant": "sq_scale"}.get(method, "hessian")
+    want = (w.shape[1],) * (2 if key == "hessian" else 1)
     if averaged[key].shape != want:
         raise ValueError(
             f"{plan.path}: {NAMES[method]} statistics of shape {averaged[key].shape} do not "
@@ -121,10 +124,12 @@ def quantize_leaf(
             "made for this model?"
         )
     beside, outputs = {}, {}
-    if method == "gptq":
+    if key == "hessian":
+        # QEP first moves the weight for its inputs' error, as qep.quantize_params does.
+        moved = _qep_corrected(w, averaged, plan) if method == "qep" else w
         # gptq_core compiles quantize_weight as one function: the model path's bits.
         q, _ = gptq_core.quantize_weight(
-            w, averaged[key], how, blocksize=blocksize, percdamp=percdamp
+            moved, averaged[key], how, blocksize=blocksize, percdamp=percdamp
         )
         deq = qarray.dequantize(restore(q))
         # What GPTQ minimises, beside round to nearest's on the same inputs: the report shows
@@ -147,6 +152,15 @@ def quantize_leaf(
         beside[BESIDE[method]] = averaged["inv_sq_scale"]
         deq = restore(qarray.dequantize(q) * averaged["inv_sq_scale"])
     return _result(x, restore(q), plan, deq, beside, outputs)
+
+
+def _qep_corrected(w: jax.Array, averaged: Mapping[str, jax.Array], plan: layout.LeafPlan):
+    if "hessian_delta" not in averaged:
+        raise ValueError(
+            f"{plan.path}: its QEP statistics have no hessian_delta (the correlation of the "
+            "inputs' error); gather them with qep.quantize"
+        )
+    return qep_core.weight_correct(w, averaged["hessian"], averaged["hessian_delta"])
 
 
 @jax.jit

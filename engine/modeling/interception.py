@@ -14,6 +14,13 @@ Patches are reference counted across threads and removed by the last thread to l
 
 Targets are dotted paths (``"jax.lax.dot_general"``, ``"flax.linen.Module.param"``). A target
 that doesn't exist in the installed JAX/Flax (private aliases move between versions) is skipped.
+
+A target that is a plain module-level function (``jax.lax.dot_general``, ``jnp.einsum``) is
+also patched in its code, as the reference patches it: the function object itself routes to the
+dispatcher, so an alias bound before the model ran (``dot = jax.lax.dot_general``, a
+``functools.partial`` of it, a default argument) is intercepted too. Calls that reach the object
+from JAX's own modules (``jnp.matmul``'s lowering to ``lax.dot_general``) keep reaching the
+original, as before: a handler run inside a JAX-internal jit trace would be cached into it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import functools
 import importlib
 import inspect
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -37,6 +45,7 @@ class _Patch:
     original: Any  # the raw attribute (function, or property on classes)
     owned: bool  # whether owner defined the attribute itself (else it was inherited)
     users: int = 0  # threads currently inside an `intercepted` block using this patch
+    code: types.CodeType | None = None  # a code-patched function's own code, restored after
 
 
 _lock = threading.Lock()
@@ -128,14 +137,19 @@ def _install(path: str) -> None:
         owner, attr = where
         original = inspect.getattr_static(owner, attr)
         owned = not isinstance(owner, type) or attr in vars(owner)
+        code = None
         if isinstance(original, property):
             replacement: Any = property(_make_dispatcher(path, original.fget))
         elif isinstance(original, staticmethod):
             replacement = staticmethod(_make_dispatcher(path, original.__func__))
+        elif _code_patchable(owner, original):
+            code = original.__code__
+            replacement = _patch_code(path, original)
         else:
             replacement = _make_dispatcher(path, original)
         setattr(owner, attr, replacement)
-        patch = _patches[path] = _Patch(owner, attr, original, owned)
+        patch = _Patch(owner, attr, original, owned, code=code)
+        _patches[path] = patch
     patch.users += 1
 
 
@@ -145,11 +159,71 @@ def _uninstall(path: str) -> None:
         return
     patch.users -= 1
     if patch.users == 0:
+        if patch.code is not None:
+            _trampolines.pop(id(patch.original.__code__), None)
+            patch.original.__code__ = patch.code
+            del patch.original.__wrapped__
         if patch.owned:
             setattr(patch.owner, patch.attr, patch.original)
         else:
             delattr(patch.owner, patch.attr)
         del _patches[path]
+
+
+# id(trampoline code) -> (the trampoline, the dispatcher it calls).
+_trampolines: dict[int, tuple[types.CodeType, Callable[..., Any]]] = {}
+
+
+def _code_patchable(owner: Any, original: Any) -> bool:
+    """A module's own plain function without closure variables, not already patched through
+    another path (one trampoline per function)."""
+    return (
+        isinstance(owner, types.ModuleType)
+        and isinstance(original, types.FunctionType)
+        and not original.__code__.co_freevars
+        and id(original.__code__) not in _trampolines
+        and "__wrapped__" not in vars(original)  # set while patched, for inspect.signature
+    )
+
+
+def _trampoline(*args: Any, **kwargs: Any) -> Any:
+    """The code a patched function runs: the dispatcher registered for this very code object.
+
+    It runs with the patched function's globals (a JAX module's), so it names nothing global:
+    builtins only, and this module by its name.
+    """
+    sys_ = __import__("sys")
+    frame = sys_._getframe(0)
+    registry = sys_.modules["qmill.engine.modeling.interception"]._trampolines
+    dispatcher = registry[id(frame.f_code)][1]
+    caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
+    if caller == "jax" or caller.startswith("jax."):
+        return dispatcher.__qmill_original__(*args, **kwargs)
+    return dispatcher(*args, **kwargs)
+
+
+def _patch_code(path: str, function: types.FunctionType) -> Callable[..., Any]:
+    """Routes the calls of ``function`` that reach it directly (aliases) to ``path``'s dispatcher,
+    which it returns (for the attribute): both call a copy of the original."""
+    copy = types.FunctionType(
+        function.__code__,
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    for field in ("__kwdefaults__", "__annotations__", "__qualname__", "__module__", "__doc__"):
+        setattr(copy, field, getattr(function, field))
+    copy.__dict__.update(function.__dict__)
+    # A fresh code object per patch: the registry tells which dispatcher it calls.
+    code = _trampoline.__code__.replace(co_name=function.__name__)
+    dispatcher = _make_dispatcher(path, copy)
+    dispatcher.__qmill_function__ = function  # type: ignore[attr-defined] # its identity
+    _trampolines[id(code)] = (code, dispatcher)
+    function.__code__ = code
+    # inspect.signature(function) follows __wrapped__: the original signature while patched.
+    function.__wrapped__ = copy  # type: ignore[attr-defined]
+    return dispatcher
 
 
 @contextlib.contextmanager
@@ -329,7 +403,7 @@ def originals_of(paths: Iterator[str] | list[str]) -> dict[int, str]:
         if where is None:
             continue
         raw = inspect.getattr_static(*where)
-        raw = getattr(raw, "__qmill_original__", raw)
+        raw = getattr(raw, "__qmill_function__", getattr(raw, "__qmill_original__", raw))
         if callable(raw) and not isinstance(where[0], type):
             out[id(raw)] = path
     return out

@@ -7,12 +7,17 @@ multiplied by the two block scales, then the blocks are summed (ops.dot_general'
 contraction). The e4m3 and e2m1 codes are exact in bfloat16, which the matmul takes; products
 accumulate in float32.
 
-Returns None (as the reference does when its hardware path can't take the operands) for
-anything else: callers then use ops.dot_general, which dequantizes.
+`mxfp_dot_general` is the reference's dispatcher: on a GPU it returns that product, and None
+on any other platform (the reference's hardware path, jax.nn.scaled_matmul, lowers on GPUs
+only) or for operands it doesn't take, telling the caller to fall back to ops.dot_general,
+which dequantizes. `block_scaled_dot_general` computes the product on every platform.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -38,13 +43,33 @@ def _blocks_only_along(x: qarray.QArray, contracting: tuple[int, ...]) -> bool:
     )
 
 
+@functools.cache
+def _get_primary_platform() -> str:
+    """The first device's platform, looked up once (cache_clear() after the devices change)."""
+    return jax.devices()[0].platform
+
+
 def mxfp_dot_general(
     lhs: Any,
     rhs: Any,
     dimension_numbers: dot_general_lib.DimensionNumbers,
     preferred_element_type: Any = None,
 ) -> jax.Array | None:
-    """The block-scaled product of two mx / nv QArrays, or None when it doesn't apply."""
+    """The block-scaled product of two mx / nv QArrays on a GPU; None on other platforms or when
+    it doesn't apply (the caller falls back to ops.dot_general), as the reference."""
+    if _get_primary_platform() != "gpu":
+        return None
+    return block_scaled_dot_general(lhs, rhs, dimension_numbers, preferred_element_type)
+
+
+def block_scaled_dot_general(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: dot_general_lib.DimensionNumbers,
+    preferred_element_type: Any = None,
+) -> jax.Array | None:
+    """The block-scaled product of two mx / nv QArrays on any platform, or None when it doesn't
+    apply."""
     if not (_is_mx(lhs) and _is_mx(rhs)):
         return None
     dims = dot_general_lib._normalize(dimension_numbers, lhs.ndim, rhs.ndim)
@@ -67,3 +92,31 @@ def mxfp_dot_general(
 def is_mx_qtype(qtype: Any) -> bool:
     """Whether `qtype` is one of the block-scaled formats this op takes."""
     return qtypes.name(qtype) in MX_QTYPES
+
+
+def _flatten_to_3d(
+    operand: qarray.QArray, ca: Sequence[int], ba: Sequence[int]
+) -> tuple[jax.Array, jax.Array]:
+    """An mx operand's codes and scale as (batch, free, contracting) / (batch, free, blocks),
+    the layout of jax.nn.scaled_matmul (the scale broadcast over batch and free axes first)."""
+    free = [a for a in range(operand.ndim) if a not in ca and a not in ba]
+    order = [*ba, *free, *ca]
+    sizes = [math.prod(operand.shape[a] for a in axes) for axes in (ba, free)]
+    qvalue = jnp.transpose(operand.qvalue, order).reshape(*sizes, -1)
+    full = [operand.scale.shape[a] if a in ca else operand.shape[a] for a in range(operand.ndim)]
+    scale = jnp.broadcast_to(operand.scale, full)
+    return qvalue, jnp.transpose(scale, order).reshape(*sizes, -1)
+
+
+def _unflatten_from_3d(
+    out_3d: jax.Array,
+    lhs: qarray.QArray,
+    rhs: qarray.QArray,
+    dimension_numbers: dot_general_lib.DimensionNumbers,
+) -> jax.Array:
+    """(batch, lhs free, rhs free) back to dot_general's output: batch, lhs free, rhs free axes."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    batch = [lhs.shape[a] for a in lb]
+    lhs_free = [lhs.shape[a] for a in range(lhs.ndim) if a not in lc and a not in lb]
+    rhs_free = [rhs.shape[a] for a in range(rhs.ndim) if a not in rc and a not in rb]
+    return out_3d.reshape(*batch, *lhs_free, *rhs_free)

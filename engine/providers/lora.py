@@ -3,7 +3,10 @@
 For an op ``y = x · W`` matched by a LoraRule, the provider computes
 ``y = base(x, W) + (alpha / rank) · (dropout(x) · A) · B`` where ``A`` (``<weight>_lora_a``:
 W's contracting axes × rank) starts random and ``B`` (``<weight>_lora_b``: rank × W's output axes)
-starts at zero, so the adapted model starts as the base model. ``base`` is the PTQ op when the rule
+starts at zero, so the adapted model starts as the base model. For a dot_general the adapters
+are stored as the reference stores them, W's batch axes first and the contracting (output) axes
+flattened into one: lora_a (*batch, prod(contracting), rank), lora_b (*batch, rank,
+prod(output)); an einsum's keep every axis, as there. ``base`` is the PTQ op when the rule
 has a weight_qtype (QLoRA: nf4 / int4 base), the float op otherwise.
 
 For a convolution ``y = conv(x, W)`` the adapter is ``conv(dropout(x), A) · B``: ``A`` has W's
@@ -26,6 +29,7 @@ module with an adapter has a ``qwix_rngs`` slot). Without an rng the adapter is 
 
 from __future__ import annotations
 
+import math
 import string
 from collections.abc import Sequence
 from typing import Any
@@ -85,11 +89,14 @@ class LoraProvider(ptq.PtqProvider):
         (lc, rc), (lb, rb) = dimension_numbers
         if not isinstance(rule, rules_lib.LoraRule) or ref is None:
             return base
-        # Batch axes (a batched weight, e.g. one matrix per head) lead both adapters, as the
-        # reference: lora_a (*batch, *contracting, rank), lora_b (*batch, rank, *free).
+        # Batch axes (a batched weight, e.g. one matrix per head) lead both adapters, and the
+        # contracting and free axes are flattened, as the reference stores them:
+        # lora_a (*batch, prod(contracting), rank), lora_b (*batch, rank, prod(free)).
         nb = len(rb)
         free = [a for a in range(len(rhs.shape)) if a not in rc and a not in rb]
-        a, b = self._adapters(module, rule, ref.name, rhs, list(rc), free, list(rb))
+        a, b = self._adapters(module, rule, ref.name, rhs, list(rc), free, list(rb), flat=True)
+        a = a.reshape(*(rhs.shape[i] for i in (*rb, *rc)), rule.rank)
+        b = b.reshape(*(rhs.shape[i] for i in rb), rule.rank, *(rhs.shape[i] for i in free))
         x = self._dropout(module, rule, ref.name, lhs)
         a_contract = tuple(range(nb, nb + len(rc)))
         batch = tuple(range(nb))
@@ -130,14 +137,30 @@ class LoraProvider(ptq.PtqProvider):
         return base + (rule.alpha / rule.rank) * delta.astype(base.dtype)
 
     def _adapters(
-        self, module, rule: rules_lib.LoraRule, name: str, weight, contract, free, batch=()
+        self,
+        module,
+        rule: rules_lib.LoraRule,
+        name: str,
+        weight,
+        contract,
+        free,
+        batch=(),
+        flat=False,
     ):
+        """(lora_a, lora_b); `flat`: the contracting axes as one in lora_a and the free ones as
+        one in lora_b (named after the first of each), the reference's dot_general layout."""
         shape = tuple(weight.shape)
         dtype = weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.float32
         a_axes = (*batch, *contract, None)  # the weight's axes each adapter axis comes from
         b_axes = (*batch, None, *free)
         a_shape = tuple(rule.rank if i is None else shape[i] for i in a_axes)
         b_shape = tuple(rule.rank if i is None else shape[i] for i in b_axes)
+        if flat:
+            nb = len(batch)
+            a_axes = (*batch, contract[0] if contract else None, None)
+            b_axes = (*batch, None, free[0] if free else None)
+            a_shape = (*a_shape[:nb], math.prod(a_shape[nb:-1]), rule.rank)
+            b_shape = (*b_shape[:nb], rule.rank, math.prod(b_shape[nb + 1 :]))
         names = _sharding_names(module, name)
         a_names = _pick(names, a_axes)
         b_names = _pick(names, b_axes)

@@ -14,7 +14,7 @@ activation scale ``<op_id>_{lhs,rhs}_scale/array`` (+ ``..._zero_point``) in the
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import flax.struct
@@ -262,9 +262,15 @@ class _ConvCall:
 
 
 def create_quantized_param(
-    module: Any, ref: provenance.WeightRef, value: jax.Array, how: qarray.HowToQuantize
+    module: Any,
+    ref: provenance.WeightRef,
+    value: jax.Array,
+    how: qarray.HowToQuantize,
+    *,
+    quantize: Callable[..., qarray.QArray] = qarray.quantize,
 ) -> WithAux[qarray.QArray]:
-    """Quantizes ``value`` and stores it as the param ``ref.name`` of ``module``."""
+    """Quantizes ``value`` (by ``quantize``: contrib.padded_ptq pads first) and stores it as the
+    param ``ref.name`` of ``module``."""
     bad = [v for v in ref.views if v not in _PTQ_VIEWS]
     if bad:
         raise ValueError(
@@ -281,7 +287,7 @@ def create_quantized_param(
             f"param {ref.name!r} of module {'/'.join(module.path)!r} is unquantized but the model "
             "is quantized: quantize the params with quantize_params(), or pass mutable=True."
         )
-    unboxed = WithAux(qarray.quantize(value, how), how)
+    unboxed = WithAux(quantize(value, how), how)
     flax_util.replace_param(module, ref.name, unboxed)
     return unboxed
 
@@ -292,10 +298,13 @@ def quantize_act(
     how: qarray.HowToQuantize,
     rule: rules.QuantizationRule,
     act_name: str | None,
+    *,
+    quantize: Callable[..., qarray.QArray] = qarray.quantize,
 ) -> qarray.QArray:
-    """Quantizes an activation, with a static scale stored as a param if the rule asks for it."""
+    """Quantizes an activation, with a static scale stored as a param if the rule asks for it
+    (dynamic scales by ``quantize``)."""
     if not rule.resolved_act_static_scale or module is None or act_name is None:
-        return qarray.quantize(array, how)
+        return quantize(array, how)
     # An NNX PTQ model converted from a QT one finds the QT statistics here and consumes them.
     stat = flax_util.get_and_delete_variable("quant_stats", act_name, module=module)
     if stat is not None:
@@ -370,8 +379,10 @@ def quantize_params(
     quant_stats: Any = flax.core.FrozenDict(),  # noqa: B008 - immutable, as in the seeds
     *,
     allow_extra_params: bool = False,
+    quantize: Callable[..., qarray.QArray] = qarray.quantize,
 ) -> Any:
-    """Quantizes a float param tree (or any subtree of it) as the PTQ model would.
+    """Quantizes a float param tree (or any subtree of it) as the PTQ model would (each weight
+    by ``quantize``: contrib.padded_ptq pads first).
 
     Args:
       params: pure dict of float arrays (Linen: unboxed params; NNX: nnx.to_pure_dict(...)),
@@ -401,9 +412,7 @@ def quantize_params(
             flax_util.unbox(abstract.array), qarray.QArray
         ):
             # The module may reshape the weight before its op; the PTQ param has the op's shape.
-            param = WithAux(
-                qarray.quantize(param.reshape(abstract.shape), abstract.how), abstract.how
-            )
+            param = WithAux(quantize(param.reshape(abstract.shape), abstract.how), abstract.how)
         out[path] = param
     for path, stat in _stats_by_op(quant_stats).items():
         _quantize_static_scale(out, abstract_quantized_params, path, stat)

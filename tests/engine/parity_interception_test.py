@@ -2,10 +2,13 @@
 per thread, interception is thread-local (guarded by timeouts: a failure must fail, never
 hang), unused rules are asked for after quantize_model, and the invalid-rule message."""
 
+import functools
+import inspect
 import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -119,3 +122,68 @@ def test_unused_rules_are_asked_for_after_quantize_model(framework):
 def test_invalid_rule_static_scale_without_act_qtype():
     with pytest.raises(ValueError, match="act_static_scale is set to True but act_qtype is None"):
         qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8", act_static_scale=True)])
+
+
+# ---- issue 40: aliases bound before the call are intercepted, as the reference --------------
+
+ALIAS_DOT = jax.lax.dot_general  # bound at import, before any model ran
+DN = (((1,), (0,)), ((), ()))
+
+
+def test_alias_of_a_function_is_intercepted():
+    # The reference's case: jax.lax.sin is a plain function, patched in its code.
+    alias_sin = jax.lax.sin
+
+    def func(x):
+        return alias_sin(x)
+
+    def replaced_sin(x):
+        return jax.lax.sin(x) + n
+
+    wrapped = interception.wrap_func_intercepted(
+        func, lambda: interception.Interceptor({"jax.lax.sin": replaced_sin}, id="alias")
+    )
+    n = 42
+    assert float(wrapped(0.0)) == 42.0
+    assert float(alias_sin(0.0)) == 0.0 and "qmill" not in jax.lax.sin.__code__.co_filename
+
+
+def test_only_calls_from_outside_jax_reach_the_handler():
+    seen = []
+
+    def handler(*args, **kwargs):
+        seen.append(1)
+        return jax.lax.dot_general(*args, **kwargs)
+
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    signature = inspect.signature(jax.lax.dot_general)
+    with interception.intercepted({"jax.lax.dot_general": handler}):
+        assert inspect.signature(jax.lax.dot_general) == signature
+        ALIAS_DOT(x, w, DN)
+        functools.partial(ALIAS_DOT, dimension_numbers=DN)(x, w)
+        assert len(seen) == 2
+        # jnp.matmul lowers to lax.dot_general inside JAX: not a model's call, as before.
+        with jax.disable_jit():
+            jnp.matmul(x, w)
+        assert len(seen) == 2
+    ALIAS_DOT(x, w, DN)
+    assert len(seen) == 2 and not interception.is_patched("jax.lax.dot_general")
+
+
+class AliasDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (8, 4))
+        return ALIAS_DOT(x, w, DN)
+
+
+def test_a_model_calling_an_alias_is_quantized():
+    x = jax.random.normal(jax.random.key(0), (2, 8))
+    ptq = qwix.quantize_model(
+        AliasDense(), qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")])
+    )
+    variables = ptq.init(jax.random.key(1), x)
+    w = variables["params"]["w"]
+    assert isinstance(w, qwix.WithAux)
+    expected = x @ qwix.dequantize(w.array)
+    np.testing.assert_allclose(ptq.apply(variables, x), expected, rtol=1e-5, atol=1e-5)

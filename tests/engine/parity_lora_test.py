@@ -125,11 +125,34 @@ def test_multi_output_dot_general_gets_adapters(framework):
         )
         w, a, b = model.w[...], model.w_lora_a[...], model.w_lora_b[...]
         out = model(x)
-    # Deliberate difference (docs/api-differences.md, LoRA adapters on dot_general): the output
-    # axes stay apart in lora_b, (rank, 5, 6), where the reference flattens them, (rank, 30).
-    assert a.shape == (4, 2) and b.shape == (2, 5, 6)
+    # As the reference: the output axes flattened in lora_b, (rank, 5 * 6).
+    assert a.shape == (4, 2) and b.shape == (2, 30)
+    b = b.reshape(2, 5, 6)
     expected = jnp.einsum("bi,ijk->bjk", x, w) + jnp.einsum("bi,ir,rjk->bjk", x, a, b)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_general_adapters_flattened_as_the_reference():
+    """A batched weight with two output axes: the adapters' shapes the reference gives (checked
+    against qwix 0.1.8, with the same values from the same key; also (12, 3) / (3, 6) for two
+    contracting axes), lora_a (*batch, prod(contracting), rank), lora_b (*batch, rank,
+    prod(free))."""
+
+    class Batched(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.lecun_normal(), (2, 4, 4, 4))
+            return jax.lax.dot_general(x, w, (((2,), (1,)), ((0,), (0,))))
+
+    rule = qwix.LoraRule(rank=3, alpha=3.0, lora_b_initializer=jax.nn.initializers.ones)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 4))
+    model = qwix.apply_lora_to_model(Batched(), qwix.LoraProvider([rule]))
+    params = nn.unbox(model.init(jax.random.key(0), x)["params"])
+    w, a, b = params["w"], params["w_lora_a"], params["w_lora_b"]
+    assert a.shape == (2, 4, 3) and b.shape == (2, 3, 16)
+    delta = jnp.einsum("hbi,hir,hrjk->hbjk", x, a, b.reshape(2, 3, 4, 4))
+    expected = jnp.einsum("hbi,hijk->hbjk", x, w) + delta
+    np.testing.assert_allclose(model.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_nnx_einsum_with_two_output_axes_as_the_reference():

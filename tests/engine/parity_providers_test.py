@@ -95,9 +95,9 @@ def test_mx_formats_need_no_explicit_tile(fmt):
 def test_mx_dot_on_the_reference_inputs():
     # The reference's inputs: float32 ones on the mxfp8 grid, one block of 32 per row.
     ones = qarray.QArray(qvalue=jnp.ones((2, 32)), scale=jnp.ones((2, 1)), qtype="mxfp8")
-    out = mxfp_dot.mxfp_dot_general(ones, ones, dimension_numbers=(((1,), (1,)), ((), ())))
+    out = mxfp_dot.block_scaled_dot_general(ones, ones, dimension_numbers=(((1,), (1,)), ((), ())))
     np.testing.assert_array_equal(out, jnp.full((2, 2), 32.0))
-    one_side = mxfp_dot.mxfp_dot_general(ones, jnp.ones((2, 32)), (((1,), (1,)), ((), ())))
+    one_side = mxfp_dot.block_scaled_dot_general(ones, jnp.ones((2, 32)), (((1,), (1,)), ((), ())))
     assert one_side is None
 
 
@@ -129,13 +129,13 @@ def test_mx_dot_on_the_reference_batched_and_broadcast_shapes():
 
     # Two batch axes, flattened and restored: (2, 3, 4, 32) · (2, 3, 6, 32) -> (2, 3, 4, 6).
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
-    out = mxfp_dot.mxfp_dot_general(
+    out = mxfp_dot.block_scaled_dot_general(
         mx((2, 3, 4, 32), (2, 3, 4, 1), 2.0), mx((2, 3, 6, 32), (2, 3, 6, 1), 0.5), dims
     )
     np.testing.assert_array_equal(out, jnp.full((2, 3, 4, 6), 32.0))
     # A scale broadcast along the batch axis ((1, 4, 1) for (2, 4, 32)).
     dims = (((2,), (2,)), ((0,), (0,)))
-    out = mxfp_dot.mxfp_dot_general(
+    out = mxfp_dot.block_scaled_dot_general(
         mx((2, 4, 32), (1, 4, 1), 2.0), mx((2, 6, 32), (2, 6, 1), 1.0), dims
     )
     np.testing.assert_array_equal(out, jnp.full((2, 4, 6), 64.0))
