@@ -297,16 +297,8 @@ def quantize(
       ValueError: not a Linen model, no variables, data that can't be read twice or is empty,
         rules matching no op.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"qep.quantize supports Linen models only, got {type(model).__name__}.")
-    if variables is None:
-        raise ValueError("qep.quantize needs the float model's variables (variables=...).")
     adapter = batch_adapter or (lambda batch: ((batch,), {}))
-    data = _batches(calibration_data)
-    first = next(iter(data()), _NO_BATCH)
-    if first is _NO_BATCH:
-        raise ValueError("calibration_data must contain at least one batch.")
-    args, kwargs = adapter(first)
+    data, (args, kwargs) = _checked_inputs(model, variables, calibration_data, adapter)
 
     float_params = flax.core.unfreeze(variables["params"])
     float_provider, quant_provider = _CaptureProvider(rules), _CaptureProvider(rules)
@@ -353,6 +345,20 @@ def quantize(
 
 
 _NO_BATCH = object()
+
+
+def _checked_inputs(model, variables, calibration_data, adapter):
+    """(the batches as a re-iterable source, the first batch's (args, kwargs)), or the error
+    that says what quantize() was given wrong."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"qep.quantize supports Linen models only, got {type(model).__name__}.")
+    if variables is None:
+        raise ValueError("qep.quantize needs the float model's variables (variables=...).")
+    data = _batches(calibration_data)
+    first = next(iter(data()), _NO_BATCH)
+    if first is _NO_BATCH:
+        raise ValueError("calibration_data must contain at least one batch.")
+    return data, adapter(first)
 
 
 def quantize_params(
