@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -195,17 +195,23 @@ def server_env(platform: str = "default") -> dict[str, str]:
 
 @contextlib.contextmanager
 def qmill_servers(
-    count: int, platform: str = "default", log: str | None = None
+    count: int,
+    platform: str = "default",
+    log: str | None = None,
+    cpus: str | None = None,
+    extra: Sequence[str] = (),
 ) -> Iterator[list[tuple[int, str]]]:
     """`count` local `qmill serve` processes on `platform` (server_env), once all answer;
-    yields (pid, address) each. Their output goes to the file `log` (appended), else nowhere."""
+    yields (pid, address) each. Their output goes to the file `log` (appended), else nowhere;
+    `cpus` given, they are pinned to that taskset list; `extra`: more `qmill serve` flags."""
     started = []
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
     try:
         for _ in range(count):
             port = _free_port()
+            command = [*QMILL, "serve", "--port", str(port), *extra]
             server = subprocess.Popen(
-                [*QMILL, "serve", "--port", str(port)],
+                ["taskset", "-c", cpus, *command] if cpus else command,
                 stdout=out,
                 stderr=out,
                 env=server_env(platform),

@@ -17,24 +17,23 @@ writes the same bytes as the in-process command.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import pathlib
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import e2e_bench  # the `qmill serve` helpers: one way to start, pin and measure a server
+
 SHAPE = {"hidden": 576, "inner": 1536, "heads": 9, "kv": 3, "vocab": 49152}
 
 
@@ -70,58 +69,15 @@ def make_folder(folder: pathlib.Path, layers: int) -> None:
     safetensors.numpy.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-QMILL = [sys.executable, "-m", "qmill.cli"]
-
-
-def platform_env(platform: str) -> dict[str, str]:
-    """ "default" lets jax pick (the GPU where there is one); "cpu" sets JAX_PLATFORMS=cpu."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    env.pop("JAX_PLATFORMS", None)
-    if platform == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def pinned(command: list[str], cpus: str | None) -> list[str]:
     return ["taskset", "-c", cpus, *command] if cpus else command
-
-
-@contextlib.contextmanager
-def server(platform: str, cpus: str | None, log) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A `qmill serve` on `platform` (pinned to `cpus`), once `qmill capabilities` answers."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    port = address.rsplit(":", 1)[1]
-    process = subprocess.Popen(pinned([*QMILL, "serve", "--port", port], cpus),
-                               stdout=log, stderr=log, env=platform_env(platform))  # fmt: skip
-    try:
-        for _ in range(240):
-            if process.poll() is not None:
-                raise RuntimeError(f"qmill serve exited with code {process.returncode}")
-            caps = [*QMILL, "capabilities", "--server", address]
-            if subprocess.run(caps, capture_output=True).returncode == 0:
-                break
-            time.sleep(0.5)
-        yield process, address
-    finally:
-        process.terminate()
-        process.wait()
-
-
-def peak_rss_mb(pid: int) -> float:
-    """VmHWM of a live process: its own peak resident set so far."""
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return float("nan")
 
 
 def run(folder, ids, out, platform: str, cpus: str | None, address: str | None = None) -> dict:
     """One whole `qmill quantize --method gptq` command: in process (pinned to `cpus`), or
     as a client of the server at `address` (which does the work)."""
     report = out.with_suffix(".json")
-    command = [*QMILL, "quantize", str(folder), "-o", str(out),
+    command = [*e2e_bench.QMILL, "quantize", str(folder), "-o", str(out),
                "--recipe", "W4A16", "--group-size", "64", "--method", "gptq",
                "--calibration-ids", str(ids), "--report-json", str(report), "-q"]  # fmt: skip
     if address:
@@ -130,7 +86,9 @@ def run(folder, ids, out, platform: str, cpus: str | None, address: str | None =
         command = pinned(command, cpus)
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    done = subprocess.run(command, env=platform_env(platform), capture_output=True, text=True)
+    done = subprocess.run(
+        command, env=e2e_bench.server_env(platform), capture_output=True, text=True
+    )
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     mode = "server" if address else "in-process"
@@ -162,7 +120,7 @@ def agreement(outs: list[pathlib.Path]) -> dict:
             "packed_code_words_equal_fraction": round(same / max(values, 1), 6)}  # fmt: skip
 
 
-def measure(args, tmp: pathlib.Path, ids: pathlib.Path, platform: str, mode: str, log) -> dict:
+def measure(args, tmp: pathlib.Path, ids: pathlib.Path, platform: str, mode: str) -> dict:
     layers = args.layers if platform != "cpu" else args.cpu_layers
     folder = tmp / f"model-{layers}"
     if not folder.exists():
@@ -171,9 +129,12 @@ def measure(args, tmp: pathlib.Path, ids: pathlib.Path, platform: str, mode: str
     out = tmp / f"out-{platform}-{mode}-{layers}"
     if mode == "in-process":
         return run(folder, ids, out, platform, cpus) | {"model_layers": layers}
-    with server(platform, cpus, log) as (process, address):
+    # A data directory of its own: a server keeps calibrations by fingerprint, and a second
+    # run of this bench would otherwise time the kept one.
+    fresh = ("--data-dir", str(tmp / f"server-{platform}"))
+    with e2e_bench.qmill_servers(1, platform, args.log, cpus, fresh) as [(pid, address)]:
         result = run(folder, ids, out, platform, cpus, address)
-        result["server_peak_rss_mb"] = peak_rss_mb(process.pid)
+        result["server_peak_rss_mb"] = round(e2e_bench.peak_rss_mb(pid), 1)
     return result | {"model_layers": layers}
 
 
@@ -186,7 +147,7 @@ def main() -> int:
     parser.add_argument("--cpus", default="0,1", help="taskset list for the CPU run ('' = all)")
     parser.add_argument("--platforms", default="default,cpu")
     parser.add_argument("--modes", default="in-process,server", help="in-process and/or server")
-    parser.add_argument("--log", default=os.devnull, help="the servers' output (appended)")
+    parser.add_argument("--log", default=None, help="the servers' output (appended)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="qmill-lm-gptq-"))
@@ -195,12 +156,11 @@ def main() -> int:
         rng = np.random.default_rng(1)
         ids = tmp / "ids.npy"
         np.save(ids, rng.integers(0, SHAPE["vocab"], (args.samples, args.seq_len), np.int32))
-        with open(args.log, "ab") as log:
-            for mode in args.modes.split(","):
-                for platform in args.platforms.split(","):
-                    results.append(measure(args, tmp, ids, platform, mode, log))
-                    print(json.dumps(results[-1]), flush=True)
-                    pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+        for mode in args.modes.split(","):
+            for platform in args.platforms.split(","):
+                results.append(measure(args, tmp, ids, platform, mode))
+                print(json.dumps(results[-1]), flush=True)
+                pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
         for mode in args.modes.split(","):
             outs = [tmp / f"out-{p}-{mode}-{args.layers if p != 'cpu' else args.cpu_layers}"
                     for p in args.platforms.split(",")]  # fmt: skip
