@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from qmill.checkpoints.base import files
 from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.formats.compressed_tensors import activations as ct_activations
 from qmill.checkpoints.lm import calibration as lm_calibration
@@ -104,9 +105,8 @@ def kept_or_collect(
     if kept.is_file():
         return {name: (lo, hi) for name, (lo, hi) in json.loads(kept.read_text()).items()}
     ranges = collect(folder, ids, progress=progress)
-    partial = kept.with_name(RANGES + ".tmp")
-    partial.write_text(json.dumps(ranges))  # floats' repr: the same numbers read back
-    os.replace(partial, kept)
+    # floats' repr: the same numbers read back.
+    files.write_durably(kept, json.dumps(ranges).encode())
     return ranges
 
 
