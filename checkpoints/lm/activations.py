@@ -16,7 +16,6 @@ Memory: one layer's weights, the embedding and the calibration hidden states (fl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -94,11 +93,10 @@ def kept_or_collect(
       ValueError: kept work made with other arguments (pass restart), or collect's.
     """
     ids = np.ascontiguousarray(calibration_ids, np.int32)
-    tokens = hashlib.sha256(ids.tobytes() + str(ids.shape).encode()).hexdigest()
     fingerprint = {
         "input_ranges_of": os.path.abspath(folder),
-        "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
-        "tokens": tokens,
+        "recipe": lm_calibration.canonical_recipe(recipe),
+        "tokens": lm_calibration.tokens_digest(ids),
     }
     work = lm_work.Work(lm_calibration.work_directory(destination), fingerprint, restart)
     kept = work.directory / RANGES

@@ -135,18 +135,28 @@ def _open_weights(folder: pathlib.Path) -> safetensors_source.SafetensorsSource:
     return safetensors_source.SafetensorsSource(files)
 
 
-def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmRequest) -> dict:
+def tokens_digest(*token_ids: np.ndarray | None) -> str:
+    """What a kept work's fingerprint says of its token ids: their int32 bytes and shapes."""
     digest = hashlib.sha256()
-    for ids in (request.calibration_ids, request.eval_ids):
+    for ids in token_ids:
         if ids is not None:
             digest.update(np.ascontiguousarray(ids, np.int32).tobytes())
             digest.update(str(ids.shape).encode())
+    return digest.hexdigest()
+
+
+def canonical_recipe(recipe: Mapping[str, Any]) -> Any:
+    """The recipe as a kept work's fingerprint holds it (JSON, keys sorted)."""
+    return json.loads(json.dumps(recipe, sort_keys=True, default=str))
+
+
+def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmRequest) -> dict:
     sizes = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
     return {
         "source": str(folder.absolute()),
         "weights": sizes,
-        "recipe": json.loads(json.dumps(recipe, sort_keys=True, default=str)),
-        "tokens": digest.hexdigest(),
+        "recipe": canonical_recipe(recipe),
+        "tokens": tokens_digest(request.calibration_ids, request.eval_ids),
         "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk]
         + ([True] if request.all_experts else []),
         # Only where there is one: a GPTQ calibration kept before methods existed still matches.
