@@ -40,7 +40,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     calibration = {} if args.dry_run else _calibration_kwargs(args)
     planned = _plan(args, recipe)
     static = static_activations.checked_scheme(args, planned.scheme)  # FP8, NVFP4: input scales
-    lm = _language_model(args, out) if static is None else None
+    lm = _language_model(args, recipe, out) if static is None else None
     if args.dry_run:
         summary = report.Summary(planned.rows(), 0.0, str(args.source), str(args.output), recipe)
         out.print(report.render(summary, args.table, plan=True))
@@ -291,15 +291,16 @@ def _calibrate_language_model(args: argparse.Namespace, recipe: dict, lm: Any) -
     return calibrated_lm.calibrate(args, recipe, lm), None
 
 
-def _language_model(args: argparse.Namespace, out: Console) -> Any:
+def _language_model(args: argparse.Namespace, recipe: dict, out: Console) -> Any:
     """The calibration request of a --method run (refused before any work when the model,
-    the flags or the memory estimate don't allow it), or None."""
+    the flags, the recipe or the memory estimate don't allow it), or None."""
     if not calibrated_lm.wanted(args):
         return None
     lm_calibration.model_config(args.source)  # an unsupported architecture: refused first
     if args.server:
         lm_server.check_server(args)
     lm = calibrated_lm.request(args)
+    lm_calibration.check_request(args.source, lm, recipe)
     for line in calibrated_lm.check_memory(args, lm):
         out.print(line, markup=False, highlight=False, soft_wrap=True)
     return lm

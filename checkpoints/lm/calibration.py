@@ -231,6 +231,7 @@ def calibrate(
     from qmill.engine.lm import config as config_lib
     from qmill.engine.lm import sequential
 
+    lm_methods.check_recipe(request.method, recipe)
     embedded.load_engine()
     _free_large_blocks_at_once()
     folder = pathlib.Path(folder)
@@ -413,14 +414,19 @@ def tensor_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         return {e.path: tuple(e.shape) for e in weights.entries()}
 
 
-def check_request(folder: str | os.PathLike, request: LmRequest) -> Any:
+def check_request(
+    folder: str | os.PathLike, request: LmRequest, recipe: Mapping[str, Any] | None = None
+) -> Any:
     """What `calibrate` refuses before any work, checked without doing any (a server checks a
-    job's request when it is submitted): the folder's LmConfig.
+    job's request when it is submitted): the folder's LmConfig. `recipe`: the one the method
+    calibrates (lm_methods.check_recipe); None for a run without a method (static ranges).
 
     Raises:
-      ValueError: an unsupported architecture, missing tensors, or token ids of a bad shape or
-        outside the vocabulary.
+      ValueError: a recipe the method cannot calibrate, an unsupported architecture, missing
+        tensors, or token ids of a bad shape or outside the vocabulary.
     """
+    if recipe is not None:
+        lm_methods.check_recipe(request.method, recipe)
     cfg = model_config(folder)
     _check_ids(cfg, request)
     with _open_weights(pathlib.Path(folder)) as weights:

@@ -14,6 +14,7 @@ and how progress and reports name each method's measure.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +35,82 @@ def check(method: str, alpha: float, grid: int) -> None:
         raise ValueError(f"the SmoothQuant strength must be in [0, 1], not {alpha}")
     if grid < 2:
         raise ValueError(f"the AWQ grid takes at least 2 points, not {grid}")
+
+
+def check_recipe(method: str, recipe: Mapping[str, Any]) -> None:
+    """Refuses, before any work, a recipe `method` cannot calibrate: the one check that the
+    in-process run, CalibrateLanguageModel and a job's SubmitJob make (and `calibrate` again).
+
+    Raises:
+      ValueError: a static-activation scheme (FP8, NVFP4: calibrated without a method), with
+        AWQ or SmoothQuant NVFP4A16 (its global scales), or with a GPTQ method a quantizing rule
+        whose numerics GPTQ cannot follow (micro-scaled MX / NVFP4 scales, FP8_BLOCK's 2-D
+        blocks), saying what runs instead.
+    """
+    scheme = _scheme_of(recipe)
+    if scheme is not None and scheme.static_inputs:
+        raise ValueError(static_refusal(scheme))
+    fold = smoothing(method)
+    if fold is not None and scheme is not None and scheme.format == ct_schemes.NVFP4:
+        # The plan finds each NVFP4 global scale from the source's weight, which the fold then
+        # scales: the codes would be written against a global scale they were not made with.
+        raise ValueError(
+            f"--method {method} cannot calibrate {scheme.name}: its global scales are found "
+            f"from the weights before the fold changes them. Instead run no --method (round to "
+            f"nearest), or --method {fold} with a scheme without a global scale (MXFP4A16, "
+            "W4A16, ...)"
+        )
+    if not uses_gptq(method):
+        return
+    from qmill.engine.contrib import leaf
+    from qmill.engine.modelfree import recipes as recipes_lib
+
+    for rule in recipes_lib.recipe_from_mapping(recipe).rules:
+        why = None if rule.skip else leaf.gptq_refusal(rule)
+        if why is None:
+            continue
+        what = scheme.name if scheme is not None else f"rule {rule.path_regex!r} ({rule.qtype})"
+        instead = f"--method {fold}" if fold else "--method awq or smoothquant"
+        raise ValueError(
+            f"--method {method} cannot calibrate {what}: {why}. Instead run {instead} (the "
+            "fold, then round to nearest) or no --method (round to nearest), or a scheme GPTQ "
+            f"takes: {gptq_schemes()}"
+        )
+
+
+def static_refusal(scheme: ct_schemes.Scheme) -> str:
+    """Why a static-activation scheme (FP8, NVFP4) takes no --method."""
+    return (
+        f"{scheme.name}'s static input scales are calibrated without --method (weights "
+        "rounded to nearest, as llm-compressor's QuantizationModifier): drop --method"
+    )
+
+
+def gptq_schemes() -> str:
+    """The compressed-tensors schemes GPTQ calibrates, as a message lists them (the integer
+    WnAm family as its first and last member)."""
+    from qmill.engine.contrib import leaf
+    from qmill.engine.modelfree import recipes as recipes_lib
+
+    names = [
+        s.name
+        for s in ct_schemes.SCHEMES.values()
+        if not s.static_inputs and leaf.gptq_refusal(recipes_lib.rule_from_mapping(s.rule)) is None
+    ]
+    family = [n for n in names if re.fullmatch(r"W\dA\d+", n) and n not in _NAMED_WNAM]
+    main = [n for n in names if n not in family]
+    return ", ".join(main) + (f" or the WnAm family ({family[0]} … {family[-1]})" if family else "")
+
+
+# The WnAm schemes a message names on their own; the others are "the WnAm family".
+_NAMED_WNAM = ("W4A16", "W8A16", "W8A8")
+
+
+def _scheme_of(recipe: Mapping[str, Any]) -> ct_schemes.Scheme | None:
+    try:
+        return ct_schemes.scheme_of_recipe(recipe)
+    except ValueError:
+        return None  # not a compressed-tensors scheme's recipe (qmill's own layout)
 
 
 def smoothing(method: str) -> str | None:
@@ -89,10 +166,7 @@ def quantized_config(cfg: Any, recipe: Mapping[str, Any]) -> Any:
     if act is None:
         return cfg
     if scheme.static_inputs:
-        raise ValueError(
-            f"{scheme.name}'s static input scales are calibrated without --method (weights "
-            "rounded to nearest, as llm-compressor's QuantizationModifier): drop --method"
-        )
+        raise ValueError(static_refusal(scheme))
     bits = int(act["num_bits"])
     if act["type"] == "int":
         qtype = f"int{bits}"

@@ -28,7 +28,7 @@ import numpy as np
 
 from qmill.engine.contrib import awq_core, calibration, gptq_core, gptq_host, qep_core
 from qmill.engine.core import averaging, qarray, qcodes, qtypes
-from qmill.engine.modelfree import layout, packing
+from qmill.engine.modelfree import layout, packing, recipes
 from qmill.engine.modelfree import leaf as leaf_lib
 
 SUFFIXES = {"_gptq": "gptq", "_qep": "qep", "_awq": "awq", "_sq": "smoothquant"}
@@ -219,6 +219,29 @@ def quantizer(stats: Mapping[str, tuple[str, Mapping[str, np.ndarray]]]):
         return quantize_leaf(array, plan, *found)
 
     return quantize
+
+
+def gptq_refusal(rule: recipes.TensorRule) -> str | None:
+    """Why GPTQ cannot quantize what a recipe's quantizing `rule` asks for, or None when it can:
+    its group scales are plain floats found from the weight, one per group of input features.
+
+    A micro-scaled qtype (MXFP4, MXFP8: each group's scale a power of two, E8M0; NVFP4: E4M3
+    under a per-tensor global scale) stores a quantized scale GPTQ would have to round with the
+    codes, and blocks tiled along both axes (FP8_BLOCK's 128 × 128) group output rows too.
+    """
+    qt = qtypes.get(rule.qtype)
+    if qt.required_tile is not None:
+        if qt.scale_rounding == qtypes.POW2:
+            stored = "rounds each group's scale to a power of two (E8M0)"
+        else:
+            stored = "stores each group's scale in E4M3 under a per-tensor global scale"
+        return f"{qt.name} {stored}, which qmill's GPTQ does not do yet"
+    if rule.tiled_axes is not None and len(rule.tiled_axes) > 1:
+        return (
+            "its blocks tile both axes of a weight, and GPTQ's groups run along the input "
+            "features only"
+        )
+    return None
 
 
 def gptq_static_leaves(

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import methods as lm_methods
 from qmill.checkpoints.lm import work as lm_work
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -116,6 +117,7 @@ class LmCalibrations:
           errors.NotFound / errors.FailedPrecondition: an unknown or incomplete upload.
         """
         lm_request, _ = codec.lm_options(request.calibration)
+        lm_methods.check_recipe(lm_request.method, _recipe(request))
         if not request.weight_uploads:
             raise ValueError("weight_uploads is empty: upload the folder's .safetensors files")
         for name in request.weight_uploads:
@@ -157,9 +159,7 @@ class LmCalibrations:
         progress: Callable[[lm_calibration.LayerProgress], None],
         check: Callable[[], None],
     ) -> Done:
-        recipe = recipe_proto.to_mapping(request.recipe)
-        if recipe.get("convention") == "auto":
-            del recipe["convention"]  # as SubmitJob does: the source format's
+        recipe = _recipe(request)
         base = self.root / calibration_id
         folder = _lay_out(base, tenant, request, files)
         cfg = lm_calibration.check_request(folder, lm_request)
@@ -183,6 +183,15 @@ class LmCalibrations:
             calibrated_tensors=sorted(done.methods),
             folded={name: load() for name, load in sorted(done.folded.items())},
         )
+
+
+def _recipe(request: pb.CalibrateLanguageModelRequest) -> dict[str, Any]:
+    """The request's recipe as a mapping, its convention the source format's unless it sets
+    one (as SubmitJob does)."""
+    recipe = recipe_proto.to_mapping(request.recipe)
+    if recipe.get("convention") == "auto":
+        del recipe["convention"]
+    return recipe
 
 
 def _id(

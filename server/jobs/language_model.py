@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from qmill.checkpoints.lm import backends as lm_backends
@@ -47,13 +47,15 @@ class LmJob:
         return cls(*codec.lm_options(message))
 
 
-def check_submit(message: pb.LanguageModelCalibration, source: str) -> bytes:
-    """Checks a submitted calibration against its source folder before any work; returns it
-    serialized, as the job store keeps it.
+def check_submit(
+    message: pb.LanguageModelCalibration, source: str, recipe: Mapping[str, Any]
+) -> bytes:
+    """Checks a submitted calibration against its source folder and the job's recipe before any
+    work; returns it serialized, as the job store keeps it.
 
     Raises:
-      ValueError: bad ids or options, an object-store source, an unsupported architecture, or
-        missing tensors.
+      ValueError: bad ids or options, a recipe the method cannot calibrate, an object-store
+        source, an unsupported architecture, or missing tensors.
     """
     request, _ = codec.lm_options(message)
     if urls.is_url(source):
@@ -61,7 +63,7 @@ def check_submit(message: pb.LanguageModelCalibration, source: str) -> bytes:
             "a language-model calibration job reads a folder on the server's filesystem, not an "
             f"object-store URL ({source}): copy the folder there first"
         )
-    lm_calibration.check_request(source, request)
+    lm_calibration.check_request(source, request, recipe)
     return message.SerializeToString(deterministic=True)
 
 

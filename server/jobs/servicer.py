@@ -84,7 +84,7 @@ class JobsServicer(pb_grpc.JobsServicer):
             # A language model calibrated first: its architecture, tensors and token ids are
             # checked now (reading config.json and the weights' headers), not in the job.
             language_model = await asyncio.to_thread(
-                lm_jobs.check_submit, request.language_model, source
+                lm_jobs.check_submit, request.language_model, source, recipe
             )
         if not request.overwrite and await _exists(destination, follow=False):
             raise errors.AlreadyExists(

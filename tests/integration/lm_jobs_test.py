@@ -413,3 +413,37 @@ def test_awq_gptq_through_a_server_and_as_a_job_gives_the_in_process_bytes(
     assert last.state == pb.JOB_STATE_SUCCEEDED, last.error
     assert "GPTQ loss by layer: " in last.message
     _same_bytes(dest, reference)
+
+
+def test_gptq_of_a_micro_scaled_scheme_is_refused_before_any_work_on_every_path(
+    make_server, llama, ids, tmp_path, capsys
+):
+    """MXFP8 (E8M0 group scales) is refused by the one check (lm_methods.check_recipe) in
+    process, by the client of --server, by CalibrateLanguageModel and by SubmitJob: one line
+    naming what runs instead, nothing written, no job."""
+    server = make_server()
+    words = "--method gptq cannot calibrate MXFP8: mxfp8 rounds each group's scale"
+    for where in ((), ("--server", server.address)):
+        output = tmp_path / f"out{len(where)}"
+        args = _cli_args(llama, ids, output, *where)
+        del args[args.index("--group-size") : args.index("--group-size") + 2]
+        args[args.index("W4A16")] = "MXFP8"
+        assert cli.main(args) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and "W4A16, W4A16_ASYM" in err, err
+        assert not output.exists() and not lm_calibration.work_directory(output).exists()
+    mxfp8 = recipes.load("MXFP8")
+    with Client(server.address, timeout=60) as client:
+        request = _lm_request(client, llama, _message(ids))
+        request.recipe.CopyFrom(recipes.message(mxfp8))
+        with pytest.raises(errors.QmillError) as raised:
+            client.calibrate_language_model(request)
+        assert raised.value.code == "INVALID_ARGUMENT" and words in raised.value.details
+        dest = tmp_path / "job"
+        with pytest.raises(errors.QmillError) as raised:
+            client.jobs.submit(
+                str(llama), str(dest), mxfp8, output_format="compressed-tensors",
+                language_model=_message(ids),
+            )  # fmt: skip
+        assert raised.value.code == "INVALID_ARGUMENT" and words in raised.value.details
+        assert client.jobs.list() == [] and not lm_calibration.work_directory(dest).exists()
