@@ -42,6 +42,8 @@ def message(
     if request.method != "gptq":  # a GPTQ request stays the message it was (its server id)
         out.smoothquant_alpha = request.smoothquant_alpha
         out.awq_grid = request.awq_grid
+    # A proto3 bool: false is not on the wire, so a request without it keeps its server id.
+    out.calibrate_all_experts = request.all_experts
     if request.eval_ids is not None:
         out.eval_ids.CopyFrom(_inline("eval_ids", request.eval_ids))
     if max_ppl_increase is not None:

@@ -252,5 +252,6 @@ def lm_options(
         method=message.method,
         smoothquant_alpha=alpha,
         awq_grid=message.awq_grid or 20,
+        all_experts=message.calibrate_all_experts,
     )
     return request, gate

@@ -596,7 +596,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ..., language_model: _Optional[_Union[LanguageModelCalibration, _Mapping]] = ...) -> None: ...
 
 class LanguageModelCalibration(_message.Message):
-    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase", "smoothquant_alpha", "awq_grid")
+    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase", "smoothquant_alpha", "awq_grid", "calibrate_all_experts")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_IDS_FIELD_NUMBER: _ClassVar[int]
     EVAL_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -606,6 +606,7 @@ class LanguageModelCalibration(_message.Message):
     MAX_PPL_INCREASE_FIELD_NUMBER: _ClassVar[int]
     SMOOTHQUANT_ALPHA_FIELD_NUMBER: _ClassVar[int]
     AWQ_GRID_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATE_ALL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     method: str
     calibration_ids: InlineTensor
     eval_ids: InlineTensor
@@ -615,7 +616,8 @@ class LanguageModelCalibration(_message.Message):
     max_ppl_increase: float
     smoothquant_alpha: float
     awq_grid: int
-    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ..., smoothquant_alpha: _Optional[float] = ..., awq_grid: _Optional[int] = ...) -> None: ...
+    calibrate_all_experts: bool
+    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ..., smoothquant_alpha: _Optional[float] = ..., awq_grid: _Optional[int] = ..., calibrate_all_experts: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix", "message", "calibration_report_json")

@@ -121,3 +121,38 @@ def test_an_expert_without_tokens_is_rtn_and_all_experts_gptqs_every_one(root):
     assert set(_experts(every).values()) == {"GPTQ"}
     assert every["calibration"]["round_to_nearest"] == {}
     assert every["calibration"]["calibrate_all_experts"] is True
+
+
+def test_all_experts_through_a_server_and_as_a_job_gives_the_in_process_bytes(root, make_server):
+    """--calibrate-all-experts on the wire (LanguageModelCalibration.calibrate_all_experts) and
+    in a job's stored request: the server and a job write the in-process output (the test
+    above's), every expert GPTQ'd; a flag dropped on the way leaves 4+ experts round to nearest
+    and other bytes."""
+    from qmill.checkpoints.lm import calibration as lm_calibration
+    from qmill.cli import lm_jobs
+    from qmill.client import Client, recipes
+    from qmill.proto.v1 import qmill_pb2 as pb
+
+    folder, tiny = root / "qwen3_moe", root / "tiny.npy"
+    if not folder.is_dir():
+        folder = _folder("qwen3_moe", root)
+    reference = root / "every"
+    if not reference.is_dir():
+        _quantize(folder, reference, tiny, "--calibrate-all-experts")
+    server = make_server()
+    remote = _quantize(folder, root / "every-server", tiny, "--calibrate-all-experts",
+                       "--server", server.address)  # fmt: skip
+    assert remote["calibration"]["round_to_nearest"] == {}
+    request = lm_calibration.LmRequest(calibration_ids=np.load(tiny), all_experts=True)
+    with Client(server.address, timeout=60) as client:
+        job = client.jobs.submit(
+            str(folder), str(root / "every-job"),
+            recipes.with_group_size(recipes.load("W4A16"), 32),
+            output_format="compressed-tensors", language_model=lm_jobs.message(request),
+        )  # fmt: skip
+        last = list(client.jobs.watch(job.job_id))[-1].job
+    assert last.state == pb.JOB_STATE_SUCCEEDED, last.error
+    assert json.loads(last.calibration_report_json)["calibration"]["round_to_nearest"] == {}
+    for output in (root / "every-server", root / "every-job"):
+        for path in reference.glob("*.safetensors"):
+            assert (output / path.name).read_bytes() == path.read_bytes(), (output, path.name)
