@@ -16,6 +16,7 @@ from typing import Any
 
 from qmill.checkpoints.formats.compressed_tensors import activations as ct_activations
 from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
+from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.cli import calibrated_lm
 
 _CALIBRATION_FLAGS = ("calibration_text", "calibration_ids")
@@ -69,7 +70,13 @@ def _ranges(args: argparse.Namespace, recipe: dict[str, Any]) -> dict[str, ct_ac
             )
 
     return lm_activations.kept_or_collect(
-        args.source, args.output, recipe, ids, restart=args.restart, progress=progress
+        args.source,
+        args.output,
+        recipe,
+        ids,
+        restart=args.restart,
+        all_experts=args.calibrate_all_experts,
+        progress=progress,
     )
 
 
@@ -83,7 +90,14 @@ def input_parts(
         return None
     from qmill.checkpoints.lm import activations as lm_activations  # lazy: the engine (jax)
 
-    return lm_activations.input_parts(plan, _ranges(args, recipe))
+    ranges = _ranges(args, recipe)
+    try:
+        return lm_activations.input_parts(plan, ranges)
+    except ValueError:
+        # Ranges a rerun with what the message asks for (another recipe, all experts) would
+        # not match: kept, they would only make it pass --restart.
+        lm_calibration.discard(args.output)
+        raise
 
 
 def with_input_scales(backend: Any, parts: dict[str, dict[str, Any]] | None) -> Any:

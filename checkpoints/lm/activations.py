@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,6 +35,8 @@ from qmill.checkpoints.run import plan as plan_lib
 
 Range = ct_activations.Range
 RANGES = "input_ranges.json"
+# A mixture of experts' expert linear (engine/lm/moe_config.expert: Mixtral's and Qwen's).
+_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def collect(
@@ -41,10 +44,13 @@ def collect(
     calibration_ids: np.ndarray,
     *,
     chunk: int = 8,
+    all_experts: bool = False,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> dict[str, Range]:
     """{linear weight name: its input's (min, max)} over `calibration_ids` (int, samples ×
     tokens), the float model run layer by layer; `progress(layer, layers, seconds)` after each.
+    A mixture of experts' experts see the tokens routed to them, or every token with
+    `all_experts` (activation_ranges.layer_ranges).
 
     Raises:
       ValueError: an unsupported architecture, missing tensors or token ids outside the
@@ -70,7 +76,9 @@ def collect(
                 n.removeprefix(prefix): source.read(n)
                 for n in config_lib.layer_tensor_names(cfg, layer)
             }
-            found, hidden = activation_ranges.layer_ranges(cfg, layer, weights, hidden)
+            found, hidden = activation_ranges.layer_ranges(
+                cfg, layer, weights, hidden, all_experts=all_experts
+            )
             ranges.update(found)
             if progress is not None:
                 progress(layer, cfg.num_layers, time.monotonic() - started)
@@ -84,10 +92,12 @@ def kept_or_collect(
     calibration_ids: np.ndarray,
     *,
     restart: bool = False,
+    all_experts: bool = False,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> dict[str, Range]:
     """`collect`'s ranges, kept beside `destination` by an earlier run with the same source,
-    recipe and tokens if there is one (`restart` discards it), else collected and kept.
+    recipe, tokens and `all_experts` if there is one (`restart` discards it), else collected
+    and kept.
 
     Raises:
       ValueError: kept work made with other arguments (pass restart), or collect's.
@@ -97,12 +107,14 @@ def kept_or_collect(
         "input_ranges_of": os.path.abspath(folder),
         "recipe": lm_calibration.canonical_recipe(recipe),
         "tokens": lm_calibration.tokens_digest(ids),
+        # Only where set: ranges kept before the option existed still match.
+        **({"all_experts": True} if all_experts else {}),
     }
     work = lm_work.Work(lm_calibration.work_directory(destination), fingerprint, restart)
     kept = work.directory / RANGES
     if kept.is_file():
         return {name: (lo, hi) for name, (lo, hi) in json.loads(kept.read_text()).items()}
-    ranges = collect(folder, ids, progress=progress)
+    ranges = collect(folder, ids, all_experts=all_experts, progress=progress)
     # floats' repr: the same numbers read back.
     files.write_durably(kept, json.dumps(ranges).encode())
     return ranges
@@ -120,6 +132,14 @@ def input_parts(
     """
     quantized = [t.entry for t in plan.tensors if t.quantized]
     missing = [e.path for e in quantized if e.path not in ranges]
+    experts = [name for name in missing if _EXPERT.search(name)]
+    if experts:
+        raise ValueError(
+            f"{experts[0]} would be quantized in {plan.scheme.name}, but no calibration token "
+            f"was routed to its expert ({len(experts)} such linears), so its input has no "
+            "range: add --calibrate-all-experts (every token through every expert for the "
+            "ranges, as llm-compressor's calibrate-all-experts) or more calibration tokens"
+        )
     if missing:
         raise ValueError(
             f"{missing[0]} would be quantized in {plan.scheme.name}, but its input was not seen "

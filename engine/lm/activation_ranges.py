@@ -60,13 +60,20 @@ def layer_ranges(
     layer: int,
     weights: Mapping[str, jax.Array],
     hidden: sequential.Hidden,
+    *,
+    all_experts: bool = False,
 ) -> tuple[dict[str, Range], sequential.Hidden]:
     """Decoder layer `layer` in float on every chunk of `hidden`: each of its linears' input
-    range (full names), and the layer's output (the next layer's input)."""
+    range (full names), and the layer's output (the next layer's input). A mixture of experts'
+    expert is observed on the tokens routed to it (one that gets none has no range), or with
+    `all_experts` on every token (llm-compressor's calibrate-all-experts); the output keeps the
+    routed result either way."""
     found: dict[str, Range] = {}
 
     def observe(names: tuple[str, ...], inputs: Sequence[jax.Array]) -> None:
         found.update(merge(found, names, input_range(inputs)))
 
-    done = sequential.calibrate_layer(cfg, layer, weights, hidden, {}, _NO_GPTQ, observe)
+    done = sequential.calibrate_layer(
+        cfg, layer, weights, hidden, {}, _NO_GPTQ, observe, all_experts=all_experts
+    )
     return found, done.hidden

@@ -11,6 +11,7 @@ import pathlib
 
 import numpy as np
 import pytest
+import safetensors
 from safetensors.numpy import load_file
 
 from qmill.cli import main as cli
@@ -156,3 +157,34 @@ def test_all_experts_through_a_server_and_as_a_job_gives_the_in_process_bytes(ro
     for output in (root / "every-server", root / "every-job"):
         for path in reference.glob("*.safetensors"):
             assert (output / path.name).read_bytes() == path.read_bytes(), (output, path.name)
+
+
+def test_static_input_scales_of_experts_no_token_reached_need_all_experts(root, capsys):
+    """FP8's input scales on the tiny Qwen3-MoE over two tokens: experts no token is routed to
+    have no input range, and the run is refused naming the flag, writing nothing; with
+    --calibrate-all-experts every expert sees every token, so every expert's gate and up share
+    one input scale (the block's input over every token), finite and positive."""
+    from qmill.checkpoints.lm import calibration as lm_calibration
+
+    folder, tiny = root / "qwen3_moe", root / "tiny.npy"
+    if not folder.is_dir():
+        folder = _folder("qwen3_moe", root)
+    output = root / "fp8"
+    args = ["quantize", str(folder), "-o", str(output), "--recipe", "FP8",
+            "--calibration-ids", str(tiny), "-q"]  # fmt: skip
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert (
+        "no calibration token was routed to its expert" in err and "--calibrate-all-experts" in err
+    )
+    assert not output.exists() and not lm_calibration.work_directory(output).exists()
+    assert cli.main([*args, "--calibrate-all-experts"]) == 0
+    inputs = {}
+    for path in output.glob("*.safetensors"):
+        with safetensors.safe_open(path, "pt") as f:  # numpy has no float8 for the weights
+            names = [k for k in f.keys() if ".experts." in k and k.endswith("input_scale")]  # noqa: SIM118
+            inputs |= {k: f.get_tensor(k).float().numpy() for k in names}
+    assert len(inputs) == 3 * MODELS["qwen3_moe"][1]["num_experts"]
+    assert all(np.all(np.isfinite(v)) and np.all(v > 0) for v in inputs.values())
+    gate_up = {v.tobytes() for k, v in inputs.items() if not k.endswith("down_proj.input_scale")}
+    assert len(gate_up) == 1
