@@ -144,6 +144,13 @@ def _add_method_options(g: Any) -> None:
     )
 
 
+def calibrates(args: argparse.Namespace) -> bool:
+    """Whether the run calibrates a language model: --method, or the calibration tokens of a
+    static-activation scheme (others are refused: `wanted`, static_activations)."""
+    flags = ("method", "calibration_text", "calibration_ids")
+    return any(getattr(args, f, None) is not None for f in flags)
+
+
 def wanted(args: argparse.Namespace) -> bool:
     """Whether the run calibrates a language model; refuses half-given flags."""
     lm_flags = ("calibration_text", "calibration_ids", "eval_text", "eval_ids", "max_ppl_increase")

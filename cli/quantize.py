@@ -22,6 +22,7 @@ from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
 from qmill.checkpoints.lm import backends as lm_backends
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import plans as lm_plans
 from qmill.checkpoints.run import calibration_coverage, pipeline
 from qmill.checkpoints.run import plan as plan_lib
 from qmill.cli import calibrated_lm, connect, lm_server, report, serving, static_activations
@@ -32,6 +33,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     recipe = recipes.load(args.recipe)
     if args.group_size is not None:
         recipe = recipes.with_group_size(recipe, args.group_size)
+    if calibrated_lm.calibrates(args):  # a mixture of experts' routers: never quantized
+        recipe = lm_plans.keeping_routers(recipe)
     args.format = recipes.output_format(args.recipe, args.format)
     _check_output_folder(args.output)
     if args.dry_run and args.report_json:

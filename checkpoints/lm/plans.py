@@ -11,7 +11,28 @@ from typing import Any
 import numpy as np
 
 from qmill.checkpoints.base import protocols
+from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
 from qmill.checkpoints.run import plan as plan_lib
+
+# The skip rule that leaves a mixture of experts' routers (and Qwen2-MoE's shared expert gate) in
+# the source dtype: every compressed-tensors preset's own.
+ROUTERS_KEPT = {"path_regex": ct_schemes.ROUTER_IGNORE_REGEX, "skip": True}
+
+
+def keeping_routers(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe a language model is calibrated with: whatever its rules say, a mixture of
+    experts' routers stay in the source dtype (ROUTERS_KEPT first), since the calibration
+    decides the routing on the float router and its perplexity is the float router's; and
+    transformers 5 loads a router as a plain parameter, never a quantized Linear. A recipe
+    whose leading skip rules hold ROUTERS_KEPT already (every compressed-tensors preset) is
+    returned as it is: its kept work and server calibration ids stay the same."""
+    rules = list(recipe.get("rules") or ())
+    for rule in rules:
+        if not rule.get("skip"):
+            break
+        if rule.get("path_regex") == ROUTERS_KEPT["path_regex"]:
+            return dict(recipe)
+    return {**recipe, "rules": [dict(ROUTERS_KEPT), *rules]}
 
 
 def for_calibration(

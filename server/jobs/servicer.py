@@ -16,6 +16,7 @@ import urllib.parse
 import grpc
 
 from qmill.checkpoints.formats.compressed_tensors import activations as ct_activations
+from qmill.checkpoints.lm import plans as lm_plans
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
@@ -81,6 +82,8 @@ class JobsServicer(pb_grpc.JobsServicer):
             del recipe["convention"]
         language_model = b""
         if request.HasField("language_model"):
+            # As `qmill quantize --method` does: a mixture of experts' routers stay in float.
+            recipe = lm_plans.keeping_routers(recipe)
             # A language model calibrated first: its architecture, tensors and token ids are
             # checked now (reading config.json and the weights' headers), not in the job.
             language_model = await asyncio.to_thread(

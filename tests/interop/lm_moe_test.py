@@ -128,8 +128,9 @@ def test_all_experts_through_a_server_and_as_a_job_gives_the_in_process_bytes(ro
     """--calibrate-all-experts on the wire (LanguageModelCalibration.calibrate_all_experts) and
     in a job's stored request: the server and a job write the in-process output (the test
     above's), every expert GPTQ'd; a flag dropped on the way leaves 4+ experts round to nearest
-    and other bytes."""
+    and other bytes. The job's recipe lacks the router rule, which the server adds."""
     from qmill.checkpoints.lm import calibration as lm_calibration
+    from qmill.checkpoints.lm import plans as lm_plans
     from qmill.cli import lm_jobs
     from qmill.client import Client, recipes
     from qmill.proto.v1 import qmill_pb2 as pb
@@ -145,10 +146,13 @@ def test_all_experts_through_a_server_and_as_a_job_gives_the_in_process_bytes(ro
                        "--server", server.address)  # fmt: skip
     assert remote["calibration"]["round_to_nearest"] == {}
     request = lm_calibration.LmRequest(calibration_ids=np.load(tiny), all_experts=True)
+    # The job's recipe has no router rule: the server keeps the routers in the source dtype
+    # all the same (lm_plans.keeping_routers), so its bytes are the preset's.
+    recipe = recipes.with_group_size(recipes.load("W4A16"), 32)
+    recipe["rules"] = [r for r in recipe["rules"] if r != lm_plans.ROUTERS_KEPT]
     with Client(server.address, timeout=60) as client:
         job = client.jobs.submit(
-            str(folder), str(root / "every-job"),
-            recipes.with_group_size(recipes.load("W4A16"), 32),
+            str(folder), str(root / "every-job"), recipe,
             output_format="compressed-tensors", language_model=lm_jobs.message(request),
         )  # fmt: skip
         last = list(client.jobs.watch(job.job_id))[-1].job
@@ -159,19 +163,34 @@ def test_all_experts_through_a_server_and_as_a_job_gives_the_in_process_bytes(ro
             assert (output / path.name).read_bytes() == path.read_bytes(), (output, path.name)
 
 
+# FP8 on the experts alone (the rest in float: fewer shapes to compile).
+FP8_EXPERTS = """scheme = "FP8"
+[[rules]]
+path_regex = '.*\\.experts\\..*'
+qtype = "float8_e4m3fn"
+contracting_axes = [1]
+channel_axes = []
+arithmetic = "torch"
+[[rules]]
+path_regex = '.*'
+skip = true
+"""
+
+
 def test_static_input_scales_of_experts_no_token_reached_need_all_experts(root, capsys):
-    """FP8's input scales on the tiny Qwen3-MoE over two tokens: experts no token is routed to
-    have no input range, and the run is refused naming the flag, writing nothing; with
-    --calibrate-all-experts every expert sees every token, so every expert's gate and up share
-    one input scale (the block's input over every token), finite and positive."""
+    """FP8's input scales of the tiny Qwen3-MoE's experts over two tokens: experts no token is
+    routed to have no input range, and the run is refused naming the flag, writing nothing;
+    with --calibrate-all-experts every expert sees every token, so every expert's gate and up
+    share one input scale (the block's input over every token), finite and positive."""
     from qmill.checkpoints.lm import calibration as lm_calibration
 
     folder, tiny = root / "qwen3_moe", root / "tiny.npy"
     if not folder.is_dir():
         folder = _folder("qwen3_moe", root)
-    output = root / "fp8"
-    args = ["quantize", str(folder), "-o", str(output), "--recipe", "FP8",
-            "--calibration-ids", str(tiny), "-q"]  # fmt: skip
+    recipe, output = root / "fp8-experts.toml", root / "fp8"
+    recipe.write_text(FP8_EXPERTS)
+    args = ["quantize", str(folder), "-o", str(output), "--recipe", str(recipe), "--format",
+            "compressed-tensors", "--calibration-ids", str(tiny), "-q"]  # fmt: skip
     assert cli.main(args) == 1
     err = capsys.readouterr().err
     assert (
@@ -188,3 +207,43 @@ def test_static_input_scales_of_experts_no_token_reached_need_all_experts(root, 
     assert all(np.all(np.isfinite(v)) and np.all(v > 0) for v in inputs.values())
     gate_up = {v.tobytes() for k, v in inputs.items() if not k.endswith("down_proj.input_scale")}
     assert len(gate_up) == 1
+
+
+# W4A16 in groups of 32 written as a user's recipe file: no rule for the routers.
+CUSTOM_RECIPE = """scheme = "W4A16"
+[[rules]]
+path_regex = '(?i).*(embed|lm_head|norm).*'
+skip = true
+[[rules]]
+path_regex = '.*\\.weight'
+qtype = "int4"
+tile_size = 32
+arithmetic = "torch"
+"""
+
+
+def test_a_recipe_without_a_router_rule_leaves_the_routers_in_the_source_dtype(root):
+    """The calibration keeps a mixture of experts' routers in the source dtype whatever the
+    recipe says (lm_plans.keeping_routers): the report's rows say kept and why, the output's
+    config ignores them, and they are the source's bytes."""
+    folder, tiny = root / "qwen3_moe", root / "tiny.npy"
+    if not folder.is_dir():
+        folder = _folder("qwen3_moe", root)
+    recipe = root / "custom.toml"
+    recipe.write_text(CUSTOM_RECIPE)
+    output, report_file = root / "custom", root / "custom.json"
+    args = ["quantize", str(folder), "-o", str(output), "--recipe", str(recipe), "--method",
+            "gptq", "--calibration-ids", str(tiny), "--report-json", str(report_file),
+            "--format", "compressed-tensors", "-q"]  # fmt: skip
+    assert cli.main(args) == 0
+    rows = {r["path"]: r for r in json.loads(report_file.read_text())["tensors"]}
+    router = "model.layers.1.mlp.gate.weight"  # layer 0 is a dense MLP
+    assert rows[router]["qtype"] == "kept" and rows[router]["method"] == ""
+    assert "shared_expert_gate" in rows[router]["reason"], rows[router]  # the rule's regex
+    assert rows["model.layers.1.mlp.experts.0.gate_proj.weight"]["method"] == "GPTQ"
+    config = json.loads((output / "config.json").read_text())
+    assert "model.layers.1.mlp.gate" in config["quantization_config"]["ignore"]
+    with safetensors.safe_open(folder / "model.safetensors", "pt") as f:
+        source = f.get_tensor(router)
+    with safetensors.safe_open(output / "model.safetensors", "pt") as f:
+        assert f.get_tensor(router).equal(source)
