@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     lm = _language_model(args, recipe, out) if static is None else None
     if args.dry_run:
         summary = report.Summary(planned.rows(), 0.0, str(args.source), str(args.output), recipe)
-        out.print(report.render(summary, args.table, plan=True))
+        out.print(report.render(summary, args.table, plan=True), crop=False)
         return 0
     methods = _methods(args, planned, calibration)
     calibrated, remote = _calibrate_language_model(args, recipe, lm)
@@ -163,7 +163,7 @@ def _print(args: argparse.Namespace, summary: report.Summary, out: Console) -> N
     if args.quiet:
         out.print(report.totals_line(summary), markup=False, highlight=False, soft_wrap=True)
     else:
-        out.print(report.render(summary, args.table))
+        out.print(report.render(summary, args.table), crop=False)
     if args.report_json:
         report.write_json(summary, args.report_json)
     for note in (

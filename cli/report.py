@@ -227,7 +227,9 @@ def render(summary: Summary, table: str = "summary", *, plan: bool = False) -> G
     if calibrated:
         outputs = any(not math.isnan(r.output_sqnr_db) for r in summary.rows)
         parts.append(Text(calibrated_note(calibrated, outputs=outputs)))
-    parts.append(Text(totals_line(summary, plan=plan)))
+    # One unwrapped line (the terminal folds it): a long output path stays whole, to copy or
+    # to grep from a log; rich would break it at any character to fit the width.
+    parts.append(Text(totals_line(summary, plan=plan), no_wrap=True, overflow="ignore"))
     return Group(*parts)
 
 

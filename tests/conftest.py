@@ -48,6 +48,13 @@ class RunningServer:
             self._own_dir.cleanup()  # after the stop: the job runner writes there until then
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`'s worker count: one per core, at most 4. A worker running the language-model
+    tests peaks at ~1.5 GB, and past 4 workers the suite is bound by its longest files
+    (the real-model GPTQ test alone is ~2 of its minutes)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """The XLA compilation cache of every engine this session runs, in-process or in the `qmill`

@@ -44,7 +44,7 @@ def test_minilm_folder_round_trip_with_true_sizes(tmp_path, run_qmill):
     assert abs(totals["tensor_bytes_after"] - weights) <= 0.01 * weights
     assert totals["disk_bytes_after"] == sum(len(b) for b in after.values())
     assert totals["disk_bytes_before"] == sum(len(b) for b in before.values())
-    assert f"→ {out}" in " ".join(result.stdout.split())
+    assert f"→ {out}\n" in result.stdout  # the path whole, never folded by the table's width
 
     shown = run_qmill("inspect", str(out))
     assert shown.returncode == 0, shown.stderr
