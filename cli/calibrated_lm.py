@@ -159,6 +159,12 @@ def wanted(args: argparse.Namespace) -> bool:
         if given:
             flag = "--" + given[0].replace("_", "-")
             raise ValueError(f"{flag} calibrates a language model: add --method gptq")
+        if getattr(args, "calibrate_all_experts", False):
+            raise ValueError(
+                "--calibrate-all-experts changes a calibration's statistics, and this run "
+                "calibrates nothing: add --method gptq (or awq, smoothquant, ...) with "
+                "--calibration-text, or use a static-activation scheme (FP8, NVFP4)"
+            )
         return False
     if (args.calibration_text is None) == (args.calibration_ids is None):
         raise ValueError(

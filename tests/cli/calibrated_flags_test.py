@@ -1,0 +1,22 @@
+"""Flags of a language-model calibration that would do nothing are refused, not ignored."""
+
+from __future__ import annotations
+
+import pytest
+
+from qmill.cli import calibrated_lm
+from qmill.cli import main as cli
+
+
+def _args(*flags: str):
+    return cli._parser("quantize").parse_args(["quantize", "folder", "-o", "out", *flags])
+
+
+def test_all_experts_without_a_calibration_is_refused():
+    with pytest.raises(ValueError, match=r"--calibrate-all-experts .* add --method gptq"):
+        calibrated_lm.wanted(_args("--recipe", "W4A16", "--calibrate-all-experts"))
+    # With a method it is a calibration's option; without any of it, no calibration at all.
+    assert calibrated_lm.wanted(
+        _args("--method", "gptq", "--calibration-ids", "ids.npy", "--calibrate-all-experts")
+    )
+    assert not calibrated_lm.wanted(_args("--recipe", "W4A16"))
