@@ -246,6 +246,13 @@ class Work:
         }
 
 
+def drop_state(directory: pathlib.Path) -> None:
+    """Removes the hidden states kept after the last layer (the bulk of the kept work) once
+    nothing will resume from them: a finished calibration kept with its outcome (the
+    server's). Its layers' results stay readable (results_of, folded_of)."""
+    (directory / _STATE).unlink(missing_ok=True)
+
+
 def _kept_by_other_code(
     directory: pathlib.Path, wanted: Mapping[str, Any], notice: Callable[[str], None]
 ) -> bool:

@@ -15,7 +15,9 @@ them.
 
 Layout: ``<root>/<id>/`` holds ``tenant``, ``source/`` (the folder, while the calibration runs:
 it is laid out again by each call) and the kept calibration ``out.qmill-calibration/``
-(lm_calibration's). The server's disk holds the weight files once (the uploads). A calibration
+(lm_calibration's; once finished, its layers' results and ``done``, the call's summary: the
+hidden states kept to resume are dropped). The server's disk holds the weight files once (the
+uploads). A calibration
 unused for the server's expiry (expiry.py; the stamp of its last use is ``tenant``) is swept,
 unless a call is running it or reading its results.
 """
@@ -36,6 +38,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from qmill.checkpoints.base import files as files_lib
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.lm import methods as lm_methods
 from qmill.checkpoints.lm import work as lm_work
@@ -48,6 +51,8 @@ from qmill.server.calibrator import expiry as expiry_lib
 PREFIX = "lm-"
 _FILE = re.compile(r"^[\w.-]+\.safetensors$")
 _ID = re.compile(PREFIX + r"[0-9a-f]{32}")
+# In the kept work once finished: the call's summary (JSON; empty from older servers).
+_DONE = "done"
 # A swept calibration's directory is renamed to this prefix (its id gone at once), then removed.
 _REMOVING = ".removing-"
 
@@ -116,7 +121,7 @@ class LmCalibrations:
         base = self._directory(tenant, calibration_id)
         work = lm_calibration.work_directory(base / "out")
         results = dict(lm_work.results_of(work))
-        if not (work / "done").is_file():
+        if not (work / _DONE).is_file():
             raise errors.NotFound(
                 f"calibration {calibration_id!r} is not finished: call CalibrateLanguageModel "
                 "again with the same request to finish it"
@@ -219,6 +224,11 @@ class LmCalibrations:
     ) -> Done:
         recipe = _recipe(request)
         base = self.root / calibration_id
+        work = lm_calibration.work_directory(base / "out")
+        finished = _finished(calibration_id, work)
+        if finished is not None:  # a call repeated after its summary was lost
+            self._expiry.touch(base / "tenant")
+            return finished
         folder = _lay_out(base, tenant, request, files)
         self._expiry.touch(base / "tenant")
         with self._lock:
@@ -234,20 +244,47 @@ class LmCalibrations:
         done = lm_calibration.calibrate(
             folder, base / "out", recipe, lm_request, progress=on_layer, check=check
         )
-        work = lm_calibration.work_directory(base / "out")
-        (work / "done").write_text("")
-        # Results are read from the kept work alone; a call that resumes lays the folder out
-        # again (its path and files the same, so the kept work's fingerprint still matches).
+        summary = {
+            "report_json": json.dumps(lm_calibration.report_fields(lm_request, done)),
+            "calibrated_tensors": sorted(done.methods),
+            "layers": cfg.num_layers,
+        }
+        files_lib.write_durably(work / _DONE, json.dumps(summary).encode())
+        # Finished, it is read from its layers' results and this summary alone: the hidden
+        # states kept to resume (samples × tokens × hidden float32, and the evaluation's two
+        # streams: the bulk of it) and the folder laid out for the run (links to the uploads)
+        # go. A repeated call returns the summary (_finished).
+        lm_work.drop_state(work)
         shutil.rmtree(folder, ignore_errors=True)
         self._expiry.touch(base / "tenant")  # a use ends here: the expiry counts from now
-        report = lm_calibration.report_fields(lm_request, done)
         return Done(
             calibration_id=calibration_id,
-            report_json=json.dumps(report),
+            report_json=summary["report_json"],
             resumed_at_layer=started[0] if started else cfg.num_layers,
-            calibrated_tensors=sorted(done.methods),
+            calibrated_tensors=summary["calibrated_tensors"],
             folded={name: load() for name, load in sorted(done.folded.items())},
         )
+
+
+def _finished(calibration_id: str, work: pathlib.Path) -> Done | None:
+    """A finished calibration's Done, from the summary it kept (None: not finished, or
+    finished by a server that kept none: it is resumed from its hidden states as before)."""
+    try:
+        summary = json.loads((work / _DONE).read_text())
+        report_json, tensors, layers = (
+            summary["report_json"],
+            summary["calibrated_tensors"],
+            summary["layers"],
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return Done(
+        calibration_id=calibration_id,
+        report_json=report_json,
+        resumed_at_layer=layers,
+        calibrated_tensors=tensors,
+        folded={name: load() for name, load in sorted(lm_work.folded_of(work).items())},
+    )
 
 
 def _stamp(base: pathlib.Path) -> pathlib.Path:

@@ -340,8 +340,11 @@ def test_an_unused_calibration_expires_and_the_same_request_makes_it_again(
         request = _lm_request(client, llama, _message(ids))
         calibration_id = client.calibrate_language_model(request).calibration_id
     kept = data / "calibrations" / "language-models" / calibration_id
-    # Finished, it holds its results alone: the folder laid out for the run is gone.
+    # Finished, it holds its results alone: neither the folder laid out for the run nor the
+    # hidden states kept to resume it.
     assert sorted(p.name for p in kept.iterdir()) == ["out.qmill-calibration", "tenant"]
+    work = lm_calibration.work_directory(kept / "out")
+    assert (work / "layer-00000.npz").is_file() and not (work / "state.npz").exists()
     # A server started on the same data with a short expiry sweeps it, unused since.
     server = make_server(data_dir=str(data), calibration_expiry_seconds=1e-3)
     assert not kept.exists()

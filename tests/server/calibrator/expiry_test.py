@@ -118,6 +118,7 @@ def lms(store, monkeypatch) -> language_model.LmCalibrations:
     the integration test)."""
 
     def calibrate(folder, destination, recipe, request, *, progress, check):
+        calibrate.calls += 1
         assert (pathlib.Path(folder) / "model.safetensors").is_file()  # laid out while it runs
         with lm_work.Work(lm_calibration.work_directory(destination), {}, False) as work:
             entry = {"layer": 0, "tensors": {"model.layers.0.mlp.up_proj.weight": {}}}
@@ -126,6 +127,7 @@ def lms(store, monkeypatch) -> language_model.LmCalibrations:
         return lm_calibration.LmOutcome(work.directory, {}, [], None)
 
     calibrate.during = lambda directory: None
+    calibrate.calls = 0
     monkeypatch.setattr(lm_calibration, "calibrate", calibrate)
     monkeypatch.setattr(lm_calibration, "check_request", lambda *_: _Config())
     return language_model.beside(store)
@@ -152,12 +154,15 @@ def _calibrate(lms, folder: pathlib.Path, tenant: str = "a") -> language_model.D
 
 
 def test_a_language_model_s_calibration_expires_unless_used_running_or_read(lms, folder, clock):
-    cid = _calibrate(lms, folder).calibration_id
-    base = lms.root / cid
+    done = _calibrate(lms, folder)
+    cid, base = done.calibration_id, lms.root / done.calibration_id
     # Its results are read from the kept work: the folder laid out for the run is dropped.
     assert sorted(p.name for p in base.iterdir()) == ["out.qmill-calibration", "tenant"]
     clock.now += 50
     assert list(lms.results("a", cid)) == ["model.layers.0.mlp.up_proj.weight"]  # a use
+    clock.now += 50
+    assert _calibrate(lms, folder) == done  # a use: its kept summary, nothing run again
+    assert lm_calibration.calibrate.calls == 1
     clock.now += 50
     assert lms.sweep() == 0
     clock.now += TTL + 1
