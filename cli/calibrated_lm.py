@@ -14,7 +14,7 @@ import math
 import pathlib
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -318,7 +318,13 @@ def calibrate(
             print(progress_line(args.method, p), file=sys.stderr, flush=True)
 
     done = lm_calibration.calibrate(
-        args.source, args.output, recipe, req, restart=args.restart, progress=progress
+        args.source,
+        args.output,
+        recipe,
+        req,
+        restart=args.restart,
+        progress=progress,
+        notice=notice(args),
     )
     gate(
         args,
@@ -326,6 +332,17 @@ def calibrate(
         "the calibration is kept beside it; rerun with other settings or --restart",
     )
     return done
+
+
+def notice(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where the kept work's one line goes (lm_work.Work: kept by another qmill, started
+    over): stderr beside the progress lines, which --quiet silences too."""
+
+    def say(line: str) -> None:
+        if not args.quiet:
+            print(f"qmill: {line}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def gate(args: argparse.Namespace, ppl: dict[str, float] | None, kept: str) -> None:

@@ -77,6 +77,7 @@ def _ranges(args: argparse.Namespace, recipe: dict[str, Any]) -> dict[str, ct_ac
         restart=args.restart,
         all_experts=args.calibrate_all_experts,
         progress=progress,
+        notice=calibrated_lm.notice(args),
     )
 
 

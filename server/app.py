@@ -21,6 +21,8 @@ from qmill.server import auth, errors, limits, registry, tls
 from qmill.server import config as config_lib
 from qmill.server import metrics as metrics_lib
 from qmill.server.admin import servicer as admin_servicer
+from qmill.server.calibrator import expiry as calibration_expiry
+from qmill.server.calibrator import language_model as lm_calibrations
 from qmill.server.calibrator import servicer as calibrator_servicer
 from qmill.server.calibrator import store as calibration_store
 from qmill.server.jobs import peers as jobs_peers
@@ -76,7 +78,13 @@ class Server:
             quota_bytes=config.upload_quota_bytes,
             expiry_seconds=config.upload_expiry_seconds,
         )
-        self.calibrations = calibration_store.CalibrationStore(data_dir / "calibrations")
+        self.calibrations = calibration_store.CalibrationStore(
+            data_dir / "calibrations",
+            expiry=calibration_expiry.Expiry(seconds=config.calibration_expiry_seconds),
+        )
+        # One for the server: what is running or being read is never swept.
+        self.language_models = lm_calibrations.beside(self.calibrations)
+        calibrator_servicer.sweep_expired(self.calibrations, self.language_models)
         self._add_services()
         self.jobs = jobs_servicer.add_to_server(
             self._grpc, config, self.metrics, job_peer_backends, limiter=self.limiter
@@ -97,6 +105,7 @@ class Server:
                 metrics=self.metrics,
                 upload_tensors=self.uploads.tensors,
                 calibrations=self.calibrations,
+                language_models=self.language_models,
             ),
             self._grpc,
         )
@@ -114,6 +123,7 @@ class Server:
                 max_tensor_bytes=config.max_tensor_bytes,
                 limiter=self.limiter,
                 max_stats_bytes=config.max_calibration_stats_bytes,
+                language_models=self.language_models,
             ),
             self._grpc,
         )

@@ -107,6 +107,12 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-upload-bytes", type=int, help="largest upload accepted")
     lim.add_argument("--upload-quota-bytes", type=int, help="upload bytes one tenant may hold")
     lim.add_argument("--upload-expiry-seconds", type=float, help="seconds an upload is kept")
+    lim.add_argument(
+        "--calibration-expiry-seconds",
+        type=_seconds,
+        help="seconds a calibration is kept after its last use (a calibrate call resuming it, "
+        "a quantize or export reading it), then removed (default 604800: 7 days; 0: kept)",
+    )
 
 
 def _add_jobs(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +164,17 @@ def _add_jobs(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _seconds(text: str) -> float:
+    """A duration flag's value: a number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds, 0 or more")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> config_lib.ServerConfig:
     """The ServerConfig the flags describe (environment variables fill in what they omit)."""
     fields: dict[str, Any] = {
@@ -180,6 +197,8 @@ def config_from_args(args: argparse.Namespace) -> config_lib.ServerConfig:
         fields["max_wait_seconds"] = args.max_wait_seconds
     if args.idle_timeout is not None:  # 0 is meaningful: no idle limit
         fields["idle_timeout_seconds"] = args.idle_timeout
+    if args.calibration_expiry_seconds is not None:  # 0 is meaningful: kept forever
+        fields["calibration_expiry_seconds"] = args.calibration_expiry_seconds
     if args.jobs_url_root:  # else $QMILL_JOBS_URL_ROOT, read by the config
         fields["jobs_url_roots"] = config_lib.split_url_roots(*args.jobs_url_root)
     return config_lib.ServerConfig(**fields)

@@ -82,6 +82,10 @@ class ServerConfig:
     upload_quota_bytes: int = 512 * 1024 * MiB
     # Seconds an upload is kept after its last byte arrived (then swept with its blob if unused).
     upload_expiry_seconds: float = 7 * 24 * 3600.0
+    # Seconds a calibration (Calibrate's statistics, a language model's kept layers) is kept
+    # after its last use: a calibrate call continuing it, a QuantizeParams or ExportOdml reading
+    # it. Swept at start and on calibrate calls, never while running or read; 0: kept forever.
+    calibration_expiry_seconds: float = 7 * 24 * 3600.0
 
     # Storage. Directory of uploads and calibrations; $QMILL_DATA_DIR or ~/.cache/qmill.
     data_dir: str = dataclasses.field(default_factory=lambda: default_data_dir())

@@ -94,10 +94,11 @@ def kept_or_collect(
     restart: bool = False,
     all_experts: bool = False,
     progress: Callable[[int, int, float], None] | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> dict[str, Range]:
     """`collect`'s ranges, kept beside `destination` by an earlier run with the same source,
-    recipe, tokens and `all_experts` if there is one (`restart` discards it), else collected
-    and kept.
+    recipe, tokens and `all_experts` if there is one (`restart` discards it, and so does
+    another qmill version, saying so to `notice`: lm_work.Work), else collected and kept.
 
     Raises:
       ValueError: kept work made with other arguments (pass restart), or collect's.
@@ -110,7 +111,8 @@ def kept_or_collect(
         # Only where set: ranges kept before the option existed still match.
         **({"all_experts": True} if all_experts else {}),
     }
-    work = lm_work.Work(lm_calibration.work_directory(destination), fingerprint, restart)
+    directory = lm_calibration.work_directory(destination)
+    work = lm_work.Work(directory, fingerprint, restart, notice=notice)
     kept = work.directory / RANGES
     if kept.is_file():
         return {name: (lo, hi) for name, (lo, hi) in json.loads(kept.read_text()).items()}

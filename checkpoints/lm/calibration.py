@@ -216,13 +216,15 @@ def calibrate(
     restart: bool = False,
     progress: Callable[[LayerProgress], None] | None = None,
     check: Callable[[], None] | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> LmOutcome:
     """Calibrates the folder's decoder layers one at a time (engine/lm/sequential.py).
 
     Resumable: each finished layer is kept in `<destination>.qmill-calibration/` with the
     hidden states after it, so a call with the same arguments after an interruption starts at
-    the next layer and gives the same bytes; `restart` discards it. `check` is called before
-    each layer (a cancelled job raises there).
+    the next layer and gives the same bytes; `restart` discards it, and so does another qmill
+    version (saying so to `notice`: lm_work.Work). `check` is called before each layer (a
+    cancelled job raises there).
 
     Raises:
       ValueError: an unsupported architecture, missing tensors, token ids outside the
@@ -240,7 +242,8 @@ def calibrate(
     calibrate_layer = lm_methods.layer_calibrator(request)
     # The served model's forward pass (the evaluation's): dynamic input quantization.
     quantized_cfg = lm_methods.quantized_config(cfg, recipe)
-    work = lm_work.Work(work_directory(destination), _fingerprint(folder, recipe, request), restart)
+    fingerprint = _fingerprint(folder, recipe, request)
+    work = lm_work.Work(work_directory(destination), fingerprint, restart, notice=notice)
     with work, _open_weights(folder) as weights:
         entries = {e.path: tuple(e.shape) for e in weights.entries()}
         _check_tensors(cfg, entries)

@@ -2,6 +2,10 @@
 the destination: meta.json (what it was made with), one npz of results per finished layer with
 a line in layers.jsonl, and state.npz (the hidden states after the last), so that a killed run
 resumes at the next layer with the same bytes.
+
+What it was made with includes the code that made it (`code_version`): kept layers of another
+qmill are discarded, with a notice, rather than resumed, since a run mixing the layers of two
+versions would give bytes neither version gives.
 """
 
 from __future__ import annotations
@@ -9,21 +13,42 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import hashlib
+import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
 from collections.abc import Callable, Iterator, Mapping
+from importlib import metadata
 from typing import Any
 
 import numpy as np
 
 from qmill.checkpoints.base import files
 
+log = logging.getLogger(__name__)
+
 _META = "meta.json"
 _STATE = "state.npz"
 # Key prefix of the folded float tensors in a layer's npz (beside NAME/qvalue, NAME/scale).
 _FOLDED = "folded/"
+# The fingerprint's key for the code that made the kept work (code_version).
+_CODE = "code"
+# The sources a kept layer's numbers come from, as (package, folder inside it): all of the engine
+# (the forward pass and calibration in engine/lm, GPTQ and the folds in engine/contrib, the
+# quantizers in engine/modelfree and engine/core), the calibration driver (checkpoints/lm) and
+# what decides each linear's plan (the run's plan, the compressed-tensors schemes). Wider than
+# strictly needed: an upgrade that changed none of the numbers costs a recomputation, where a
+# narrower list could resume with mixed layers.
+_SOURCES = (
+    ("qmill.engine", ""),
+    ("qmill.checkpoints", "lm"),
+    ("qmill.checkpoints", "run"),
+    ("qmill.checkpoints", "formats/compressed_tensors"),
+)
 
 
 @dataclasses.dataclass
@@ -44,36 +69,73 @@ class Streams:
         return hidden
 
 
+@functools.cache
+def code_version() -> str:
+    """A digest of qmill's version and of the sources a kept layer's numbers come from
+    (_SOURCES), computed once per process (~800 kB of source: ~15 ms). Not the version alone:
+    it has stayed 0.1.0 through every change of the calibration code, so an upgrade would not
+    change it.
+
+    Raises:
+      RuntimeError: a listed source folder is missing (moved: update _SOURCES).
+    """
+    digest = hashlib.sha256(metadata.version("qmill").encode() + b"\0")
+    for package, part in _SOURCES:
+        spec = importlib.util.find_spec(package)  # found, not imported: no jax here
+        root = pathlib.Path(spec.submodule_search_locations[0]) if spec else None
+        if root is None or not (root / part).is_dir():
+            raise RuntimeError(f"code_version: {package} has no folder {part!r}; update _SOURCES")
+        for path in sorted((root / part).rglob("*.py")):
+            digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class Work:
     """The kept calibration: meta.json (what it was made with), one npz of results per finished
     layer with a line in layers.jsonl, and state.npz (the hidden states after the last)."""
 
-    def __init__(self, directory: pathlib.Path, fingerprint: dict, restart: bool) -> None:
+    def __init__(
+        self,
+        directory: pathlib.Path,
+        fingerprint: dict,
+        restart: bool,
+        *,
+        notice: Callable[[str], None] | None = None,
+    ) -> None:
+        """`fingerprint`: what the work is made with (JSON); the code's version is added here.
+        `notice` gets one line when kept work of another qmill is discarded (None: this
+        module's logger, at INFO).
+
+        Raises:
+          ValueError: the directory holds work made with another fingerprint (pass restart).
+        """
         self.directory = directory
         self.resumed_at = 0
         # The state after a layer is written while the next layer computes (75 MB at 64 x 512
         # tokens: ~0.2 s a layer otherwise); one write at a time, in layer order.
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "qmill-lm-state")
         self._writing: concurrent.futures.Future | None = None
-        if restart:
+        wanted = json.loads(json.dumps({**fingerprint, _CODE: code_version()}))
+        if restart or _kept_by_other_code(directory, wanted, notice or log.info):
             shutil.rmtree(directory, ignore_errors=True)
         meta = directory / _META
         if meta.is_file():
-            if json.loads(meta.read_text()) != json.loads(json.dumps(fingerprint)):
+            if json.loads(meta.read_text()) != wanted:
                 raise ValueError(
                     f"{directory} holds a calibration made with another source, recipe, "
                     "tokens or GPTQ options; pass --restart to discard it"
                 )
         else:
             directory.mkdir(parents=True, exist_ok=True)
-            files.write_durably(meta, json.dumps(fingerprint, indent=1).encode())
+            files.write_durably(meta, json.dumps(wanted, indent=1).encode())
 
     def resume(self) -> Streams | None:
-        import jax.numpy as jnp
-
         path = self.directory / _STATE
         if not path.is_file():
             return None
+        import jax.numpy as jnp  # here: no state, no need of jax
+
         with np.load(path) as state:
 
             def chunks(key: str) -> tuple | None:
@@ -182,6 +244,34 @@ class Work:
             for name, info in e["tensors"].items()
             if "rtn" in info
         }
+
+
+def drop_state(directory: pathlib.Path) -> None:
+    """Removes the hidden states kept after the last layer (the bulk of the kept work) once
+    nothing will resume from them: a finished calibration kept with its outcome (the
+    server's). Its layers' results stay readable (results_of, folded_of)."""
+    (directory / _STATE).unlink(missing_ok=True)
+
+
+def _kept_by_other_code(
+    directory: pathlib.Path, wanted: Mapping[str, Any], notice: Callable[[str], None]
+) -> bool:
+    """Whether `directory` holds work made with the same arguments by another qmill (or by one
+    from before the code entered the fingerprint): its layers cannot be trusted to match the
+    ones this code computes, so it is started over, which the user is told of, not asked.
+    Work made with other arguments is Work's ValueError, as it was."""
+    meta = directory / _META
+    if not meta.is_file():
+        return False
+    kept = json.loads(meta.read_text())
+    other = {k: v for k, v in kept.items() if k != _CODE}
+    if kept.get(_CODE) == wanted[_CODE] or other != {k: v for k, v in wanted.items() if k != _CODE}:
+        return False
+    notice(
+        f"{directory} was kept by another version of qmill; its layers cannot be mixed with "
+        "this version's, so the calibration starts over"
+    )
+    return True
 
 
 def _log(directory: pathlib.Path) -> dict[int, dict[str, Any]]:

@@ -13,33 +13,48 @@ pipeline writes the same bytes as in process. The id is a hash of the request (a
 call repeated after an interruption finds the layers kept by the last one and resumes after
 them.
 
-Layout: ``<root>/<id>/`` holds ``tenant``, ``source/`` (the folder) and the kept calibration
-``out.qmill-calibration/`` (lm_calibration's). The server's disk holds the weight files once
-(the uploads); remove a directory to reclaim its (small) results.
+Layout: ``<root>/<id>/`` holds ``tenant``, ``source/`` (the folder, while the calibration runs:
+it is laid out again by each call) and the kept calibration ``out.qmill-calibration/``
+(lm_calibration's; once finished, its layers' results and ``done``, the call's summary: the
+hidden states kept to resume are dropped). The server's disk holds the weight files once (the
+uploads). A calibration
+unused for the server's expiry (expiry.py; the stamp of its last use is ``tenant``) is swept,
+unless a call is running it or reading its results.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import pathlib
 import re
+import secrets
+import shutil
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from qmill.checkpoints.base import files as files_lib
 from qmill.checkpoints.lm import calibration as lm_calibration
 from qmill.checkpoints.lm import methods as lm_methods
 from qmill.checkpoints.lm import work as lm_work
 from qmill.proto import recipe as recipe_proto
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec, errors
+from qmill.server.calibrator import expiry as expiry_lib
 
 # Language-model calibration ids start with this; other ids are Calibrate's.
 PREFIX = "lm-"
 _FILE = re.compile(r"^[\w.-]+\.safetensors$")
+_ID = re.compile(PREFIX + r"[0-9a-f]{32}")
+# In the kept work once finished: the call's summary (JSON; empty from older servers).
+_DONE = "done"
+# A swept calibration's directory is renamed to this prefix (its id gone at once), then removed.
+_REMOVING = ".removing-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,47 +74,95 @@ def is_language_model(calibration_id: str) -> bool:
 
 
 def beside(calibrations: Any) -> LmCalibrations:
-    """The language-model calibrations kept beside a CalibrationStore's (`root/language-models`)."""
-    return LmCalibrations(calibrations.root / "language-models")
+    """The language-model calibrations kept beside a CalibrationStore's (`root/language-models`),
+    with its expiry. A server makes one and shares it between its services: what is running or
+    being read is known to that one alone."""
+    return LmCalibrations(calibrations.root / "language-models", expiry=calibrations.expiry)
 
 
 class LmCalibrations:
     """The language-model calibrations of one server, under `root`. Blocking: call it from an
     executor."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, expiry: expiry_lib.Expiry | None = None
+    ) -> None:
         self.root = pathlib.Path(root)
+        self._expiry = expiry or expiry_lib.Expiry()
+        self._tombstones = expiry_lib.Tombstones(self.root, self._expiry)
         # Calibrations running now: a second call with the same request would share their
-        # directory, so it is refused until the first ends.
+        # directory, so it is refused until the first ends; never swept.
         self._running: set[str] = set()
+        # Calibrations whose results a call is reading (QuantizeParams loads each tensor's as
+        # it comes): never swept while read.
+        self._readers: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
     def _directory(self, tenant: str, calibration_id: str) -> pathlib.Path:
         base = self.root / calibration_id
-        owner = base / "tenant"
-        if (
-            not re.fullmatch(PREFIX + r"[0-9a-f]{32}", calibration_id)
-            or not owner.is_file()
-            or owner.read_text() != tenant
-        ):
+        if not _ID.fullmatch(calibration_id):
             raise errors.NotFound(f"calibration {calibration_id!r} not found")
+        owner = base / "tenant"
+        if not owner.is_file() or owner.read_text() != tenant:
+            self._tombstones.check(tenant, calibration_id)
+            raise errors.NotFound(f"calibration {calibration_id!r} not found")
+        if calibration_id not in self._running and self._expiry.expired(owner):
+            raise self._expiry.error(calibration_id)  # not swept yet: as if it were
         return base
 
     def results(self, tenant: str, calibration_id: str) -> dict[str, Callable[[], Any]]:
-        """Tensor name → a loader of its LeafResult, for QuantizeParams.
+        """Tensor name → a loader of its LeafResult, for QuantizeParams (which reads them inside
+        `in_use`); its use is recorded (its expiry starts again).
 
         Raises:
-          errors.NotFound: an unknown id, another tenant's, or one whose calibration is not
-            finished.
+          errors.NotFound: an unknown id, another tenant's, an expired one, or one whose
+            calibration is not finished.
         """
-        work = lm_calibration.work_directory(self._directory(tenant, calibration_id) / "out")
+        base = self._directory(tenant, calibration_id)
+        work = lm_calibration.work_directory(base / "out")
         results = dict(lm_work.results_of(work))
-        if not (work / "done").is_file():
+        if not (work / _DONE).is_file():
             raise errors.NotFound(
                 f"calibration {calibration_id!r} is not finished: call CalibrateLanguageModel "
                 "again with the same request to finish it"
             )
+        self._expiry.touch(base / "tenant")
         return results
+
+    @contextlib.contextmanager
+    def in_use(self, calibration_id: str) -> Iterator[None]:
+        """While inside, the calibration is not swept (its results are being read)."""
+        with self._lock:
+            self._readers[calibration_id] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers[calibration_id] -= 1
+                if not self._readers[calibration_id]:
+                    del self._readers[calibration_id]
+
+    def sweep(self) -> int:
+        """Removes the calibrations unused for longer than the expiry, but those running or
+        being read; returns how many."""
+        with self._lock:
+            doomed = [
+                (base, _tenant(base))
+                for base in (self.root.iterdir() if self.root.is_dir() else ())
+                if _ID.fullmatch(base.name)
+                and base.name not in self._running
+                and base.name not in self._readers
+                and self._expiry.expired(_stamp(base))
+            ]
+            for base, tenant in doomed:
+                # Renamed under the lock (the id is gone at once), removed after it: a large
+                # calibration's hidden states take a while to delete.
+                base.rename(base.with_name(f"{_REMOVING}{base.name}-{secrets.token_hex(4)}"))
+                self._tombstones.bury(base.name, tenant)
+            self._tombstones.sweep()
+        for left in self.root.glob(_REMOVING + "*"):  # this sweep's, and a crashed one's
+            shutil.rmtree(left, ignore_errors=True)
+        return len(doomed)
 
     def calibrate(
         self,
@@ -161,7 +224,15 @@ class LmCalibrations:
     ) -> Done:
         recipe = _recipe(request)
         base = self.root / calibration_id
+        work = lm_calibration.work_directory(base / "out")
+        finished = _finished(calibration_id, work)
+        if finished is not None:  # a call repeated after its summary was lost
+            self._expiry.touch(base / "tenant")
+            return finished
         folder = _lay_out(base, tenant, request, files)
+        self._expiry.touch(base / "tenant")
+        with self._lock:
+            self._tombstones.lift(calibration_id)  # swept before, made again
         cfg = lm_calibration.check_request(folder, lm_request)
         started: list[int] = []
 
@@ -173,16 +244,61 @@ class LmCalibrations:
         done = lm_calibration.calibrate(
             folder, base / "out", recipe, lm_request, progress=on_layer, check=check
         )
-        work = lm_calibration.work_directory(base / "out")
-        (work / "done").write_text("")
-        report = lm_calibration.report_fields(lm_request, done)
+        summary = {
+            "report_json": json.dumps(lm_calibration.report_fields(lm_request, done)),
+            "calibrated_tensors": sorted(done.methods),
+            "layers": cfg.num_layers,
+        }
+        files_lib.write_durably(work / _DONE, json.dumps(summary).encode())
+        # Finished, it is read from its layers' results and this summary alone: the hidden
+        # states kept to resume (samples × tokens × hidden float32, and the evaluation's two
+        # streams: the bulk of it) and the folder laid out for the run (links to the uploads)
+        # go. A repeated call returns the summary (_finished).
+        lm_work.drop_state(work)
+        shutil.rmtree(folder, ignore_errors=True)
+        self._expiry.touch(base / "tenant")  # a use ends here: the expiry counts from now
         return Done(
             calibration_id=calibration_id,
-            report_json=json.dumps(report),
+            report_json=summary["report_json"],
             resumed_at_layer=started[0] if started else cfg.num_layers,
-            calibrated_tensors=sorted(done.methods),
+            calibrated_tensors=summary["calibrated_tensors"],
             folded={name: load() for name, load in sorted(done.folded.items())},
         )
+
+
+def _finished(calibration_id: str, work: pathlib.Path) -> Done | None:
+    """A finished calibration's Done, from the summary it kept (None: not finished, or
+    finished by a server that kept none: it is resumed from its hidden states as before)."""
+    try:
+        summary = json.loads((work / _DONE).read_text())
+        report_json, tensors, layers = (
+            summary["report_json"],
+            summary["calibrated_tensors"],
+            summary["layers"],
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return Done(
+        calibration_id=calibration_id,
+        report_json=report_json,
+        resumed_at_layer=layers,
+        calibrated_tensors=tensors,
+        folded={name: load() for name, load in sorted(lm_work.folded_of(work).items())},
+    )
+
+
+def _stamp(base: pathlib.Path) -> pathlib.Path:
+    """The file whose modification time is the calibration's last use: `tenant`, or the
+    directory itself where a call ended before writing it."""
+    owner = base / "tenant"
+    return owner if owner.exists() else base
+
+
+def _tenant(base: pathlib.Path) -> str:
+    try:
+        return (base / "tenant").read_text()
+    except OSError:
+        return ""
 
 
 def _recipe(request: pb.CalibrateLanguageModelRequest) -> dict[str, Any]:

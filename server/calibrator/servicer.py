@@ -24,7 +24,7 @@ from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.proto.v1 import qmill_pb2_grpc as pb_grpc
 from qmill.server import auth, calls, codec, errors, limits, params, registry
-from qmill.server.calibrator import language_model
+from qmill.server.calibrator import expiry, language_model
 from qmill.server.calibrator import store as store_lib
 from qmill.server.uploads import store as uploads_lib
 
@@ -45,6 +45,21 @@ class _Prepared:
     rules_key: str
 
 
+def sweep_expired(
+    calibrations: store_lib.CalibrationStore, language_models: language_model.LmCalibrations
+) -> int:
+    """Removes the calibrations of both kinds unused for longer than the server's expiry (the
+    server at start, each calibrate call); returns how many, and logs it."""
+    removed = calibrations.sweep() + language_models.sweep()
+    if removed:
+        log.info(
+            "removed %d calibration(s) unused for %s (--calibration-expiry-seconds)",
+            removed,
+            expiry.describe(calibrations.expiry.seconds),
+        )
+    return removed
+
+
 def rules_key(messages: Sequence[pb.ModelRule]) -> str:
     """A canonical text of the rules, so a continuation can check it uses the same ones."""
     return json.dumps([m.SerializeToString().hex() for m in messages])
@@ -63,13 +78,16 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
         # None: programs.DEFAULT_MAX_BYTES (engine/programs/program.py).
         max_program_bytes: int | None = None,
         max_stats_bytes: int | None = None,
+        # The server's one LmCalibrations (shared with QuantizeParams, which reads them); None:
+        # one of this servicer's own beside the calibration store.
+        language_models: language_model.LmCalibrations | None = None,
     ) -> None:
         self._executor = executor
         self._max_stats_bytes = max_stats_bytes
         self._max_program_bytes = max_program_bytes
         self._uploads = uploads_store
         self._calibrations = calibration_store
-        self._language_models = language_model.beside(calibration_store)
+        self._language_models = language_models or language_model.beside(calibration_store)
         self._max_tensor_bytes = max_tensor_bytes
         self._resolve = resolve
         # Counts the batches held (None: unlimited).
@@ -125,9 +143,14 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
             rules_key=keys[1],
         )
 
+    def _sweep(self) -> None:
+        """Each new calibration may need the room the expired ones hold."""
+        sweep_expired(self._calibrations, self._language_models)
+
     def _prepare(self, start: pb.CalibrateStart, tenant: str) -> _Prepared:
         from qmill.server.calibrator import session as session_lib
 
+        self._sweep()
         if start.program or start.program_upload_id:
             return self._prepare_program(start, tenant)
         entry, config = self._resolve(start.model)
@@ -236,15 +259,13 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
             if stop.is_set():
                 raise _Stopped("the call ended; the finished layers are kept for the next one")
 
-        work = loop.run_in_executor(
-            self._executor,
-            self._language_models.calibrate,
-            tenant,
-            request,
-            self._uploads.content_path,
-            progress,
-            check,
-        )
+        def calibrate() -> language_model.Done:
+            self._sweep()
+            return self._language_models.calibrate(
+                tenant, request, self._uploads.content_path, progress, check
+            )
+
+        work = loop.run_in_executor(self._executor, calibrate)
         # A call the client left ends its calibration at the next layer; nobody awaits it then.
         work.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:

@@ -4,6 +4,9 @@ A calibration is ``<data_dir>/calibrations/<id>.npz`` (the stats leaves under th
 paths, dtypes kept exactly: int32 counts, float32 sums) plus ``<id>.json`` (tenant, model, rules,
 totals). A later Calibrate naming the id continues from these stats; ExportOdml reads them. The
 npz is replaced atomically, so a reader never sees half of one.
+
+Each use sets the json's modification time (expiry.py): a calibration unused for the server's
+expiry is swept, and its id then answers that it expired.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from qmill.checkpoints.base import files
 from qmill.server import errors, params
+from qmill.server.calibrator import expiry as expiry_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,8 +60,13 @@ def _not_found(calibration_id: str) -> errors.NotFound:
 class CalibrationStore:
     """Thread-safe; blocking (call it from an executor)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, expiry: expiry_lib.Expiry | None = None
+    ) -> None:
         self.root = pathlib.Path(root)
+        # When an unused calibration is swept (the language models' beside it use the same).
+        self.expiry = expiry or expiry_lib.Expiry()
+        self._tombstones = expiry_lib.Tombstones(self.root, self.expiry)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -69,18 +78,36 @@ class CalibrationStore:
             raise _not_found(calibration_id)
         return self.root / f"{calibration_id}.json", self.root / f"{calibration_id}.npz"
 
+    def _meta(self, tenant: str, calibration_id: str) -> dict[str, Any]:
+        """The calibration's record, checked: unknown, another tenant's or expired ids raise
+        errors.NotFound. Call under the lock."""
+        meta_path, _ = self._paths(calibration_id)
+        try:
+            meta = json.loads(meta_path.read_text())
+        except FileNotFoundError:
+            self._tombstones.check(tenant, calibration_id)
+            raise _not_found(calibration_id) from None
+        if meta["tenant"] != tenant:
+            raise _not_found(calibration_id)
+        if self.expiry.expired(meta_path):  # not swept yet: as if it were
+            raise self.expiry.error(calibration_id)
+        return meta
+
     def load(self, tenant: str, calibration_id: str) -> Calibration:
-        """Raises errors.NotFound for an unknown id or another tenant's."""
+        """The calibration, its use recorded (its expiry starts again).
+
+        Raises:
+          errors.NotFound: an unknown id, another tenant's, or an expired one (saying so).
+        """
         meta_path, npz_path = self._paths(calibration_id)
         with self._lock:
+            meta = self._meta(tenant, calibration_id)
             try:
-                meta = json.loads(meta_path.read_text())
                 with np.load(npz_path, allow_pickle=False) as npz:
                     flat = {name: npz[name] for name in meta["order"]}
             except FileNotFoundError:
                 raise _not_found(calibration_id) from None
-        if meta["tenant"] != tenant:
-            raise _not_found(calibration_id)
+            self.expiry.touch(meta_path)
         return Calibration(
             id=calibration_id,
             tenant=tenant,
@@ -119,7 +146,32 @@ class CalibrationStore:
                 (meta_path, json.dumps(meta).encode()),
             ):
                 files.write_durably(path, data)
+            self.expiry.touch(meta_path)
+            # Swept while a continuation ran (a sweep between its load and this save).
+            self._tombstones.lift(cal.id)
 
     def load_stats(self, tenant: str, calibration_id: str) -> dict[str, Any]:
         """For the ODML exporter's Backends: only the stats (errors.NotFound is a LookupError)."""
         return self.load(tenant, calibration_id).stats
+
+    def sweep(self) -> int:
+        """Removes the calibrations unused for longer than the expiry (and statistics whose
+        record a crash between the two writes of `save` never wrote); returns how many."""
+        removed = 0
+        with self._lock:
+            for meta_path in self.root.glob("*.json"):
+                if not self.expiry.expired(meta_path):
+                    continue
+                try:
+                    tenant = json.loads(meta_path.read_text())["tenant"]
+                except (OSError, ValueError, KeyError):
+                    tenant = ""  # a torn record: nobody's to be told of
+                meta_path.with_suffix(".npz").unlink(missing_ok=True)
+                meta_path.unlink(missing_ok=True)
+                self._tombstones.bury(meta_path.stem, tenant)
+                removed += 1
+            for npz_path in self.root.glob("*.npz"):
+                if not npz_path.with_suffix(".json").exists() and self.expiry.expired(npz_path):
+                    npz_path.unlink(missing_ok=True)
+            self._tombstones.sweep()
+        return removed

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +32,8 @@ from qmill.checkpoints.run import embedded
 from qmill.proto.v1 import qmill_pb2 as pb
 from qmill.server import codec
 from qmill.server.jobs import urls
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +97,13 @@ def calibrate(
         )
         update(message=line + kept)
 
+    def notice(line: str) -> None:  # kept work of another qmill, started over
+        log.info("%s", line)
+        update(message=line)
+
     update(message="calibrating")
     done = lm_calibration.calibrate(
-        source, destination, recipe, job.request, progress=progress, check=check
+        source, destination, recipe, job.request, progress=progress, check=check, notice=notice
     )
     report = lm_calibration.report_fields(job.request, done)
     update(calibration_report_json=json.dumps(report), message="calibrated; writing the output")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from concurrent import futures
 from typing import Any
@@ -32,10 +33,17 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
         metrics: metrics_lib.Metrics | None = None,
         upload_tensors: stream.UploadTensors | None = None,
         calibrations: calibration_store.CalibrationStore | None = None,
+        language_models: lm_lib.LmCalibrations | None = None,
     ) -> None:
         self._config = config
         # StaticRanges naming a calibration id read it here (None: only inline statistics).
         self._calibrations = calibrations
+        # A language model's calibration id reads its kept results here: the server's one
+        # LmCalibrations, which then sweeps none that a call reads (None: one beside
+        # `calibrations`).
+        if language_models is None and calibrations is not None:
+            language_models = lm_lib.beside(calibrations)
+        self._language_models = language_models
         # QuantizeParams naming an upload reads its tensors through this (None: UNIMPLEMENTED).
         self._upload_tensors = upload_tensors
         self._executor = executor
@@ -52,9 +60,11 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
         stats = stream.CallStats()
         requests, ranges = await static_ranges.split(aiter(request_iterator))
         scales, methods, extra = {}, {}, {}
+        # A language model's calibration, kept from the sweep while its results are read.
+        held = contextlib.ExitStack()
         if ranges is not None and lm_lib.is_language_model(ranges.calibration_id):
             # A language model calibrated layer by layer: its linears' results are kept.
-            extra = {"quantize": await self._language_model(ranges.calibration_id)}
+            extra = {"quantize": await self._language_model(ranges.calibration_id, held)}
         elif ranges is not None:
             tenant = auth.current_principal().tenant
             loop = asyncio.get_running_loop()
@@ -90,6 +100,7 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
                         yield result  # after the tensors, before the summary
                 yield response
         finally:
+            held.close()
             # Joins the call's one log line (written by the observability interceptor).
             calls.annotate(
                 tensors_in=stats.tensors_received,
@@ -98,15 +109,22 @@ class QuantizerServicer(pb_grpc.QuantizerServicer):
                 tensor_bytes_out=stats.bytes_sent,
             )
 
-    async def _language_model(self, calibration_id: str) -> Any:
-        if self._calibrations is None:
+    async def _language_model(self, calibration_id: str, held: contextlib.ExitStack) -> Any:
+        """The quantize function of a language model's calibration id; `held` keeps the
+        calibration from the sweep until the call closes it (its results are read lazily)."""
+        if self._language_models is None:
             raise errors.NotFound(f"calibration {calibration_id!r} not found")
-        loaders = await asyncio.get_running_loop().run_in_executor(
-            self._executor,
-            lm_lib.beside(self._calibrations).results,
-            auth.current_principal().tenant,
-            calibration_id,
-        )
+        held.enter_context(self._language_models.in_use(calibration_id))
+        try:
+            loaders = await asyncio.get_running_loop().run_in_executor(
+                self._executor,
+                self._language_models.results,
+                auth.current_principal().tenant,
+                calibration_id,
+            )
+        except BaseException:
+            held.close()
+            raise
         return lm_lib.quantizer(loaders)
 
 

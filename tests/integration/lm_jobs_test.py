@@ -332,6 +332,38 @@ def test_a_calibration_cut_off_resumes_on_the_server_at_the_next_layer(
     _same_bytes(output, in_process[0])
 
 
+def test_an_unused_calibration_expires_and_the_same_request_makes_it_again(
+    make_server, llama, ids, tmp_path
+):
+    data = tmp_path / "data"
+    with Client(make_server(data_dir=str(data)).address, timeout=60) as client:
+        request = _lm_request(client, llama, _message(ids))
+        calibration_id = client.calibrate_language_model(request).calibration_id
+    kept = data / "calibrations" / "language-models" / calibration_id
+    # Finished, it holds its results alone: neither the folder laid out for the run nor the
+    # hidden states kept to resume it.
+    assert sorted(p.name for p in kept.iterdir()) == ["out.qmill-calibration", "tenant"]
+    work = lm_calibration.work_directory(kept / "out")
+    assert (work / "layer-00000.npz").is_file() and not (work / "state.npz").exists()
+    # A server started on the same data with a short expiry sweeps it, unused since.
+    server = make_server(data_dir=str(data), calibration_expiry_seconds=1e-3)
+    assert not kept.exists()
+    weight = [("model.layers.0.mlp.up_proj.weight", np.ones((32, 32), np.float32))]
+    with Client(server.address, timeout=60) as client:
+        with pytest.raises(errors.QmillError) as raised:
+            ranges = pb.StaticRanges(calibration_id=calibration_id)
+            list(client.quantize(_recipe(), weight, static_ranges=ranges))
+        assert raised.value.code == "NOT_FOUND"
+        assert f"calibration '{calibration_id}' expired" in raised.value.details
+        assert raised.value.details.endswith("calibrate again")
+        layers: list[int] = []
+        again = client.calibrate_language_model(
+            request, on_progress=lambda p: layers.append(p.layer)
+        )
+    assert again.calibration_id == calibration_id
+    assert again.resumed_at_layer == 0 and layers == list(range(LAYERS))
+
+
 def test_a_server_refuses_bad_calibrations_with_what_to_fix(make_server, llama, ids):
     server = make_server()
     bad_ids = _message(ids, calibration_ids=_inline(np.full((2, 8), VOCAB + 5, np.int32)))

@@ -137,6 +137,42 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(gptq_run, llama, ids, tmp_
         assert (again / name).read_bytes() == (output / name).read_bytes(), name
 
 
+def test_layers_kept_by_another_qmill_are_computed_again_with_a_notice(llama, ids, tmp_path):
+    """What an upgrade finds: the kept layers of another code version (its meta.json's code)
+    are discarded, not resumed, with one line saying why; the run then gives every layer as a
+    fresh run does. In process, after the test above compiled the layers (~1 s)."""
+    from qmill.client import recipes
+
+    output = tmp_path / "llama-gptq"
+    work = lm_calibration.work_directory(output)
+    recipe = recipes.with_group_size(recipes.load("W4A16"), 32)
+    request = lm_calibration.LmRequest(calibration_ids=np.load(ids["calibration"]))
+
+    def stop_after_first_layer(progress: lm_calibration.LayerProgress) -> None:
+        if progress.layer == 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        lm_calibration.calibrate(llama, output, recipe, request, progress=stop_after_first_layer)
+    with np.load(work / "layer-00000.npz") as kept:
+        first = {name: kept[name] for name in kept.files}
+    meta = json.loads((work / "meta.json").read_text())
+    (work / "meta.json").write_text(json.dumps({**meta, "code": "0" * 16}))
+    layers, lines = [], []
+    done = lm_calibration.calibrate(
+        llama, output, recipe, request, progress=lambda p: layers.append(p.layer),
+        notice=lines.append,
+    )  # fmt: skip
+    assert layers == list(range(LAYERS))
+    assert len(lines) == 1 and "another version of qmill" in lines[0], lines
+    assert json.loads((work / "meta.json").read_text())["code"] == meta["code"]
+    assert sorted(done.methods.values()) == ["gptq"] * LINEARS
+    with np.load(work / "layer-00000.npz") as again:
+        assert set(again.files) == set(first)
+        for name in first:
+            np.testing.assert_array_equal(again[name], first[name], err_msg=name)
+
+
 def test_a_perplexity_gate_refuses_then_the_kept_calibration_is_reused(
     gptq_run, llama, ids, tmp_path
 ):
