@@ -26,7 +26,7 @@ import jax
 from qmill.engine.core import numerics_api, qarray
 from qmill.engine.modeling import interception
 from qmill.engine.ops import conv_general as conv_general_lib
-from qmill.engine.ops import dot_general_qt
+from qmill.engine.ops import qt_products
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,13 +142,13 @@ def _quantize_g(g, y, scale_axis, g_axis, qtype, method, per_tensor, channel_axi
     if isinstance(y, qarray.QArray):
         if y.zero_point is None:
             g = g * _along(y.scale, scale_axis, g.ndim, g_axis).astype(g.dtype)
-            y = dot_general_qt.unit_scaled(y.qvalue, y.qtype, g.dtype)
+            y = qt_products.unit_scaled(y.qvalue, g.dtype)
         else:
             y = qarray.dequantize(y)
     how = qarray.HowToQuantize(
         qtype=qtype, channelwise_axes=(channel_axis,), calibration_method=method
     )
-    return qarray.quantize(g, dot_general_qt.per_tensor_if(how, per_tensor)), y
+    return qarray.quantize(g, qt_products.per_tensor_if(how, per_tensor)), y
 
 
 def _flip(x: Any, axes: tuple[int, ...]) -> Any:
@@ -213,7 +213,7 @@ def _grads_grouped(conv: _Conv, config, lhs, rhs, g) -> tuple[jax.Array, jax.Arr
                 qtype=qtype, channelwise_axes=(axis,), calibration_method=method
             )
             per_tensor = getattr(config, f"{prefix}_grad_disable_channelwise_axes")
-            how = dot_general_qt.per_tensor_if(how, per_tensor)
+            how = qt_products.per_tensor_if(how, per_tensor)
             gq = qarray.dequantize(qarray.quantize(g, how))
         out.append(vjp(gq.astype(g.dtype))[index])
     return out[0], out[1]
@@ -231,14 +231,14 @@ def _calibration(x: jax.Array, conv: _Conv, config, for_lhs: bool) -> Any:
         qtype=qtype,
         calibration_method=getattr(config, f"{prefix}_calibration_method"),
     )
-    how = dot_general_qt.per_tensor_if(how, getattr(config, f"{prefix}_disable_channelwise_axes"))
+    how = qt_products.per_tensor_if(how, getattr(config, f"{prefix}_disable_channelwise_axes"))
     return qarray.calibrate(jax.lax.stop_gradient(x), how)
 
 
 @interception.disable_interceptions
 def _fwd(lhs, rhs, lhs_calibration, rhs_calibration, conv: _Conv, config):
-    ql = dot_general_qt.quantize_with_calibration(lhs, lhs_calibration, config.lhs_qtype)
-    qr = dot_general_qt.quantize_with_calibration(rhs, rhs_calibration, config.rhs_qtype)
+    ql = qt_products.quantize_with_calibration(lhs, lhs_calibration, config.lhs_qtype)
+    qr = qt_products.quantize_with_calibration(rhs, rhs_calibration, config.rhs_qtype)
     return conv(ql, qr), (ql, qr)
 
 

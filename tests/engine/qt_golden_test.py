@@ -1,0 +1,62 @@
+"""QT training steps as the reference's (qwix 0.1.8, recorded by make_qt_golden.py): the same
+integer products in the traced step (a bf16 model's forward and backward dot_generals and
+convolutions all int8 × int8 → int32) and the same gradients.
+
+float32 gradients are compared within MAX_F32_EPS machine epsilons of the largest one (as
+model_golden_test compares outputs): the integer products are exact and the scales are applied
+elementwise, so only float dots (a fallback for finely tiled gradients) may round differently on
+another CPU; one wrong code moves a gradient by ~1e-2 of the largest, ~10^5 epsilons.
+
+bfloat16 gradients agree to MAX_BF16_EPS epsilons of the largest: run op by op the two are bit
+for bit equal, but under jit XLA computes chains of bf16 elementwise ops in float32 and rounds
+where a fusion ends, and our graph's fusions end elsewhere than the reference's (measured: 2.3
+epsilons at most). A changed rounding before a quantization moves a code by one step, 1/127.5 of its
+tile's maximum (about one bf16 epsilon), and such steps add up over the three layers. A wrong
+scale or a misplaced axis moves the gradients by tens of epsilons.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import qmill.engine as qwix
+from tests.engine import make_qt_golden as golden
+
+FIXTURES = np.load(golden.OUT)
+MAX_F32_EPS = 8
+MAX_BF16_EPS = 4
+
+
+@pytest.fixture(scope="module", params=[case[0] for case in golden.CASES])
+def step(request):
+    fn, args = golden.training_step(qwix, request.param)
+    return request.param, fn, args
+
+
+def _recorded(name: str, kind: str) -> dict[str, np.ndarray]:
+    prefix = f"{name}/{kind}" if kind else f"{name}/"
+    return {k[len(prefix) :]: FIXTURES[k] for k in FIXTURES if k.startswith(prefix)}
+
+
+def test_the_traced_step_has_the_references_integer_products(step):
+    name, fn, args = step
+    expected = {k: int(v) for k, v in _recorded(name, "products/").items()}
+    assert golden.products(fn, args) == expected
+    if name == "bf16":  # everything quantized: every product is an integer one
+        assert expected and all("int8 x int8 -> int32" in k for k in expected)
+
+
+def test_gradients_equal_the_references(step):
+    name, fn, args = step
+    grads = fn(*args)
+    leaves = golden.jax.tree_util.tree_flatten_with_path(grads)[0]
+    expected = {k: v for k, v in _recorded(name, "").items() if not k.startswith("products/")}
+    assert sorted(expected) == sorted(golden.jax.tree_util.keystr(p) for p, _ in leaves)
+    for path, leaf in leaves:
+        key = golden.jax.tree_util.keystr(path)
+        dtype = {2: ml_dtypes.bfloat16, 4: np.float32}[expected[key].dtype.itemsize]
+        want = expected[key].view(dtype).astype(np.float64)
+        got = np.asarray(leaf).astype(np.float64)
+        eps = MAX_BF16_EPS if dtype == ml_dtypes.bfloat16 else MAX_F32_EPS
+        unit = float(ml_dtypes.finfo(dtype).eps) * np.abs(want).max()
+        assert np.abs(got - want).max() <= eps * unit, (name, key)
