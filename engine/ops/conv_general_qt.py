@@ -73,6 +73,7 @@ class _Conv:
             self.dn,
             self.feature_group_count,
             self.batch_group_count,
+            scales_in_result_dtype=True,
         )
 
 
