@@ -193,3 +193,25 @@ def test_nnx_quant_stats_accumulate_on_every_call_also_under_jit():
     model.set_attributes(disable_quant_stats_update=False, raise_if_not_found=False)
     jitted(model, X)
     assert int(stat()["count"]) == 6
+
+
+def test_quantized_backward_of_a_broadcasting_einsum():
+    # An operand's size-1 batch axis broadcasts (squeezed before the dot_general it lowers to);
+    # the gradients come back in the operands' own shapes, near the float ones.
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, q, k):
+            return jnp.einsum("...hqd,bhkd->bhqk", q, k)
+
+    rule = qe.QtRule(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8")
+    model = qe.quantize_model(Attention(), qe.QtProvider([rule]))
+    q = jax.random.normal(jax.random.key(3), (1, 4, 8))
+    k = jax.random.normal(jax.random.key(4), (2, 3, 5, 8))
+
+    def grads(apply):
+        return jax.jit(jax.grad(lambda q, k: jnp.sum(apply({}, q, k) ** 2), (0, 1)))(q, k)
+
+    got, want = grads(model.apply), grads(Attention().apply)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert 0 < float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) < 0.02
