@@ -48,8 +48,14 @@ def conv_general_dilated(
     batch_group_count: int = 1,
     precision: Any = None,
     preferred_element_type: Any = None,
+    *,
+    scales_in_result_dtype: bool = False,
 ) -> jax.Array:
-    """jax.lax.conv_general_dilated accepting QArrays."""
+    """jax.lax.conv_general_dilated accepting QArrays.
+
+    ``scales_in_result_dtype``: on the native path, a float product accumulates in the result
+    dtype and the scales multiply the output in it one at a time (as ops.dot_general's);
+    qmill's QT uses it for the reference's numbers."""
     dims = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
     conv = lambda a, b, pet: jax.lax.conv_general_dilated(  # noqa: E731
         a,
@@ -77,16 +83,18 @@ def conv_general_dilated(
         if ql.native_matmul and qr.native_matmul and ql.kind == qr.kind:
             integer = ql.kind == qtypes.INT
             cast = jnp.int8 if integer else jnp.bfloat16
-            acc = jnp.int32 if integer else jnp.float32
-            out = conv(lhs.qvalue.astype(cast), rhs.qvalue.astype(cast), acc).astype(jnp.float32)
+            dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
+            # Scales in float32 (one rounding), or in the promoted dtype one at a time.
+            acc = jnp.int32 if integer else dtype if scales_in_result_dtype else jnp.float32
+            out = conv(lhs.qvalue.astype(cast), rhs.qvalue.astype(cast), acc)
             shape_n = [1] * out.ndim
             shape_n[dims.out_spec[0]] = lhs.scale.shape[dims.lhs_spec[0]]
             shape_c = [1] * out.ndim
             shape_c[dims.out_spec[1]] = rhs.scale.shape[dims.rhs_spec[0]]
-            out = out * lhs.scale.astype(jnp.float32).reshape(shape_n)
-            out = out * rhs.scale.astype(jnp.float32).reshape(shape_c)
-            dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
-            return out.astype(dtype)
+            s_n, s_c = lhs.scale.reshape(shape_n), rhs.scale.reshape(shape_c)
+            if not scales_in_result_dtype:
+                out, s_n, s_c = (a.astype(jnp.float32) for a in (out, s_n, s_c))
+            return (out * s_n * s_c).astype(dtype)
     a, b, preferred_element_type = dot_general_lib.plain_operands(
         lhs, rhs, preferred_element_type, same_dtype=True
     )

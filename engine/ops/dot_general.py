@@ -190,27 +190,44 @@ def native_codes(
     return lq, rq, jnp.float32
 
 
-def _native(lhs: qarray.QArray, rhs: qarray.QArray, dims, preferred_element_type, precision):
+def _native(
+    lhs: qarray.QArray,
+    rhs: qarray.QArray,
+    dims,
+    preferred_element_type,
+    precision,
+    in_result_dtype: bool = False,
+):
     split = _split_contracting(lhs, rhs, dims)
     if split is None:
         return None
     lq, ls, rq, rs, dims2, n_blocks = split
     lq, rq, acc = native_codes(lhs, rhs, lq, rq)
-    out = jax.lax.dot_general(lq, rq, dims2, precision=precision, preferred_element_type=acc)
     result_dtype = preferred_element_type or jnp.result_type(lhs.scale.dtype, rhs.scale.dtype)
-    return scale_split_product(out, (lq, ls, rq, rs, dims2, n_blocks), result_dtype)
+    if in_result_dtype and not jnp.issubdtype(acc, jnp.integer):
+        acc = result_dtype
+    out = jax.lax.dot_general(lq, rq, dims2, precision=precision, preferred_element_type=acc)
+    split = (lq, ls, rq, rs, dims2, n_blocks)
+    return scale_split_product(out, split, result_dtype, in_result_dtype)
 
 
-def scale_split_product(out: jax.Array, split: Any, result_dtype: Any) -> jax.Array:
-    """The codes' product `out` over a `_split_contracting` split, times both scales (in
-    float32), its contraction blocks summed, as `result_dtype`."""
+def scale_split_product(
+    out: jax.Array, split: Any, result_dtype: Any, in_result_dtype: bool = False
+) -> jax.Array:
+    """The codes' product `out` over a `_split_contracting` split, times both scales, its
+    contraction blocks summed, as `result_dtype`. The scales are applied in float32 (one
+    rounding), or with `in_result_dtype` one factor at a time in the promoted dtype (the
+    reference's QT arithmetic: bfloat16 scales round after each factor)."""
     lq, ls, rq, rs, dims2, n_blocks = split
     (lc, rc), (lb, rb) = dims2
     n_lfree = lq.ndim - len(lb) - len(lc)
     n_rfree = rq.ndim - len(rb) - len(rc)
     s_l = _scale_to_output(ls, lq.shape, lb, lc, n_rfree, lhs=True)
     s_r = _scale_to_output(rs, rq.shape, rb, rc, n_lfree, lhs=False)
-    out = out.astype(jnp.float32) * s_l.astype(jnp.float32) * s_r.astype(jnp.float32)
+    if in_result_dtype:
+        out = out * s_l * s_r
+    else:
+        out = out.astype(jnp.float32) * s_l.astype(jnp.float32) * s_r.astype(jnp.float32)
     if n_blocks:
         n_batch = len(lb) - n_blocks
         out = jnp.sum(out, axis=tuple(range(n_batch, n_batch + n_blocks)))
@@ -223,14 +240,20 @@ def dot_general(
     dimension_numbers: DimensionNumbers,
     precision: Any = None,
     preferred_element_type: Any = None,
+    *,
+    scales_in_result_dtype: bool = False,
     **kwargs: Any,
 ) -> jax.Array:
-    """jax.lax.dot_general accepting QArrays; see the module docstring for the paths taken."""
+    """jax.lax.dot_general accepting QArrays; see the module docstring for the paths taken.
+
+    ``scales_in_result_dtype``: on the native path, a float product accumulates in the result
+    dtype and the scales multiply the output in it one at a time (see scale_split_product);
+    qmill's QT uses it for the reference's numbers."""
     if kwargs.get("out_sharding") is None:
         kwargs.pop("out_sharding", None)
     dims = _normalize(dimension_numbers, _ndim(lhs), _ndim(rhs))
     if _native_pair(lhs, rhs):
-        out = _native(lhs, rhs, dims, preferred_element_type, precision)
+        out = _native(lhs, rhs, dims, preferred_element_type, precision, scales_in_result_dtype)
         if out is not None:
             return out
     a, b, preferred_element_type = plain_operands(lhs, rhs, preferred_element_type)

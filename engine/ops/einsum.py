@@ -148,6 +148,13 @@ def get_how_to_quantize(
     )
 
 
+def lowering(einsum_str: str, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]) -> _Plan:
+    """The dot_general a two-operand einsum lowers to (its dimension numbers, the broadcast
+    axes squeezed / repeated before it, the output's permutation), for ops that run the
+    dot_general their own way (QT)."""
+    return _plan(einsum_str, tuple(lhs_shape), tuple(rhs_shape))
+
+
 def _squeeze(x: jax.Array | qarray.QArray, axes: tuple[int, ...]) -> Any:
     if not axes:
         return x

@@ -1,10 +1,11 @@
-"""Quantized training (QT): fake quantization with a straight-through estimator.
+"""Quantized training (QT): quantized forward and backward passes, as the reference's.
 
-Forward: each operand of a matched op is quantized and dequantized ("fake quant"), so the float op
-sees exactly the values a PTQ model will compute with; the gradient passes straight through the
-rounding. Backward (``bwd_qtype``): the output gradient is fake-quantized too, once for each
-operand's gradient (the weight's optionally tiled along the batch axis, either optionally with
-stochastic rounding); see the section "quantized backward pass" below.
+dot_general, einsum and conv_general_dilated run as the QT ops (qt_ops: ops.dot_general_qt /
+conv_general_qt): the operands are quantized and multiplied as codes (int8 × int8 → int32), and
+with ``bwd_qtype`` each operand's gradient is an integer product too, of the quantized output
+gradient and the other operand's codes. Without ``bwd_qtype`` the gradients are the float
+products of g and the operands as given. Ops without a QT op (ragged_dot) fake-quantize their
+operands for the float op (qt_fake).
 
 Static-range activations keep additive statistics (averaging.py) in the ``quant_stats`` collection
 (Linen) or ``QuantStat`` variables (NNX), named ``<op_id>_{lhs,rhs}``; quantize_params and the
@@ -14,24 +15,20 @@ NNX PtqProvider turn them into static scales.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax import nnx
 
-from qmill.engine.core import averaging, qarray, qtypes, sparsity, stochastic_rounding
-from qmill.engine.modeling import flax_util, rules
-from qmill.engine.ops import op_adapter
-from qmill.engine.providers import base, model
-
-_DEFAULT_QT = rules.QtRule()
-
-
-def _qt_setting(rule: rules.QuantizationRule, name: str) -> Any:
-    # Plain QuantizationRules are accepted and behave as QtRules with default QT settings.
-    return getattr(rule, name, getattr(_DEFAULT_QT, name))
+from qmill.engine.core import averaging, numerics_api, qarray, sparsity
+from qmill.engine.modeling import flax_util
+from qmill.engine.ops import dot_general_qt, op_adapter
+from qmill.engine.providers import base, model, qt_fake, qt_ops
+from qmill.engine.providers.qt_fake import qt_option as qt_option
+from qmill.engine.providers.qt_fake import stochastic_noise_fn as stochastic_noise_fn
 
 
 def fake_quant(x: jax.Array, how: qarray.HowToQuantize) -> jax.Array:
@@ -57,13 +54,6 @@ def clipped_ste(
         calibration = qarray.calibrate(x0, how)
     masked = qarray.clip_gradient_to_calibration(x - x0, x0, calibration, how.calibration_method)
     return ste(x0 + masked, fq)
-
-
-def qt_option(rule: rules.QuantizationRule, name: str, default: Any) -> Any:
-    """A DotGeneralQtConfig field set through the rule's ``additional_qt_config`` (the
-    reference's override); ``sparsity_rule`` may also be a field of the rule itself."""
-    extra = getattr(rule, "additional_qt_config", None) or {}
-    return extra.get(name, getattr(rule, name, default))
 
 
 class QtProvider(base.OpsProvider):
@@ -95,7 +85,8 @@ class QtProvider(base.OpsProvider):
             )
         how = op_adapter.dot_general_how(rule, lhs, rhs, dimension_numbers)
         layout = op_adapter.dot_general_grad_layout(dimension_numbers, (lhs.ndim, rhs.ndim))
-        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
+        qt_op = qt_ops.dot_general_op(dimension_numbers, preferred_element_type)
+        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout, qt_op))
 
     def einsum(self, einsum_str, *operands, **kwargs) -> jax.Array:
         rule, op_id, module = self.current_rule_and_op_id("einsum")
@@ -104,14 +95,11 @@ class QtProvider(base.OpsProvider):
         lhs, rhs = operands
         how = op_adapter.einsum_how(rule, lhs, rhs, einsum_str)
         kwargs.pop("_dot_general", None)
-        layout = op_adapter.einsum_grad_layout(einsum_str)
-        if layout is None and _qt_setting(rule, "bwd_qtype") is not None:
-            raise ValueError(
-                f"bwd_qtype needs an explicit einsum ('ab,bc->ac'); got {einsum_str!r}. Spell out "
-                "the output (no '...'), or leave this op's gradients in floating point."
-            )
         compute = lambda a, b: jnp.einsum(einsum_str, a, b, **kwargs)  # noqa: E731
-        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
+        layout = op_adapter.einsum_grad_layout(einsum_str)
+        pet = kwargs.get("preferred_element_type")
+        qt_op = qt_ops.einsum_op(einsum_str, lhs.shape, rhs.shape, pet)
+        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout, qt_op))
 
     def conv_general_dilated(self, lhs, rhs, window_strides, padding, *args, **kwargs):
         def compute(a, b):
@@ -123,7 +111,8 @@ class QtProvider(base.OpsProvider):
         dn_arg = kwargs.get("dimension_numbers", args[2] if len(args) > 2 else None)
         dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dn_arg)
         how, layout = op_adapter.conv_how(rule, dn), op_adapter.conv_grad_layout(dn)
-        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
+        qt_op = qt_ops.conv_op(window_strides, padding, *args, **kwargs)
+        return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout, qt_op))
 
     def ragged_dot(
         self,
@@ -148,21 +137,42 @@ class QtProvider(base.OpsProvider):
         layout = op_adapter.RAGGED_DOT_GRAD_LAYOUT
         return self._run(rule, op_id, module, lhs, rhs, how, _Op(compute, layout))
 
-    # ---- the fake-quantized op ----------------------------------------------------------------
+    # ---- the quantized op ---------------------------------------------------------------------
 
     def _run(self, rule, op_id, module, lhs, rhs, how, compute) -> jax.Array:
-        operands = []
-        weight_side = None
-        clip = not qt_option(rule, "disable_gradient_clipping", False)
         sparsity_rule = qt_option(rule, "sparsity_rule", None)
-        for side, x in (("lhs", lhs), ("rhs", rhs)):
+        if sparsity_rule is not None:
+            # The rhs, before quantization, as the reference: the kept values get the range.
+            rhs = sparsity.sparsify(rhs, sparsity_rule)
+        weights = tuple(flax_util.find_param(x, module) is not None for x in (lhs, rhs))
+        if compute.qt is None:
+            return self._run_fake_quant(rule, op_id, module, (lhs, rhs), weights, how, compute)
+        noise = qt_ops.noise_fn(rule, _rounding_key(module), lhs, rhs)
+        config = qt_ops.config_for(rule, compute.qt, weights, noise)
+        calibrations = []
+        for side, x, is_weight in zip(("lhs", "rhs"), (lhs, rhs), weights, strict=True):
+            qtype = getattr(config, f"{side}_qtype")
+            if qtype is None or not numerics_api.should_quantize(x.dtype):
+                calibrations.append(None)
+                continue
+            method = getattr(config, f"{side}_calibration_method")
+            h = how(for_lhs=side == "lhs", qtype=qtype, calibration_method=method)
+            per_tensor = getattr(config, f"{side}_disable_channelwise_axes")
+            h = dot_general_qt.per_tensor_if(h, per_tensor)
+            name = None if is_weight or op_id is None else f"{op_id}_{side}"
+            calibration = self.act_calibration(module, x, h, rule, name)
+            if calibration is None:
+                calibration = qarray.calibrate(jax.lax.stop_gradient(x), h)
+            calibrations.append(calibration)
+        return compute.qt.run(lhs, rhs, *calibrations, config)
+
+    def _run_fake_quant(self, rule, op_id, module, operands, weights, how, compute) -> jax.Array:
+        """The float op on fake-quantized operands (see qt_fake)."""
+        clip = not qt_option(rule, "disable_gradient_clipping", False)
+        out = []
+        for side, x, is_weight in zip(("lhs", "rhs"), operands, weights, strict=True):
             for_lhs = side == "lhs"
-            is_weight = flax_util.find_param(x, module) is not None
-            if side == "rhs" and sparsity_rule is not None:
-                # The rhs, before quantization, as the reference: the kept values get the range.
-                x = sparsity.sparsify(x, sparsity_rule)
             if is_weight:
-                weight_side = side
                 h = self._maybe_per_tensor(rule, how.weight(for_lhs))
                 calibration = None
             elif rule.act_qtype is not None:
@@ -170,19 +180,18 @@ class QtProvider(base.OpsProvider):
                 name = None if op_id is None else f"{op_id}_{side}"
                 calibration = self.act_calibration(module, x, h, rule, name)
             else:
-                operands.append(x)
+                out.append(x)
                 continue
             fq = _quantize_with(x, h, calibration)
-            operands.append(clipped_ste(x, fq, h, calibration) if clip else ste(x, fq))
-        if _qt_setting(rule, "bwd_qtype") is None:
-            return compute(*operands)
-        cfg = _BwdConfig.of(rule, compute.grad_layout, weight_side)
-        return _with_quantized_grad(compute, cfg, _rounding_key(module, cfg), *operands)
+            out.append(clipped_ste(x, fq, h, calibration) if clip else ste(x, fq))
+        if qt_ops.setting(rule, "bwd_qtype") is None:
+            return compute(*out)
+        weight_side = "lhs" if weights[0] else "rhs" if weights[1] else None
+        cfg = qt_fake.BwdConfig.of(rule, compute.grad_layout, weight_side)
+        return qt_fake.with_quantized_grad(compute, cfg, qt_fake.rounding_key(module, cfg), *out)
 
     def _maybe_per_tensor(self, rule, how: qarray.HowToQuantize) -> qarray.HowToQuantize:
-        if _qt_setting(rule, "disable_channelwise_axes"):
-            return dataclasses.replace(how, channelwise_axes=())
-        return how
+        return dot_general_qt.per_tensor_if(how, qt_ops.setting(rule, "disable_channelwise_axes"))
 
     def fake_quant_act(self, module, x, how, rule, act_name) -> jax.Array:
         """Fake-quantizes an activation; static scales come from the running statistic."""
@@ -222,13 +231,15 @@ def _quantize_with(x: jax.Array, how: qarray.HowToQuantize, calibration) -> jax.
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-    """The float op on two operands, with the layout of its output gradient.
+    """The float op on two operands, with the layout of its output gradient and the QT op that
+    runs it quantized (None: fake-quantized, see qt_fake).
 
-    Subclasses overriding ``_run`` just call it; the layout rides along for the backward pass.
+    Subclasses overriding ``_run`` just call it (the float op).
     """
 
     fn: Callable[[jax.Array, jax.Array], jax.Array]
     grad_layout: op_adapter.GradLayout | None
+    qt: qt_ops.QtOp | None = None
 
     def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return self.fn(a, b)
@@ -260,132 +271,12 @@ def _set_stat(module: Any, name: str, stat: dict) -> None:
         getattr(module, name).set_value(stat)
 
 
-# ---- quantized backward pass ------------------------------------------------------------------
-#
-# With bwd_qtype, the output gradient g is fake-quantized before each operand's gradient is
-# computed from it, the way the forward pass quantizes operands for the op: for the lhs gradient
-# (g contracted with rhs over rhs's free axes) g gets one scale per index of its batch and lhs
-# axes; for the rhs gradient one per index of its batch and rhs axes. disable_channelwise_axes
-# makes both one scale per tensor. For the *weight's* gradient, bwd_weight_grad_tile_size also
-# tiles the last axis that gradient contracts (the batch axis of a dense layer), so that a few
-# outlier examples don't flatten the scale of all the others.
-
-
-@dataclasses.dataclass(frozen=True)
-class _BwdConfig:
-    qtype: Any
-    calibration_method: str
-    weight_grad_tile_size: int | float | None
-    stochastic_rounding: str | None
-    noise_axes: tuple[int, ...]
-    per_tensor: bool
-    layout: op_adapter.GradLayout
-    weight_side: str | None  # "lhs", "rhs" or None (two activations)
-    # Per side ("lhs", "rhs"): the reference's DotGeneralQtConfig overrides given through
-    # additional_qt_config (dlhs_grad_qtype, drhs_tile_size, ...); None where not given.
-    qtype_by_side: tuple[Any, Any] = (None, None)
-    tile_by_side: tuple[Any, Any] = (None, None)
-
-    @classmethod
-    def of(cls, rule, layout: op_adapter.GradLayout, weight_side: str | None) -> _BwdConfig:
-        bwd_qtype = _qt_setting(rule, "bwd_qtype")
-        return cls(
-            bwd_qtype,
-            _qt_setting(rule, "bwd_calibration_method"),
-            _qt_setting(rule, "bwd_weight_grad_tile_size"),
-            _qt_setting(rule, "bwd_stochastic_rounding"),
-            tuple(_qt_setting(rule, "channelwise_noise_axes")),
-            _qt_setting(rule, "disable_channelwise_axes"),
-            layout,
-            weight_side,
-            tuple(qt_option(rule, f"{p}_grad_qtype", None) or bwd_qtype for p in ("dlhs", "drhs")),
-            tuple(qt_option(rule, f"{p}_tile_size", None) for p in ("dlhs", "drhs")),
-        )
-
-
-def stochastic_noise_fn(
-    method: str,
-    key: jax.Array,
-    noise_axes: Sequence[int] = (0,),
-    *,
-    channelwise_noise_axes: Sequence[int] | None = None,
-) -> stochastic_rounding.NoiseFn:
-    """stochastic_rounding.get_noise_fn, with the noise axes also by position (``noise_axes``)
-    and the noise broadcast to the full shape asked for.
-
-    The noise varies along ``channelwise_noise_axes`` only. "uniform" draws float noise,
-    "low_bit_uniform" 8-bit noise.
-    """
-    axes = noise_axes if channelwise_noise_axes is None else channelwise_noise_axes
-    noise = stochastic_rounding.get_noise_fn(method, key, axes)
-    return dataclasses.replace(noise, full_shape=True)
-
-
-def _rounding_key(module: Any, cfg: _BwdConfig) -> jax.Array | None:
-    """Raw key data for stochastic rounding, drawn in the forward pass; None = derive it later.
-
-    Linen models get it from a "stochastic_rounding" rng stream when the caller passes one
-    (``apply(..., rngs={"stochastic_rounding": key})``). Otherwise the backward pass derives a
-    key from the gradient's bits: different every step, reproducible for equal inputs.
-    """
-    if cfg.stochastic_rounding is None:
-        return None
-    if isinstance(module, nn.Module) and module.has_rng("stochastic_rounding"):
-        return jax.random.key_data(module.make_rng("stochastic_rounding"))
-    return None
-
-
-def quantize_grad(
-    g: jax.Array, cfg: _BwdConfig, side: str, key: jax.Array | None = None
-) -> jax.Array:
-    """Fake-quantizes the output gradient g for the gradient of operand ``side``."""
-    layout = cfg.layout
-    own = layout.lhs_free if side == "lhs" else layout.rhs_free
-    contracted = layout.rhs_free if side == "lhs" else layout.lhs_free
-    channelwise = () if cfg.per_tensor else (*layout.batch, *own)
-    index = 0 if side == "lhs" else 1
-    qtype, tile = cfg.qtype_by_side[index] or cfg.qtype, cfg.tile_by_side[index]
-    if tile is None and side == cfg.weight_side:
-        tile = cfg.weight_grad_tile_size
-    # mx / nv formats come with their block, as the reference infers it.
-    tile = tile or qtypes.get(qtype).required_tile
-    # The last axis the gradient contracts, as the reference tiles it.
-    tiled = {contracted[-1]: tile} if tile and contracted else {}
-    noise = (
-        None if key is None else stochastic_noise_fn(cfg.stochastic_rounding, key, cfg.noise_axes)
-    )
-    how = qarray.HowToQuantize(
-        qtype=qtype,
-        channelwise_axes=channelwise,
-        tiled_axes=tiled,
-        calibration_method=cfg.calibration_method,
-        noise_fn=noise,
-    )
-    return qarray.dequantize(qarray.quantize(g, how)).astype(g.dtype)
-
-
-def _with_quantized_grad(compute, cfg: _BwdConfig, key_data, lhs: jax.Array, rhs: jax.Array):
-    @jax.custom_vjp
-    def op(a, b, key_data):
-        return compute(a, b)
-
-    def fwd(a, b, key_data):
-        return compute(a, b), (a, b, key_data)
-
-    def bwd(res, g):
-        a, b, key_data = res
-        keys = (None, None)
-        if cfg.stochastic_rounding is not None:
-            if key_data is None:
-                seed = jax.lax.bitcast_convert_type(jnp.sum(g.astype(jnp.float32)), jnp.uint32)
-                key = jax.random.fold_in(jax.random.key(0), seed)
-            else:
-                key = jax.random.wrap_key_data(key_data)
-            keys = (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
-        _, vjp = jax.vjp(compute, a, b)
-        da, _ = vjp(quantize_grad(g, cfg, "lhs", keys[0]))
-        _, db = vjp(quantize_grad(g, cfg, "rhs", keys[1]))
-        return da, db, None
-
-    op.defvjp(fwd, bwd)
-    return op(lhs, rhs, key_data)
+def _rounding_key(module: Any) -> jax.Array | None:
+    """A key for stochastic rounding: from the "stochastic_rounding" rng stream of a Linen
+    model (``apply(..., rngs={"stochastic_rounding": key})``) or of an NNX model's
+    ``qwix_rngs``; None without one (qt_ops.noise_fn then derives one)."""
+    if isinstance(module, nn.Module):
+        has = module.has_rng("stochastic_rounding")
+        return module.make_rng("stochastic_rounding") if has else None
+    rngs = getattr(module, flax_util.RNGS_ATTR, None)
+    return rngs["stochastic_rounding"]() if isinstance(rngs, nnx.Rngs) else None

@@ -2,8 +2,9 @@
 CNN) trained on the digits data, `qmill export-program`, `qmill calibrate --artifact` with
 --ptq-output (static-range params from QuantizeParams), `qmill export-odml --model-fn`.
 
-The SRQ params are bit-identical to local SRQ with the same batches; the .tflite runs in LiteRT
-within one output quantization step of the JAX PTQ model on >= 99 % of held-out examples."""
+The SRQ params equal local SRQ with the same batches (tests/srq_equal.py); the .tflite runs in
+LiteRT within one output quantization step of the JAX PTQ model on >= 99 % of held-out examples.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import qmill.engine as qe
 from qmill import checkpoints
 from qmill.engine.programs import program as programs
-from tests import digits_data, litert_run
+from tests import digits_data, litert_run, srq_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "digits_cnn.py"
@@ -78,10 +79,7 @@ def test_calibrate_srq_and_export_through_the_cli(make_server, trained, run_qmil
     want, ptq, ptq_params = _local_srq(model, params, np.split(x[:600], 3))
     with checkpoints.open_source(tmp / "ptq.safetensors") as source:
         got = {e.path: source.read(e.path) for e in source.entries()}
-    assert set(got) == set(want)
-    for path, value in want.items():
-        assert got[path].dtype == value.dtype, path
-        np.testing.assert_array_equal(got[path], value, err_msg=path)
+    srq_equal.assert_srq_equal(got, want)
 
     out = tmp / "digits.tflite"
     export = run_qmill(

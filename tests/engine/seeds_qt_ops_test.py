@@ -24,6 +24,10 @@ def _fq(a, channelwise_axes=(), tiled_axes=None):
     return qarray.dequantize(qarray.quantize(a, how))
 
 
+def _q(a, channelwise_axes=()):
+    return qarray.quantize(a, qarray.HowToQuantize(qtype="int8", channelwise_axes=channelwise_axes))
+
+
 def _grads(config):
     def loss(a, b):
         return jnp.sum(dot_qt.dot_general_qt(a, b, DN, config) * c)
@@ -51,11 +55,14 @@ def test_backward_straight_through_and_quantized():
         lhs_qtype="int8", rhs_qtype="int8", dlhs_grad_qtype="int8", drhs_grad_qtype="int8"
     )
     dx, dw = _grads(both)
-    # dlhs: g gets a scale per row (its lhs axis); drhs: one per column (its rhs axis).
-    np.testing.assert_allclose(dx, _fq(c, (0,)) @ wq.T, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(dw, xq.T @ _fq(c, (1,)), rtol=1e-6, atol=1e-6)
+    # The other operand's scale moves onto g, which then gets a scale per row (dlhs: its lhs
+    # axis) or per column (drhs: its rhs axis); the other operand enters as its codes.
+    qx, qw = _q(x, (0,)), _q(w, (1,))
+    np.testing.assert_allclose(dx, _fq(c * qw.scale, (0,)) @ qw.qvalue.T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dw, qx.qvalue.T @ _fq(c * qx.scale, (1,)), rtol=1e-6, atol=1e-6)
     assert not np.allclose(dw, xq.T @ c, rtol=0, atol=1e-7)
-    # drhs tiles g along the batch axis it contracts: a scale per (tile of 4 rows, column).
+    # drhs tiles g along the batch axis it contracts: a scale per (tile of 4 rows, column);
+    # tiles under 128 are multiplied dequantized, as the reference.
     tiled = dot_qt.DotGeneralQtConfig(drhs_grad_qtype="int8", drhs_tile_size=4)
     _, dw = _grads(tiled)
     np.testing.assert_allclose(dw, x.T @ _fq(c, (1,), {0: 4}), rtol=1e-6, atol=1e-6)
@@ -100,9 +107,13 @@ def test_conv_general_qt():
         lambda a, b: conv_qt.conv_general_qt(a, b, config, (1, 1), "VALID"), lhs, rhs
     )
     lq, rq = _fq(lhs, (0,)), _fq(rhs, (0,))
-    np.testing.assert_array_equal(out, conv(lq, rq))
+    np.testing.assert_allclose(out, conv(lq, rq), rtol=1e-5, atol=1e-5)  # int8 codes, scaled
     dl, dr = vjp(g)
     _, float_vjp = jax.vjp(conv, lq, rq)
     np.testing.assert_allclose(dl, float_vjp(g)[0], rtol=1e-5, atol=1e-5)  # dlhs: straight
-    # drhs: g with a scale per output feature (axis 1 of the NCHW output).
-    np.testing.assert_allclose(dr, float_vjp(_fq(g, (1,)))[1], rtol=1e-5, atol=1e-5)
+    # drhs: g times the input's scale (per batch item, axis 0), then a scale per output feature
+    # (axis 1 of the NCHW output), convolved with the input's codes.
+    ql = _q(lhs, (0,))
+    _, codes_vjp = jax.vjp(conv, ql.qvalue.astype(jnp.float32), rq)
+    expected = codes_vjp(_fq(g * ql.scale, (1,)))[1]
+    np.testing.assert_allclose(dr, expected, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
 """Remote calibration of a model no registry knows (an NNX model with two inputs), sent as a
-program, then static-range QuantizeParams: bit-identical to local SRQ with the same batches."""
+program, then static-range QuantizeParams: equal to local SRQ with the same batches
+(tests/srq_equal.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from qmill.client import programs as client_programs
 from qmill.engine.programs import build as program_build
 from qmill.engine.programs import program as programs
 from qmill.proto.v1 import qmill_pb2 as pb
+from tests import srq_equal
 
 RULES = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
 
@@ -97,10 +99,7 @@ def test_remote_calibrate_and_srq_equal_local_srq(setup) -> None:
     _, floats = program_build.calibration_program(model, RULES, *batches[0])
     ranges = client_calibrate.static_ranges(calibration_id=cid)
     got = _remote_params(client.quantize_upload("int8", upload_id, static_ranges=ranges), floats)
-    assert set(got) == set(want)
-    for path, value in want.items():
-        assert got[path].dtype == value.dtype, path
-        np.testing.assert_array_equal(got[path], value, err_msg=path)
+    srq_equal.assert_srq_equal(got, want)
 
     # The same statistics sent inline (no calibration id) give the same scales.
     qtypes = programs.load(program).stat_qtypes
@@ -108,7 +107,9 @@ def test_remote_calibrate_and_srq_equal_local_srq(setup) -> None:
     tensors = [("head/kernel", floats["head/kernel"])]
     by_path = {o.path: o for o in client.quantize("int8", tensors, static_ranges=inline)}
     for path in ("image/dot_general0_lhs_scale/array", "head/dot_general0_lhs_scale/array"):
-        np.testing.assert_array_equal(by_path[path].parts["value"], want[path])
+        np.testing.assert_allclose(
+            by_path[path].parts["value"], want[path], srq_equal.STATIC_SCALE_RTOL
+        )
 
 
 def _calibrations(data_dir: pathlib.Path) -> list[str]:

@@ -28,6 +28,16 @@ def _fq(x, qtype="int8", channelwise=(), tiled=None):
     return qarray.dequantize(qarray.quantize(x, how))
 
 
+def _shifted_dx(w, qtype="int8", per_tensor=False):
+    """The lhs gradient as the reference computes it: the weight's scale (per output column, or
+    one) moved onto COT, COT quantized per row (or per tensor), times the weight's codes."""
+    q = qarray.quantize(
+        w, qarray.HowToQuantize(qtype="int8", channelwise_axes=() if per_tensor else (1,))
+    )
+    g = _fq(COT * q.scale, qtype, channelwise=() if per_tensor else (0,))
+    return g @ q.qvalue.T.astype(jnp.float32)
+
+
 def _grads(rule, rngs=None):
     model = qe.quantize_model(Dense(), qe.QtProvider([rule]))
     params = model.init(jax.random.key(2), X)["params"]
@@ -39,23 +49,24 @@ def _grads(rule, rngs=None):
     return params["Dense_0"]["kernel"], dw["Dense_0"]["kernel"], dx
 
 
-def test_bwd_qtype_gradients_equal_the_hand_computed_fake_quantized_ones():
+def test_bwd_qtype_gradients_equal_the_hand_computed_ones():
     w, dw, dx = _grads(qe.QtRule(weight_qtype="int8", bwd_qtype="int8"))
-    fq_w = _fq(w, channelwise=(1,))  # forward: weight per output column
-    # lhs gradient: g per row (its lhs axis); weight gradient: g per column (its rhs axis).
-    np.testing.assert_allclose(dx, _fq(COT, channelwise=(0,)) @ fq_w.T, rtol=1e-6, atol=1e-6)
+    # lhs gradient: g per row (its lhs axis) after the weight's scale; weight gradient: g per
+    # column (its rhs axis), with the float activation.
+    np.testing.assert_allclose(dx, _shifted_dx(w), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dw, X.T @ _fq(COT, channelwise=(1,)), rtol=1e-6, atol=1e-5)
-    # ...and really differ from the float-gradient (straight-through) ones.
+    # ...and really differ from the float-gradient ones, which forward-only QT takes at the
+    # operands as given (the reference's use_original_residuals).
     _, dw_float, dx_float = _grads(qe.QtRule(weight_qtype="int8"))
-    np.testing.assert_allclose(dx_float, COT @ fq_w.T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx_float, COT @ w.T, rtol=1e-6, atol=1e-6)
     assert not np.allclose(dx, dx_float, atol=1e-4) and not np.allclose(dw, dw_float, atol=1e-4)
 
 
 def test_bwd_int4_per_tensor_when_channelwise_axes_are_disabled():
     rule = qe.QtRule(weight_qtype="int8", bwd_qtype="int4", disable_channelwise_axes=True)
     w, dw, dx = _grads(rule)
-    fq_w = _fq(w)  # per tensor in the forward pass too
-    np.testing.assert_allclose(dx, _fq(COT, "int4") @ fq_w.T, rtol=1e-6, atol=1e-6)
+    # Per tensor in the forward pass too: one weight scale moved onto g.
+    np.testing.assert_allclose(dx, _shifted_dx(w, "int4", per_tensor=True), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dw, X.T @ _fq(COT, "int4"), rtol=1e-6, atol=1e-5)
 
 
@@ -66,9 +77,7 @@ def test_weight_gradient_tiles_along_the_batch_axis():
     np.testing.assert_allclose(
         dw, X.T @ _fq(COT, "int4", channelwise=(1,), tiled={0: 2}), rtol=1e-6, atol=1e-5
     )
-    np.testing.assert_allclose(
-        dx, _fq(COT, "int4", channelwise=(0,)) @ _fq(w, channelwise=(1,)).T, rtol=1e-6, atol=1e-6
-    )
+    np.testing.assert_allclose(dx, _shifted_dx(w, "int4"), rtol=1e-6, atol=1e-6)
     _, dw_untiled, _ = _grads(qe.QtRule(weight_qtype="int8", bwd_qtype="int4"))
     assert not np.allclose(dw, dw_untiled, atol=1e-4)
 
@@ -136,8 +145,11 @@ def test_quantized_backward_under_jit_with_einsum():
     model = qe.quantize_model(E(nnx.Rngs(0)), qe.QtProvider([rule]), x)
     cot = COT.reshape(2, 4, 4)
     dx = nnx.jit(jax.grad(lambda x, m: jnp.sum(m(x) * cot)))(x, model)
-    fq_w = _fq(model.e.kernel[...], channelwise=(1,))
-    expected = jnp.einsum("bth,dh->btd", _fq(cot, channelwise=(0, 1)), fq_w)
+    how = qarray.HowToQuantize(qtype="int8", channelwise_axes=(1,))
+    q = qarray.quantize(model.e.kernel[...], how)
+    # The kernel's scale (per h) moved onto g, g quantized per (b, t), times the kernel's codes.
+    g = _fq(cot * q.scale[None], channelwise=(0, 1))
+    expected = jnp.einsum("bth,dh->btd", g, q.qvalue.astype(jnp.float32))
     np.testing.assert_allclose(dx, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -181,3 +193,25 @@ def test_nnx_quant_stats_accumulate_on_every_call_also_under_jit():
     model.set_attributes(disable_quant_stats_update=False, raise_if_not_found=False)
     jitted(model, X)
     assert int(stat()["count"]) == 6
+
+
+def test_quantized_backward_of_a_broadcasting_einsum():
+    # An operand's size-1 batch axis broadcasts (squeezed before the dot_general it lowers to);
+    # the gradients come back in the operands' own shapes, near the float ones.
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, q, k):
+            return jnp.einsum("...hqd,bhkd->bhqk", q, k)
+
+    rule = qe.QtRule(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8")
+    model = qe.quantize_model(Attention(), qe.QtProvider([rule]))
+    q = jax.random.normal(jax.random.key(3), (1, 4, 8))
+    k = jax.random.normal(jax.random.key(4), (2, 3, 5, 8))
+
+    def grads(apply):
+        return jax.jit(jax.grad(lambda q, k: jnp.sum(apply({}, q, k) ** 2), (0, 1)))(q, k)
+
+    got, want = grads(model.apply), grads(Attention().apply)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert 0 < float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) < 0.02
