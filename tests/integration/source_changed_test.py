@@ -4,6 +4,7 @@ no output, never SIGBUS. The client maps a safetensors file's tensors (safetenso
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -60,6 +61,18 @@ def test_a_source_truncated_mid_run_is_an_error_and_writes_nothing(
     assert source.stat().st_size == 1000
 
 
+def _open_files(pid: int) -> set[str]:
+    """The paths process `pid` holds open; an fd closed while they are listed is skipped (the
+    child's interpreter opens and closes files as it starts)."""
+    paths = set()
+    for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            paths.add(os.readlink(fd))
+        except FileNotFoundError:
+            continue
+    return paths
+
+
 def test_a_file_open_for_writing_elsewhere_is_read_not_mapped(tmp_path):
     path = tmp_path / "w.safetensors"
     tensor = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
@@ -70,11 +83,7 @@ def test_a_file_open_for_writing_elsewhere_is_read_not_mapped(tmp_path):
     )
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-            p.resolve() == path.resolve()
-            for p in pathlib.Path(f"/proc/{writer.pid}/fd").iterdir()
-            if p.is_symlink()
-        ):
+        while time.monotonic() < deadline and str(path.resolve()) not in _open_files(writer.pid):
             time.sleep(0.01)
         source = safetensors_source.SafetensorsSource([path])
         source.mapped = True
