@@ -106,8 +106,8 @@ def kept_or_collect(
     ids = np.ascontiguousarray(calibration_ids, np.int32)
     fingerprint = {
         "input_ranges_of": os.path.abspath(folder),
-        "recipe": lm_calibration.canonical_recipe(recipe),
-        "tokens": lm_calibration.tokens_digest(ids),
+        "recipe": lm_work.canonical_recipe(recipe),
+        "tokens": lm_work.tokens_digest(ids),
         # Only where set: ranges kept before the option existed still match.
         **({"all_experts": True} if all_experts else {}),
     }

@@ -17,8 +17,6 @@ stage's Hessian and input: `estimate` says how much, before any work.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import pathlib
@@ -135,28 +133,13 @@ def _open_weights(folder: pathlib.Path) -> safetensors_source.SafetensorsSource:
     return safetensors_source.SafetensorsSource(files)
 
 
-def tokens_digest(*token_ids: np.ndarray | None) -> str:
-    """What a kept work's fingerprint says of its token ids: their int32 bytes and shapes."""
-    digest = hashlib.sha256()
-    for ids in token_ids:
-        if ids is not None:
-            digest.update(np.ascontiguousarray(ids, np.int32).tobytes())
-            digest.update(str(ids.shape).encode())
-    return digest.hexdigest()
-
-
-def canonical_recipe(recipe: Mapping[str, Any]) -> Any:
-    """The recipe as a kept work's fingerprint holds it (JSON, keys sorted)."""
-    return json.loads(json.dumps(recipe, sort_keys=True, default=str))
-
-
 def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmRequest) -> dict:
     sizes = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
     return {
         "source": str(folder.absolute()),
         "weights": sizes,
-        "recipe": canonical_recipe(recipe),
-        "tokens": tokens_digest(request.calibration_ids, request.eval_ids),
+        "recipe": lm_work.canonical_recipe(recipe),
+        "tokens": lm_work.tokens_digest(request.calibration_ids, request.eval_ids),
         "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk]
         + ([True] if request.all_experts else []),
         # Only where there is one: a GPTQ calibration kept before methods existed still matches.
@@ -230,9 +213,6 @@ def calibrate(
       ValueError: an unsupported architecture, missing tensors, token ids outside the
         vocabulary, or kept work made with other arguments (pass restart).
     """
-    from qmill.engine.lm import config as config_lib
-    from qmill.engine.lm import sequential
-
     lm_methods.check_recipe(request.method, recipe)
     embedded.load_engine()
     _free_large_blocks_at_once()
@@ -257,20 +237,7 @@ def calibrate(
             if check is not None:
                 check()
             t0 = time.monotonic()
-            prefix = config_lib.layer_prefix(cfg, layer)
-            tensors = {
-                n.removeprefix(prefix): weights.read(n)
-                for n in config_lib.layer_tensor_names(cfg, layer)
-            }
-            linears = plans.linears(cfg, layer, prefix)
-            done = calibrate_layer(cfg, layer, tensors, streams.take_hidden(), linears)
-            check_scales(done.results)
-            if streams.source is not None:
-                streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
-                streams.quantized = sequential.run_layer(
-                    quantized_cfg, layer, done.weights, streams.quantized
-                )
-            streams.hidden, streams.next_layer = done.hidden, layer + 1
+            done = _one_layer(cfg, quantized_cfg, layer, weights, plans, streams, calibrate_layer)
             seconds = time.monotonic() - t0
             work.finish_layer(layer, done, seconds, streams)
             if progress is not None:
@@ -279,7 +246,7 @@ def calibrate(
                 loss = lm_work.layer_loss(done)
                 progress(LayerProgress(layer, cfg.num_layers, loss, seconds, eta))
             # done.hidden is the next layer's input: held here, it would outlive take_hidden.
-            del done, tensors
+            del done
         perplexity = _perplexity(cfg, plans, outer, streams)
     return LmOutcome(
         work.directory,
@@ -290,6 +257,29 @@ def calibrate(
         folded=lm_work.folded_of(work.directory),
         method=request.method,
     )
+
+
+def _one_layer(cfg, quantized_cfg, layer, weights, plans, streams, calibrate_layer) -> Any:
+    """Calibrates decoder layer `layer` on the streams' hidden states and moves the streams
+    (calibration, and the evaluation's source and quantized ones) past it."""
+    from qmill.engine.lm import config as config_lib
+    from qmill.engine.lm import sequential
+
+    prefix = config_lib.layer_prefix(cfg, layer)
+    tensors = {
+        n.removeprefix(prefix): weights.read(n) for n in config_lib.layer_tensor_names(cfg, layer)
+    }
+    done = calibrate_layer(
+        cfg, layer, tensors, streams.take_hidden(), plans.linears(cfg, layer, prefix)
+    )
+    check_scales(done.results)
+    if streams.source is not None:
+        streams.source = sequential.run_layer(cfg, layer, tensors, streams.source)
+        streams.quantized = sequential.run_layer(
+            quantized_cfg, layer, done.weights, streams.quantized
+        )
+    streams.hidden, streams.next_layer = done.hidden, layer + 1
+    return done
 
 
 def _perplexity(

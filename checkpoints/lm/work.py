@@ -364,3 +364,18 @@ def _save_npz_atomic(path: pathlib.Path, arrays: Mapping[str, np.ndarray]) -> No
     the whole archive in memory: the state holds every sample's hidden states)."""
     with files.replacing(path) as f:
         np.savez(f, **{k: _storable(v) for k, v in arrays.items()})
+
+
+def tokens_digest(*token_ids: np.ndarray | None) -> str:
+    """What a kept work's fingerprint says of its token ids: their int32 bytes and shapes."""
+    digest = hashlib.sha256()
+    for ids in token_ids:
+        if ids is not None:
+            digest.update(np.ascontiguousarray(ids, np.int32).tobytes())
+            digest.update(str(ids.shape).encode())
+    return digest.hexdigest()
+
+
+def canonical_recipe(recipe: Mapping[str, Any]) -> Any:
+    """The recipe as a kept work's fingerprint holds it (JSON, keys sorted)."""
+    return json.loads(json.dumps(recipe, sort_keys=True, default=str))
