@@ -5,12 +5,12 @@ smoothquant+gptq`.
 Lingo (sequential.py for hidden and stage, folds.py for fold and s).
 
 The scheme, per layer, as llm-compressor applies its smoothing modifiers before quantizing: the
-layer's folds in forward order, each on the float layer as smoothed so far, fed by the hidden
-states the quantized earlier layers produce: run the stages up to the fold's, take its linears'
-input x, find s (AWQ: awq.search; SmoothQuant: the formula below), fold it. Then the smoothed
-layer is quantized as `--method gptq` quantizes it (sequential.calibrate_layer, its Hessians on
-the smoothed inputs) or linear by linear by round to nearest, and its output is the next layer's
-input.
+layer's folds in forward order, each on the float layer as smoothed so far: run the stages up to
+the fold's, take its linears' input x, find s (AWQ: awq.search; SmoothQuant: the formula below),
+fold it. Then the smoothed layer is quantized as `--method gptq` quantizes it
+(sequential.calibrate_layer, its Hessians on the smoothed inputs), whose quantized output is the
+next layer's input (GPTQ fits each linear to the error before it), or linear by linear by round
+to nearest, where the next layer's input is the float layer's output (rtn_layer).
 
 SmoothQuant (Xiao et al., arXiv:2211.10438) with llm-compressor's statistics: r_j = max − min of
 input channel j over every calibration token, w_j = 2 · max over the balanced weights of
@@ -144,7 +144,7 @@ def rtn_layer(
     plans: Mapping[str, layout.LeafPlan],
 ) -> sequential.LayerCalibration:
     """Every linear of `plans` rounded to nearest, exactly as the checkpoint pipeline writes it,
-    and the quantized layer run on the hidden states."""
+    and the next layer's input: the float (smoothed) layer run on the hidden states."""
     prefix = config_lib.layer_prefix(cfg, layer)
     current = dict(weights)
     results: dict[str, leaf_lib.LeafResult] = {}
@@ -155,9 +155,12 @@ def rtn_layer(
             jnp.asarray(result.codes()), plan.qtype, jnp.asarray(result.scale), zero_point
         )
         results[prefix + name] = result
-    return sequential.LayerCalibration(
-        results, {}, current, sequential.run_layer(cfg, layer, current, hidden)
-    )
+    # The float layer's output, not the rounded one's: nothing here is fitted to the rounding,
+    # so the later layers' scales are searched on the float model's activations, as
+    # llm-compressor's pipeline (quantization disabled until the end) and AutoAWQ have them
+    # (the rounded layer's output cost AWQ 1.6 of its 2.0 perplexity points: bench/README).
+    float_output = sequential.run_layer(cfg, layer, weights, hidden)
+    return sequential.LayerCalibration(results, {}, current, float_output)
 
 
 @functools.partial(jax.jit, static_argnums=1)
