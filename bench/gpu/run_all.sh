@@ -8,6 +8,8 @@
 #   parity.json  tests/engine/device_parity.py: qmill vs CPU fixtures vs reference, per case;
 #                --require-equal: the step exits 1 (steps.jsonl "rc": 1) unless all 167 cases ran
 #                and equal the CPU fixtures; its last line says PASS or FAIL (issue 37)
+#   qt_golden.json  bench/gpu/qt_golden.py: issue 40's QT training steps on the device, qmill's
+#                and the reference's gradients bit for bit, and against the CPU recording
 #   parity-hlo.txt  bench/gpu/parity_detail.py: the optimized HLO of the cases that differed on
 #                the H200 (its per-element account of each differing code goes to run_all.log)
 #   engine.json  bench/engine_bench.py --size 8192 (baseline: a jitted copy, same run)
@@ -95,6 +97,7 @@ print('qmill from', qmill.engine.__file__)
 
 step parity 95 "$PY" tests/engine/device_parity.py --max-seconds 80 --spread 7 --require-equal \
     --json "$OUT/parity.json"
+step qt_golden 120 "$PY" bench/gpu/qt_golden.py --json "$OUT/qt_golden.json"
 # The PTX of the cases that differed on 2026-11-27, to see which divisions the device runs:
 # div.rn.f64 only (the float64 route held), or div.full.f32 (LLVM folded it back to float32).
 XLA_DUMP=${QMILL_GPU_TMP:-/tmp}/xla-dump

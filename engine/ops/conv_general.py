@@ -57,19 +57,27 @@ def conv_general_dilated(
     dtype and the scales multiply the output in it one at a time (as ops.dot_general's);
     qmill's QT uses it for the reference's numbers."""
     dims = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-    conv = lambda a, b, pet: jax.lax.conv_general_dilated(  # noqa: E731
-        a,
-        b,
-        window_strides,
-        padding,
-        lhs_dilation=lhs_dilation,
-        rhs_dilation=rhs_dilation,
-        dimension_numbers=dims,
-        feature_group_count=feature_group_count,
-        batch_group_count=batch_group_count,
-        precision=precision,
-        preferred_element_type=pet,
-    )
+
+    def lax_conv(a: jax.Array, b: jax.Array, pet: Any, precision: Any = precision) -> jax.Array:
+        return jax.lax.conv_general_dilated(
+            a,
+            b,
+            window_strides,
+            padding,
+            lhs_dilation=lhs_dilation,
+            rhs_dilation=rhs_dilation,
+            dimension_numbers=dims,
+            feature_group_count=feature_group_count,
+            batch_group_count=batch_group_count,
+            precision=precision,
+            preferred_element_type=pet,
+        )
+
+    def conv(a: jax.Array, b: jax.Array, pet: Any) -> jax.Array:
+        if pet == jnp.int32 and jnp.issubdtype(a.dtype, jnp.integer):
+            return _integer_conv(lax_conv, a, b)
+        return lax_conv(a, b, pet)
+
     if (
         isinstance(lhs, qarray.QArray)
         and isinstance(rhs, qarray.QArray)
@@ -99,3 +107,17 @@ def conv_general_dilated(
         lhs, rhs, preferred_element_type, same_dtype=True
     )
     return conv(a, b, preferred_element_type)
+
+
+def _integer_conv(lax_conv: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+    """a ⊛ b of integer codes, accumulated in int32. XLA's GPU backend cannot compile that
+    (cuDNN's integer convolutions give int8 or float32 only: UNIMPLEMENTED), so there the codes
+    are convolved as float32 at full precision and the sums rounded back: the integer result
+    exactly whenever no partial sum reaches 2^24 (int8 codes: up to 1,024 terms per output, in
+    features × window taps), within float32 accumulation (2^-24 relative) beyond. Elsewhere the
+    integer convolution itself. (Chosen when traced, by the default backend, rather than by
+    lax.platform_dependent, which would put both convolutions in every program's jaxpr.)"""
+    if jax.default_backend() != "gpu":
+        return lax_conv(a, b, jnp.int32)
+    f32 = lax_conv(a.astype(jnp.float32), b.astype(jnp.float32), jnp.float32, "highest")
+    return jnp.round(f32).astype(jnp.int32)

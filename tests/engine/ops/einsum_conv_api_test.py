@@ -116,6 +116,27 @@ def test_conv_int8_by_int8_accumulates_in_int32() -> None:
     assert int(out[0, 1, 1, 0]) == 18 * 100 * 100
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_gpu_convolves_int8_codes_as_float32_with_the_integer_result(monkeypatch, groups):
+    """XLA cannot compile an int8 × int8 → int32 convolution for a GPU (cuDNN: UNIMPLEMENTED,
+    bench/gpu/qt_golden.py on an H200); there the codes go through a float32 convolution at
+    full precision. Every partial sum of these (3·3·64 = 576 terms of |code| ≤ 127: < 2^24) is
+    an exact float32 integer, so the result must equal the CPU's integer convolution exactly."""
+    rng = np.random.default_rng(5)
+    lhs = jnp.asarray(rng.integers(-127, 128, (2, 6, 6, 64 * groups)), jnp.int8)
+    rhs = jnp.asarray(rng.integers(-127, 128, (3, 3, 64, 8)), jnp.int8)
+    on_cpu = jax.jit(lambda a, b: _conv(a, b, feature_group_count=groups))
+    want = on_cpu(lhs, rhs)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    as_gpu = jax.jit(lambda a, b: _conv(a, b, feature_group_count=groups))
+    jaxpr = str(jax.make_jaxpr(as_gpu)(lhs, rhs))
+    assert "preferred_element_type=int32" not in jaxpr and "float32" in jaxpr
+    got = as_gpu(lhs, rhs)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(np.asarray(want)).max() > 2**16  # sums far past what float16 would hold
+
+
 def test_conv_int8_by_float32_promotes() -> None:
     lhs = jnp.arange(32, dtype=jnp.int8).reshape(1, 4, 4, 2)
     rhs = _normal(0, (3, 3, 2, 5))
