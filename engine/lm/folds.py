@@ -144,10 +144,15 @@ def reduce(fold: Fold, per_column: jax.Array) -> jax.Array:
 
 
 def apply(
-    weights: Mapping[str, jax.Array | np.ndarray], fold: Fold, s: jax.Array
+    weights: Mapping[str, jax.Array | np.ndarray],
+    fold: Fold,
+    s: jax.Array,
+    keep_float32: frozenset[str] = frozenset(),
 ) -> dict[str, jax.Array]:
     """The tensors `fold` changes with scale s, each in its own dtype: balanced weights W · s
-    (columns), the smooth side divided by s. Computed in float32, rounded once to the dtype.
+    (columns), the smooth side divided by s. Computed in float32, rounded once to the dtype,
+    except the tensors named in `keep_float32` (the linears about to be quantized: their codes
+    come from W · s itself, not from W · s rounded to a bf16 checkpoint's 8 bits first).
 
     Raises:
       ValueError: s of the wrong length, or not finite and positive.
@@ -159,7 +164,10 @@ def apply(
     if not np.all(np.isfinite(host) & (host > 0)):
         raise ValueError(f"{fold.name}: the scale has entries that are not finite and positive")
     names = (*fold.balance, fold.smooth, *((fold.bias,) if fold.bias else ()))
-    return _apply(fold, {n: jnp.asarray(weights[n]) for n in names}, jnp.asarray(host))
+    tensors = {
+        n: jnp.asarray(weights[n], jnp.float32 if n in keep_float32 else None) for n in names
+    }
+    return _apply(fold, tensors, jnp.asarray(host))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -116,6 +116,7 @@ def smooth_layer(
     applied, and one report entry per fold. A fold none of whose linears `plans` quantizes is
     left out (nothing to protect)."""
     current = {name: jnp.asarray(w) for name, w in weights.items()}
+    quantized = frozenset(plans)
     carries = [{"h": h} for h in hidden]
     at, applied, report = 0, [], []
     for fold in folds_lib.table(cfg, options.method, layer):
@@ -129,7 +130,7 @@ def smooth_layer(
             s, info = awq_lib.search(cfg, layer, fold, current, xs, plans, options.awq)
         else:
             s, info = smoothquant_scale(fold, current, xs, options.alpha)
-        current.update(folds_lib.apply(current, fold, s))
+        current.update(folds_lib.apply(current, fold, s, keep_float32=quantized))
         applied.append(fold)
         report.append({"fold": fold.name, **info})
         del xs
@@ -158,7 +159,7 @@ def rtn_layer(
     # The float layer's output, not the rounded one's: nothing here is fitted to the rounding,
     # so the later layers' scales are searched on the float model's activations, as
     # llm-compressor's pipeline (quantization disabled until the end) and AutoAWQ have them
-    # (the rounded layer's output cost AWQ 1.6 of its 2.0 perplexity points: bench/README).
+    # (measured: docs/calibrated-methods.md, "The calibration inputs").
     float_output = sequential.run_layer(cfg, layer, weights, hidden)
     return sequential.LayerCalibration(results, {}, current, float_output)
 
@@ -191,6 +192,7 @@ def calibrate_layer(
     Raises:
       ValueError: a plan the method cannot follow (an NVFP4 global scale), or no finite AWQ error.
     """
+    plans = _scales_in_source_dtype(plans, weights)
     smoothed, applied, report = smooth_layer(cfg, layer, weights, hidden, plans, options)
     if gptq is not None:
         done = sequential.calibrate_layer(
@@ -209,6 +211,20 @@ def calibrate_layer(
         methods={prefix + n: options.method + suffix if n in balanced else base for n in plans},
         smoothing=report,
     )
+
+
+def _scales_in_source_dtype(
+    plans: Mapping[str, layout.LeafPlan], weights: Mapping[str, Any]
+) -> dict[str, layout.LeafPlan]:
+    """The plans with each scale stored in its weight's dtype as read, where the recipe leaves
+    it to the weight's: the folds keep the linears they scale in float32 (folds.apply), and a
+    bf16 checkpoint's scales stay bf16 (compressed-tensors' layout for it)."""
+    return {
+        name: plan
+        if plan.scale_dtype is not None
+        else dataclasses.replace(plan, scale_dtype=np.dtype(weights[name].dtype).name)
+        for name, plan in plans.items()
+    }
 
 
 def _changed(fold: folds_lib.Fold) -> tuple[str, ...]:

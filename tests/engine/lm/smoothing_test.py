@@ -139,7 +139,9 @@ def test_awq_search_never_loses_to_round_to_nearest_on_its_block():
     hidden = _hidden(cfg, outliers=20.0)
     plans = _plans(cfg, weights, W4)
     options = awq.AwqOptions()
-    rtn = _rtn(weights, plans)
+    # The search quantizes W · s as the fold keeps it, in float32 (s = 1: the bf16 weight's
+    # float32 copy), and scores the float32 Q(W · s) / s.
+    rtn = _rtn({n: w.astype(np.float32) for n, w in weights.items()}, plans)
     xs = [forward.stage_fn(cfg, 0, 0)(weights, {"h": h})["x"] for h in hidden]
     attn_in = folds.table(cfg, folds.AWQ)[0]
     _, info = awq.search(cfg, 0, attn_in, weights, xs, plans, options)
