@@ -158,7 +158,11 @@ def _tree_rss(pid: int, peak: list[float], done: threading.Event) -> None:
         return
     while not done.is_set():
         total = 0
-        for proc in [root, *root.children(recursive=True)]:
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:  # the command ended between two samples
+            break
+        for proc in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 total += proc.memory_info().rss
         peak[0] = max(peak[0], total)
