@@ -125,17 +125,17 @@ def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
     return leaf.how_to_quantize(plan)
 
 
-@functools.partial(jax.jit, static_argnames=("how", "scale_dtype"))
-def fake_quantize(
-    w: jax.Array, s: jax.Array, how: qarray_parts.HowToQuantize, scale_dtype: str | None
-) -> jax.Array:
-    """Q(W · s) / s in float32: W · s in float32, as the fold keeps a linear it quantizes
-    (folds.apply's keep_float32), quantized and dequantized as the plan writes it. Rounding
-    W · s or the result to a bf16 weight's 8 bits here would score the rounding, not the
+@functools.partial(jax.jit, static_argnames="how")
+def fake_quantize(w: jax.Array, s: jax.Array, how: qarray_parts.HowToQuantize) -> jax.Array:
+    """Q(W · s) / s in float32 throughout: W · s as the fold keeps a linear it quantizes
+    (folds.apply's keep_float32), its scales, and the result. Rounding any of them to a bf16
+    checkpoint's 8 bits here (the stored scale is rounded so) would score the rounding, not the
     quantization: where s protects a salient channel its quantization error is near zero and
-    bf16's 2^-9 dominates it (measured on SmolLM2: the grid's errors moved by up to 15 %)."""
+    bf16's 2^-9 times that channel's large activations dominates it (SmolLM2-135M: the grid's
+    errors moved by up to 15 % and the choice with them, while bf16 scales cost the finished
+    model nothing measurable: docs/calibrated-methods.md)."""
     ws = w.astype(_F32) * s
-    codes, scale, zero_point = qarray_parts.quantize_bytes(ws, how, scale_dtype=scale_dtype)
+    codes, scale, zero_point = qarray_parts.quantize_bytes(ws, how)
     deq = qarray_parts.dequantize_bytes(codes, how.qtype, scale, zero_point)
     return deq.astype(_F32) / s
 
@@ -200,7 +200,7 @@ def search(
         full = folds_lib.expand(fold, s)
         trial = dict(weights)
         for n in quantized:
-            trial[n] = fake_quantize(jnp.asarray(weights[n]), full, hows[n], plans[n].scale_dtype)
+            trial[n] = fake_quantize(jnp.asarray(weights[n]), full, hows[n])
         err = error(trial)
         history.append(err)
         if np.isfinite(err) and (best is None or err < best[0]):
