@@ -31,11 +31,12 @@ from qmill.client import Client
 from qmill.client import calibrate as client_calibrate
 from qmill.engine import zoo
 from qmill.proto.v1 import qmill_pb2 as pb
+from tests import random_inputs
 from tests.e2e import processes
 from tests.engine.seed_models import LinenMLP, NnxMLP
 
 SUFFIX = {"orbax": "", "safetensors": ".safetensors", "npz": ".npz"}
-MODEL_INPUT = jax.random.uniform(jax.random.key(0), (8, 16))
+MODEL_INPUT = random_inputs.uniform(jax.random.key(0), (8, 16))
 
 
 def _rules(qtype: str) -> list:
@@ -200,7 +201,7 @@ def srq(server, tmp_path_factory):
     """PTQ params from a remote Calibrate of the zoo MLP, and the model and data behind them."""
     config = zoo.config_from_json(zoo.BUILTIN["mlp"], json.dumps(MLP_CONFIG))
     model = zoo.BUILTIN["mlp"].build(config)
-    x = np.asarray(jax.random.normal(jax.random.key(2), (32, 16)), np.float32)
+    x = np.asarray(random_inputs.normal(jax.random.key(2), (32, 16)), np.float32)
     params = model.init(jax.random.key(3), x[:1])["params"]
     with Client(server.address) as client:
         upload = client.upload(safetensors.numpy.save(_flat(params)))

@@ -15,8 +15,9 @@ import pytest
 
 import qmill.engine
 from qmill.engine import averaging, numerics, qarray
+from tests import random_inputs
 
-X = jax.random.normal(jax.random.key(0), (4, 64), jnp.float32)
+X = random_inputs.normal(jax.random.key(0), (4, 64), jnp.float32)
 
 
 def _q(x, qtype="int8", **how):

@@ -9,6 +9,7 @@ from flax import nnx
 
 import qmill.engine as qe
 from qmill.engine import interception
+from tests import random_inputs
 
 RULES = [qe.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
 
@@ -60,7 +61,7 @@ def test_concurrent_models_in_threads():
         def __call__(self, x):
             return nn.Dense(8)(x)
 
-    x = jax.random.normal(jax.random.key(0), (4, 8))
+    x = random_inputs.normal(jax.random.key(0), (4, 8))
     variables = M().init(jax.random.key(1), x)
     expected = M().apply(variables, x)
     qmodel = qe.quantize_model(M(), qe.PtqProvider(RULES))
@@ -89,14 +90,14 @@ class Reshaping(nnx.Module):
     """Uses its weight through a reshape and a transpose before the op."""
 
     def __init__(self, rngs):
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (2, 4, 8)))
+        self.w = nnx.Param(random_inputs.normal(rngs.params(), (2, 4, 8)))
 
     def __call__(self, x):
         return x @ self.w[...].reshape(8, 8).T
 
 
 def test_weight_found_through_reshape_and_transpose_in_qt():
-    x = jax.random.normal(jax.random.key(0), (4, 8))
+    x = random_inputs.normal(jax.random.key(0), (4, 8))
     rules = [qe.QuantizationRule(weight_qtype="int4")]  # weight-only: an activation stays exact
     model = qe.quantize_model(Reshaping(nnx.Rngs(0)), qe.QtProvider(rules), x)
     w = model.w[...].reshape(8, 8).T
@@ -107,6 +108,6 @@ def test_weight_found_through_reshape_and_transpose_in_qt():
 
 
 def test_ptq_refuses_transposed_weight():
-    x = jax.random.normal(jax.random.key(0), (4, 8))
+    x = random_inputs.normal(jax.random.key(0), (4, 8))
     with pytest.raises(ValueError, match="transpose"):
         qe.quantize_model(Reshaping(nnx.Rngs(0)), qe.PtqProvider(RULES), x)

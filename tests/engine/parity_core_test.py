@@ -11,10 +11,11 @@ from flax import nnx
 
 import qmill.engine as qwix
 from qmill.engine import checkpoint_utils, flax_util
+from tests import random_inputs
 
 
 def test_get_or_create_param_with_an_rng_linen_and_nnx():
-    init = lambda key: jax.random.normal(key, (2, 3))  # noqa: E731
+    init = lambda key: random_inputs.normal(key, (2, 3))  # noqa: E731
 
     class Linen(nn.Module):
         @nn.compact
@@ -167,7 +168,7 @@ def test_prequantized_params_into_a_plain_dict_template():
 
     model = DictWeight()
     source = qwix.quantize(
-        jax.random.normal(jax.random.key(1), (16, 4)), "int8", channelwise_axes=[1]
+        random_inputs.normal(jax.random.key(1), (16, 4)), "int8", channelwise_axes=[1]
     )
     out = checkpoint_utils.process_prequantized_params(
         {"w": {"qvalue": source.qvalue, "scale": source.scale}}, model
@@ -281,7 +282,7 @@ def test_flax_util_as_the_reference_in_user_code():
 def test_prequantized_params_refuse_an_unexpected_zero_point():
     model = _abstract([qwix.QuantizationRule(weight_qtype="int8")])  # symmetric: no zero point
     asym = qwix.quantize(
-        jax.random.normal(jax.random.key(2), (16, 4)),
+        random_inputs.normal(jax.random.key(2), (16, 4)),
         "int8",
         channelwise_axes=[1],
         calibration_method="minmax",
@@ -326,7 +327,9 @@ def test_prequantized_params_requantize_an_entry_without_the_models_zero_point()
     # reference refuses a missing zero point; here the symmetric codes are requantized.
     rule = qwix.QuantizationRule(weight_qtype="int8", weight_calibration_method="minmax")
     model = _abstract([rule])
-    sym = qwix.quantize(jax.random.normal(jax.random.key(3), (16, 4)), "int8", channelwise_axes=[1])
+    sym = qwix.quantize(
+        random_inputs.normal(jax.random.key(3), (16, 4)), "int8", channelwise_axes=[1]
+    )
     out = checkpoint_utils.process_prequantized_params(
         {"head": {"kernel": {"qvalue": sym.qvalue, "scale": sym.scale}}}, model
     )
@@ -342,7 +345,7 @@ def test_use_reciprocal_for_quantization_multiplies_by_the_scales_reciprocal(mon
     # The reference's flag (issue 40): x * (1 / scale) in x's dtype instead of x / scale. XLA
     # already multiplies by the reciprocal of a broadcast scale, so the flag shows where the
     # scale has x's own shape (a true division otherwise).
-    x = jax.random.normal(jax.random.key(3), (64, 48), jnp.float32) * 3
+    x = random_inputs.normal(jax.random.key(3), (64, 48), jnp.float32) * 3
     how = qwix.HowToQuantize(qtype="int8", channelwise_axes=(1,))
     scale = jnp.broadcast_to(qwix.qarray.quantize(x, how).scale, x.shape)
     divided = qwix.qarray.quantize_with_scale_zero_point(x, "int8", scale, None)

@@ -15,6 +15,7 @@ from flax import nnx
 
 import qmill.engine as qwix
 from qmill.engine import interception
+from tests import random_inputs
 
 WAIT_S = 30  # every blocking wait below gives up after this: a broken run fails, never hangs
 
@@ -178,7 +179,7 @@ class AliasDense(nn.Module):
 
 
 def test_a_model_calling_an_alias_is_quantized():
-    x = jax.random.normal(jax.random.key(0), (2, 8))
+    x = random_inputs.normal(jax.random.key(0), (2, 8))
     ptq = qwix.quantize_model(
         AliasDense(), qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")])
     )

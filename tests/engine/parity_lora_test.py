@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import qmill.engine as qwix
+from tests import random_inputs
 
 ONES = [qwix.LoraRule(rank=2, alpha=2.0, lora_b_initializer=jax.nn.initializers.ones)]
 DN = (((2,), (1,)), ((0,), (0,)))  # one (4, 6) matrix per head: batch axis 0
@@ -24,7 +25,7 @@ class LinenBatched(nn.Module):
 
 class NnxBatched(nnx.Module):
     def __init__(self):
-        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (5, 4, 6)))
+        self.w = nnx.Param(random_inputs.normal(jax.random.key(0), (5, 4, 6)))
 
     def __call__(self, x):
         return jax.lax.dot_general(x, self.w[...], DN)
@@ -32,7 +33,7 @@ class NnxBatched(nnx.Module):
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_batched_dot_general_gets_adapters(framework):
-    x = jax.random.normal(jax.random.key(1), (5, 3, 4))
+    x = random_inputs.normal(jax.random.key(1), (5, 3, 4))
     if framework == "linen":
         model = qwix.apply_lora_to_model(LinenBatched(), qwix.LoraProvider(ONES))
         params = model.init(jax.random.key(0), x)["params"]
@@ -77,12 +78,12 @@ def test_conv_adapter_is_placed_like_a_mesh_placed_kernel():
 def test_batched_einsum_gets_adapters_as_the_reference():
     class Batched(nnx.Module):
         def __init__(self):
-            self.w = nnx.Param(jax.random.normal(jax.random.key(0), (16, 10, 8, 4, 5)))
+            self.w = nnx.Param(random_inputs.normal(jax.random.key(0), (16, 10, 8, 4, 5)))
 
         def __call__(self, x):
             return jnp.einsum("bjir,bnmjr->bimn", x, self.w[...])
 
-    x = jax.random.normal(jax.random.key(1), (16, 4, 12, 5))
+    x = random_inputs.normal(jax.random.key(1), (16, 4, 12, 5))
     model = qwix.apply_lora_to_model(Batched(), qwix.LoraProvider(ONES), x, rngs=nnx.Rngs(1))
     assert model.w_lora_einsum_str == "bjir,bjrA,Anm->bimn"
     a, b = model.w_lora_a[...], model.w_lora_b[...]
@@ -105,7 +106,7 @@ class LinenMultiOutput(nn.Module):
 
 class NnxMultiOutput(nnx.Module):
     def __init__(self):
-        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (4, 5, 6)))
+        self.w = nnx.Param(random_inputs.normal(jax.random.key(0), (4, 5, 6)))
 
     def __call__(self, x):
         return jax.lax.dot_general(x, self.w[...], MULTI)
@@ -113,7 +114,7 @@ class NnxMultiOutput(nnx.Module):
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_multi_output_dot_general_gets_adapters(framework):
-    x = jax.random.normal(jax.random.key(1), (3, 4))
+    x = random_inputs.normal(jax.random.key(1), (3, 4))
     if framework == "linen":
         model = qwix.apply_lora_to_model(LinenMultiOutput(), qwix.LoraProvider(ONES))
         params = model.init(jax.random.key(0), x)["params"]
@@ -145,7 +146,7 @@ def test_dot_general_adapters_flattened_as_the_reference():
             return jax.lax.dot_general(x, w, (((2,), (1,)), ((0,), (0,))))
 
     rule = qwix.LoraRule(rank=3, alpha=3.0, lora_b_initializer=jax.nn.initializers.ones)
-    x = jax.random.normal(jax.random.key(1), (2, 5, 4))
+    x = random_inputs.normal(jax.random.key(1), (2, 5, 4))
     model = qwix.apply_lora_to_model(Batched(), qwix.LoraProvider([rule]))
     params = nn.unbox(model.init(jax.random.key(0), x)["params"])
     w, a, b = params["w"], params["w_lora_a"], params["w_lora_b"]
@@ -158,7 +159,7 @@ def test_dot_general_adapters_flattened_as_the_reference():
 def test_nnx_einsum_with_two_output_axes_as_the_reference():
     # The reference's case: "btd,dnh->btnh" adapts as "btd,dr,rnh->btnh".
     base = nnx.Einsum("btd,dnh->btnh", (12, 8, 10), (8, 10), rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(2), (16, 4, 12))
+    x = random_inputs.normal(jax.random.key(2), (16, 4, 12))
     expected_base = base(x)
     rule = qwix.LoraRule(rank=3, alpha=1.0, lora_b_initializer=nnx.initializers.ones)
     model = qwix.apply_lora_to_model(base, qwix.LoraProvider([rule]), x, rngs=nnx.Rngs(1))

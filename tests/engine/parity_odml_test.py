@@ -14,6 +14,7 @@ import qmill.engine as qwix
 from qmill.engine import interception
 from qmill.engine.modeling import provenance
 from qmill.engine.providers import odml, odml_names
+from tests import random_inputs
 
 RULES = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
 
@@ -44,7 +45,7 @@ class SharedScope(nn.Module):
 
 def test_linen_shared_scope_gives_each_module_its_own_statistics():
     model = qwix.quantize_model(SharedScope(), qwix.OdmlQatProvider(RULES))
-    x = jax.random.normal(jax.random.key(1), (2, 16))
+    x = random_inputs.normal(jax.random.key(1), (2, 16))
     variables = model.init(jax.random.key(0), x)  # raised NameInUseError before
     # Both ops in the shared scope, numbered apart; jnp.dot is the op "dot", as the reference's.
     assert _stat_names(variables["quant_stats"]) == {"dot0_lhs", "dot1_lhs", "final_output0"}
@@ -170,7 +171,7 @@ def test_sibling_ops_share_the_first_ones_statistic():
     # As the reference: two ops reading one tensor under one rule share one fake quant, and its
     # statistic is the first op's; the exported model has one quantized tensor for both.
     model = qwix.quantize_model(Siblings(), qwix.OdmlQatProvider(RULES))
-    x = jax.random.normal(jax.random.key(1), (4, 8))
+    x = random_inputs.normal(jax.random.key(1), (4, 8))
     variables = model.init(jax.random.key(0), x)
     provider = qwix.OdmlQatProvider(RULES)
     model = qwix.quantize_model(Siblings(), provider)
@@ -244,7 +245,7 @@ def test_jnp_dot_statistics_serve_the_ptq_model_under_its_dot_general_names():
             y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
             return jnp.dot(jnp.tanh(y), w)
 
-    x = jax.random.normal(jax.random.key(1), (2, 16))
+    x = random_inputs.normal(jax.random.key(1), (2, 16))
     provider = qwix.OdmlQatProvider(RULES)
     model = qwix.quantize_model(Mixed(), provider)
     variables = model.init(jax.random.key(0), x)
@@ -269,7 +270,7 @@ def test_conversion_reads_calibrations_made_under_the_earlier_names():
     # qmill's calibrations before issue 40 named the output "model_output" and a jnp.dot's input
     # "dot_general<n>_lhs"; the conversion provider still finds them.
     model = qwix.quantize_model(SharedScope(), qwix.OdmlQatProvider(RULES))
-    x = jax.random.normal(jax.random.key(1), (2, 16))
+    x = random_inputs.normal(jax.random.key(1), (2, 16))
     variables = model.init(jax.random.key(0), x)
     qat_out, updates = model.apply(variables, x, mutable=["quant_stats"])
     stats = dict(updates["quant_stats"])

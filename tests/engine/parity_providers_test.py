@@ -12,6 +12,7 @@ from flax import nnx
 import qmill.engine as qwix
 from qmill.engine import qarray
 from qmill.engine.ops import mxfp_dot
+from tests import random_inputs
 
 DN = (((1,), (0,)), ((), ()))
 X = jnp.ones((2, 4))
@@ -39,7 +40,7 @@ class LinenAsarray(nn.Module):
 
 class NnxAsarray(nnx.Module):
     def __init__(self):
-        self.kernel = nnx.Param(jax.random.normal(jax.random.key(0), (4, 3)))
+        self.kernel = nnx.Param(random_inputs.normal(jax.random.key(0), (4, 3)))
 
     def __call__(self, x):
         return jax.lax.dot_general(x, jnp.asarray(self.kernel), DN)
@@ -82,7 +83,7 @@ def test_mx_formats_need_no_explicit_tile(fmt):
         def __call__(self, x):
             return nn.Dense(8, use_bias=False)(x)
 
-    x = jax.random.normal(jax.random.key(1), (2, 64))
+    x = random_inputs.normal(jax.random.key(1), (2, 64))
     qt = qwix.quantize_model(Dense(), qwix.QtProvider([qwix.QtRule(weight_qtype=fmt)]))
     assert qt.apply(qt.init(jax.random.key(0), x), x).shape == (2, 8)
     ptq = qwix.quantize_model(Dense(), qwix.PtqProvider([qwix.QuantizationRule(weight_qtype=fmt)]))
@@ -107,7 +108,7 @@ def test_asarray_of_a_qarray_inside_a_ptq_model_stays_a_qarray():
 
     class QArrayAsarray(nnx.Module):
         def __init__(self):
-            self.kernel = nnx.Param(jax.random.normal(jax.random.key(0), (4, 3)))
+            self.kernel = nnx.Param(random_inputs.normal(jax.random.key(0), (4, 3)))
 
         def __call__(self, x):
             inner = getattr(self.kernel, "array", None)

@@ -17,6 +17,7 @@ from qmill.engine import qconfig
 from qmill.engine.core import stochastic_rounding
 from qmill.engine.ops import conv_general, conv_general_qt
 from qmill.engine.ops import dot_general_qt as dot_qt
+from tests import random_inputs
 from tests.engine import make_qt_golden as qt_golden
 
 DN = (((1,), (0,)), ((), ()))
@@ -42,9 +43,9 @@ def test_dot_general_qt_masks_gradients_outside_the_calibrated_range():
 
 
 def test_use_original_residuals_and_sparsity_rule():
-    x = jax.random.normal(jax.random.key(0), (8, 32))
-    w = jax.random.normal(jax.random.key(1), (32, 4))
-    c = jax.random.normal(jax.random.key(2), (8, 4))
+    x = random_inputs.normal(jax.random.key(0), (8, 32))
+    w = random_inputs.normal(jax.random.key(1), (32, 4))
+    c = random_inputs.normal(jax.random.key(2), (8, 4))
 
     def dw(config):
         f = lambda b: jnp.sum(dot_qt.dot_general_qt(x, b, DN, config) * c)  # noqa: E731
@@ -219,8 +220,8 @@ def test_mxfp4_backward_pass_of_attention_with_per_side_overrides():
 
 def test_mx_gradient_quantization_infers_the_block():
     # No tile given for an mx gradient qtype: the format's block along the contracted axis.
-    x = jax.random.normal(jax.random.key(0), (32, 64))
-    w = jax.random.normal(jax.random.key(1), (64, 32))
+    x = random_inputs.normal(jax.random.key(0), (32, 64))
+    w = random_inputs.normal(jax.random.key(1), (64, 32))
     config = dot_qt.DotGeneralQtConfig(dlhs_grad_qtype="mxfp4", drhs_grad_qtype="mxfp4")
     dx, dw = jax.grad(
         lambda a, b: jnp.sum(dot_qt.dot_general_qt(a, b, DN, config) ** 2), argnums=(0, 1)
@@ -251,7 +252,7 @@ def test_how_to_quantize_with_a_dict_tile_is_a_static_jit_argument():
     how = qwix.qarray.HowToQuantize(qtype="int8", tiled_axes={0: 8, 1: 8})
     assert how == qwix.qarray.HowToQuantize(qtype="int8", tiled_axes={1: 8, 0: 8})
     assert hash(how) == hash(qwix.qarray.HowToQuantize(qtype="int8", tiled_axes={1: 8, 0: 8}))
-    x = jax.random.normal(jax.random.key(0), (16, 24))
+    x = random_inputs.normal(jax.random.key(0), (16, 24))
     quantize = jax.jit(qwix.qarray.quantize, static_argnums=1)
     q = quantize(x, how)
     assert q.scale.shape == (2, 3)
@@ -278,8 +279,8 @@ def test_int8_conv_backward_nchw_on_the_reference_case():
     # varies, and only each block's largest value sits on the int8 bound (quantizing the ones
     # on their own stored every one as 127 / 127.5: mean error 1/255 = 0.0039).
     dn = ("NCHW", "OIHW", "NCHW")
-    lhs = jax.random.normal(jax.random.key(0), (4, 8, 16, 16))
-    rhs = jax.random.normal(jax.random.key(1), (32, 8, 3, 3))
+    lhs = random_inputs.normal(jax.random.key(0), (4, 8, 16, 16))
+    rhs = random_inputs.normal(jax.random.key(1), (32, 8, 3, 3))
     dnums = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dn)
     config = conv_general_qt.ConvGeneralQtConfig(
         lhs_qtype="int8", rhs_qtype="int8", dlhs_grad_qtype="int8", drhs_grad_qtype="int8"
@@ -329,9 +330,9 @@ def _qt_grads(cfg, lhs, rhs, target=None):
 def test_fp8_backward_configuration_with_residuals():
     # The reference's fp8 backward case: grads and residuals in float8, no forward qtype.
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    lhs = jax.random.normal(k1, (16, 32))
-    rhs = jax.random.normal(k2, (32, 16))
-    target = jax.random.normal(k3, (16, 16))
+    lhs = random_inputs.normal(k1, (16, 32))
+    rhs = random_inputs.normal(k2, (32, 16))
+    target = random_inputs.normal(k3, (16, 16))
     cfg = dot_qt.DotGeneralQtConfig(
         use_original_residuals=False,
         dlhs_grad_qtype=jnp.float8_e4m3fn,
@@ -349,8 +350,8 @@ def test_fp8_backward_configuration_with_residuals():
 
 
 def test_int8_residuals_quantize_what_the_backward_pass_reads():
-    lhs = jax.random.normal(jax.random.key(1), (8, 32))
-    rhs = jax.random.normal(jax.random.key(2), (32, 4))
+    lhs = random_inputs.normal(jax.random.key(1), (8, 32))
+    rhs = random_inputs.normal(jax.random.key(2), (32, 4))
     cfg = dot_qt.DotGeneralQtConfig(
         lhs_qtype="int8",
         rhs_qtype="int8",
@@ -379,8 +380,8 @@ def test_int8_residuals_quantize_what_the_backward_pass_reads():
 
 def test_dot_general_qt_fwd_bwd_takes_the_calibrations():
     # The reference's custom-VJP entry: with each side's own calibration, dot_general_qt.
-    lhs = jax.random.normal(jax.random.key(1), (8, 32))
-    rhs = jax.random.normal(jax.random.key(2), (32, 4))
+    lhs = random_inputs.normal(jax.random.key(1), (8, 32))
+    rhs = random_inputs.normal(jax.random.key(2), (32, 4))
     dn = (((1,), (0,)), ((), ()))
     cfg = dot_qt.DotGeneralQtConfig(
         lhs_qtype="int8", rhs_qtype="int8", dlhs_grad_qtype="int8", drhs_grad_qtype="int8"

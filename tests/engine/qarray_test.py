@@ -9,6 +9,7 @@ import pytest
 
 from qmill import engine
 from qmill.engine import qarray
+from tests import random_inputs
 
 
 def _q(x, qtype, **kw):
@@ -67,7 +68,7 @@ def test_fp8_clips_and_rounds() -> None:
 
 
 def test_mx_scales_are_powers_of_two_and_need_their_tile() -> None:
-    x = jax.random.normal(jax.random.key(0), (4, 64), jnp.float32)
+    x = random_inputs.normal(jax.random.key(0), (4, 64), jnp.float32)
     q = _q(x, "mxfp4", channelwise_axes=(0,), tiled_axes={1: 32})
     assert q.scale.shape == (4, 2)
     np.testing.assert_array_equal(np.log2(np.asarray(q.scale)) % 1, 0)
@@ -101,7 +102,7 @@ def test_int16_per_numerics() -> None:
     ],
 )
 def test_reference_mae_figures(qtype: str, kw: dict, expected: float, rel: float) -> None:
-    x = jax.random.normal(jax.random.key(0), (10, 256, 16), jnp.float32).astype(jnp.bfloat16)
+    x = random_inputs.normal(jax.random.key(0), (10, 256, 16), jnp.float32).astype(jnp.bfloat16)
     q = _q(x, qtype, channelwise_axes=(0,), **kw)
     err = jnp.abs(engine.dequantize(q).astype(jnp.float32) - x.astype(jnp.float32))
     assert float(jnp.mean(err)) == pytest.approx(expected, rel=rel)
@@ -109,7 +110,7 @@ def test_reference_mae_figures(qtype: str, kw: dict, expected: float, rel: float
 
 def test_reference_mae_minmax() -> None:
     # This figure matches a sample drawn directly in bf16 (whose tails are clipped near ±2.9).
-    x = jax.random.normal(jax.random.key(0), (10, 256, 16), jnp.bfloat16) + 1
+    x = random_inputs.normal(jax.random.key(0), (10, 256, 16), jnp.bfloat16) + 1
     q = _q(x, "int8", channelwise_axes=(0,), calibration_method="minmax")
     err = jnp.abs(engine.dequantize(q).astype(jnp.float32) - x.astype(jnp.float32))
     assert float(jnp.mean(err)) == pytest.approx(0.00522, rel=0.2)
@@ -182,7 +183,7 @@ def test_stochastic_rounding_noise_fn() -> None:
 
 
 def test_static_scale_api() -> None:
-    x = jax.random.normal(jax.random.key(1), (8, 16), jnp.float32)
+    x = random_inputs.normal(jax.random.key(1), (8, 16), jnp.float32)
     how = qarray.HowToQuantize(qtype="int8", channelwise_axes=(0,), calibration_method="minmax")
     calib = qarray.calibrate(x, how)
     scale, zp = qarray.compute_scale_zero_point(calib, "int8")
@@ -193,7 +194,7 @@ def test_static_scale_api() -> None:
 
 
 def test_qarray_pytree_and_properties() -> None:
-    x = jax.random.normal(jax.random.key(2), (4, 6, 8), jnp.float32)
+    x = random_inputs.normal(jax.random.key(2), (4, 6, 8), jnp.float32)
     q = _q(x, "int8", channelwise_axes=(0,), tiled_axes={2: 4})
     leaves, treedef = jax.tree_util.tree_flatten(q)
     assert len(leaves) == 2 and jax.tree_util.tree_unflatten(treedef, leaves).qtype == "int8"
@@ -218,7 +219,7 @@ def test_qarray_validation() -> None:
 
 
 def test_reshape_transpose_index() -> None:
-    x = jax.random.normal(jax.random.key(3), (4, 6, 8), jnp.float32)
+    x = random_inputs.normal(jax.random.key(3), (4, 6, 8), jnp.float32)
     q = _q(x, "int8", channelwise_axes=(0,), tiled_axes={2: 4})
     d = engine.dequantize(q)
     np.testing.assert_array_equal(engine.dequantize(q.reshape(24, 8)), d.reshape(24, 8))

@@ -5,6 +5,8 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
+from tests import random_inputs
+
 
 class LinenMLP(nn.Module):
     dhidden: int
@@ -30,4 +32,4 @@ class NnxMLP(nnx.Module):
         return x
 
 
-MODEL_INPUT = jax.random.uniform(jax.random.key(0), (8, 16))
+MODEL_INPUT = random_inputs.uniform(jax.random.key(0), (8, 16))

@@ -10,8 +10,9 @@ from flax import nnx
 
 import qmill.engine as qwix
 from qmill.engine import checkpoint_utils, flax_util, interception, qconfig
+from tests import random_inputs
 
-x = jax.random.normal(jax.random.key(0), (4, 16))
+x = random_inputs.normal(jax.random.key(0), (4, 16))
 
 
 class LinenProbe(nn.Module):

@@ -10,6 +10,7 @@ from flax import nnx
 
 import qmill.engine as qwix
 from qmill.engine.providers import odml
+from tests import random_inputs
 
 
 class LinenMLP(nn.Module):
@@ -27,7 +28,7 @@ class NnxMLP(nnx.Module):
         return self.linear2(nnx.relu(self.linear1(x)))
 
 
-model_input = jax.random.uniform(jax.random.key(1), (16, 6))
+model_input = random_inputs.uniform(jax.random.key(1), (16, 6))
 # As the ODML page writes them: no act_static_scale, which the ODML providers take as static.
 rules = [qwix.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
 

@@ -10,10 +10,11 @@ from qmill.engine.core import stochastic_rounding
 from qmill.engine.ops import conv_general_qt as conv_qt
 from qmill.engine.ops import dot_general_qt as dot_qt
 from qmill.engine.providers import qt
+from tests import random_inputs
 
-x = jax.random.normal(jax.random.key(0), (8, 32))
-w = jax.random.normal(jax.random.key(1), (32, 4))
-c = jax.random.normal(jax.random.key(2), (8, 4))  # the output gradient used below
+x = random_inputs.normal(jax.random.key(0), (8, 32))
+w = random_inputs.normal(jax.random.key(1), (32, 4))
+c = random_inputs.normal(jax.random.key(2), (8, 4))  # the output gradient used below
 DN = (((1,), (0,)), ((), ()))
 
 
@@ -95,9 +96,9 @@ def test_noise_axes_and_stochastic_rounding_in_the_backward_pass():
 
 
 def test_conv_general_qt():
-    lhs = jax.random.normal(jax.random.key(6), (2, 3, 6, 6))  # NCHW
-    rhs = jax.random.normal(jax.random.key(7), (4, 3, 3, 3))  # OIHW
-    g = jax.random.normal(jax.random.key(8), (2, 4, 4, 4))
+    lhs = random_inputs.normal(jax.random.key(6), (2, 3, 6, 6))  # NCHW
+    rhs = random_inputs.normal(jax.random.key(7), (4, 3, 3, 3))  # OIHW
+    g = random_inputs.normal(jax.random.key(8), (2, 4, 4, 4))
     config = conv_qt.ConvGeneralQtConfig(lhs_qtype="int8", rhs_qtype="int8", drhs_grad_qtype="int8")
 
     def conv(a, b):

@@ -13,9 +13,10 @@ from flax import nnx
 
 import qmill.engine as qwix
 from qmill.engine import qconfig
+from tests import random_inputs
 from tests.engine.seed_models import LinenMLP, NnxMLP
 
-model_input = jax.random.uniform(jax.random.key(0), (8, 16))
+model_input = random_inputs.uniform(jax.random.key(0), (8, 16))
 SRQ = [qconfig.QuantizationRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from qmill.engine import sparsity
+from tests import random_inputs
 
 
 def _brute(x: np.ndarray, n: int, m: int, offset: int) -> np.ndarray:
@@ -26,7 +27,7 @@ def _brute(x: np.ndarray, n: int, m: int, offset: int) -> np.ndarray:
 
 @pytest.mark.parametrize(("n", "m", "offset"), [(2, 4, 0), (1, 4, 0), (1, 2, 4), (3, 4, 2)])
 def test_n_m_rows_match_brute_force(n, m, offset) -> None:
-    x = np.asarray(jax.random.normal(jax.random.key(0), (3, 2, 32)))
+    x = np.asarray(random_inputs.normal(jax.random.key(0), (3, 2, 32)))
     mask = sparsity.get_sparsity_mask(jnp.asarray(x), n, m, offset=offset)
     np.testing.assert_array_equal(mask, _brute(x, n, m, offset))
     assert int(mask.sum()) == x.size * n // m
@@ -36,7 +37,7 @@ def test_worked_example_and_columns() -> None:
     x = jnp.array([[1.0, -5.0, 3.0, 2.0, 0.5, 4.0, -6.0, 1.0]])
     out = sparsity.prune_inputs_n_m(x, n=2, m=4)
     np.testing.assert_array_equal(out, [[0, -5, 3, 0, 0, 4, -6, 0]])
-    y = jax.random.normal(jax.random.key(1), (8, 6))
+    y = random_inputs.normal(jax.random.key(1), (8, 6))
     cols = sparsity.get_sparsity_mask(y, 2, 4, order="C")
     np.testing.assert_array_equal(cols, sparsity.get_sparsity_mask(y.T, 2, 4).T)
 

@@ -12,18 +12,19 @@ import qmill.engine as qe
 from qmill.engine import flax_util
 from qmill.engine.contrib import awq, gptq
 from qmill.engine.contrib import smooth_quant as sq
+from tests import random_inputs
 from tests.engine.contrib.contrib_cases import ReluMlp
 
 KEYS = jax.random.split(jax.random.key(3), 3)
 OUTLIERS = jnp.ones(64).at[::8].set(40.0)  # salient input channels: AWQ's and SQ's setting
-X = jax.random.normal(KEYS[0], (64, 64)) * OUTLIERS
+X = random_inputs.normal(KEYS[0], (64, 64)) * OUTLIERS
 # Linen's default names: the reference's own examples name no layers.
 NAMES = ("Dense_0", "Dense_1")
 
 
 class RawParam(nnx.Module):
     def __init__(self) -> None:
-        self.w = nnx.Param(jax.random.normal(KEYS[1], (64, 16)))
+        self.w = nnx.Param(random_inputs.normal(KEYS[1], (64, 16)))
 
     def __call__(self, x):
         return jnp.einsum("bi,io->bo", x, self.w)

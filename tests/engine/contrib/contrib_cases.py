@@ -10,15 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from tests import random_inputs
+
 
 def inputs() -> dict[str, np.ndarray]:
     """A weight (16, 128), GPTQ inputs (128, 256) with heavy tails, activations (64, 128) with
     every 16th channel 30x larger (what AWQ and SmoothQuant act on)."""
     k = jax.random.split(jax.random.key(25), 4)
-    w = jax.random.normal(k[0], (16, 128), jnp.float32)
+    w = random_inputs.normal(k[0], (16, 128), jnp.float32)
     x = jax.random.t(k[1], 5, (128, 256), jnp.float32)
     outliers = jnp.ones(128).at[::16].set(30.0)
-    acts = jax.random.normal(k[2], (64, 128), jnp.float32) * outliers
+    acts = random_inputs.normal(k[2], (64, 128), jnp.float32) * outliers
     return {"w": np.asarray(w), "x": np.asarray(x), "acts": np.asarray(acts)}
 
 
@@ -76,7 +78,7 @@ def qep_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
     two model batches (8, 16): every shape the Branch model's."""
     data = inputs()
     w, x = data["w"][:, :16], data["x"][:16]
-    batches = jax.random.normal(jax.random.key(40), (2, 8, 16), jnp.float32)
+    batches = random_inputs.normal(jax.random.key(40), (2, 8, 16), jnp.float32)
     return w, x, np.round(x * 4) / 4, [np.asarray(b) for b in batches]
 
 
@@ -98,6 +100,6 @@ PAD_CASES = (("int8_a8_t16", "int8", "int8", 16), ("fp4_t32", "float4_e2m1fn", N
 def padded_inputs() -> tuple[np.ndarray, np.ndarray]:
     """x (T, D) and w (E, D, F) for the padded einsum 'td,edf->tef'."""
     k = jax.random.split(jax.random.key(42))
-    x = jax.random.normal(k[0], (PAD_T, PAD_D), jnp.float32)
-    w = jax.random.normal(k[1], (PAD_E, PAD_D, PAD_F), jnp.float32)
+    x = random_inputs.normal(k[0], (PAD_T, PAD_D), jnp.float32)
+    w = random_inputs.normal(k[1], (PAD_E, PAD_D, PAD_F), jnp.float32)
     return np.asarray(x), np.asarray(w)

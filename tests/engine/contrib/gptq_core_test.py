@@ -9,13 +9,14 @@ import pytest
 
 from qmill.engine import qarray
 from qmill.engine.contrib import gptq_core
+from tests import random_inputs
 
 ROWS, COLS, SAMPLES = 16, 64, 256
 KEYS = jax.random.split(jax.random.key(0), 3)
-W = jax.random.normal(KEYS[0], (ROWS, COLS), jnp.float32)
+W = random_inputs.normal(KEYS[0], (ROWS, COLS), jnp.float32)
 # Correlated inputs: what GPTQ exploits (RTN ignores the inputs altogether).
-MIX = jax.random.normal(KEYS[1], (COLS, COLS)) / 8 + jnp.eye(COLS)
-X = MIX @ jax.random.normal(KEYS[2], (COLS, SAMPLES))
+MIX = random_inputs.normal(KEYS[1], (COLS, COLS)) / 8 + jnp.eye(COLS)
+X = MIX @ random_inputs.normal(KEYS[2], (COLS, SAMPLES))
 
 
 def _how(qtype="int4", tile=None, method="absmax"):
@@ -66,7 +67,7 @@ def test_dead_inputs_zero_their_columns() -> None:
 
 
 def test_normalize_weight_round_trip() -> None:
-    w = jax.random.normal(KEYS[0], (4, 8, 6), jnp.float32)  # contracted axis 1
+    w = random_inputs.normal(KEYS[0], (4, 8, 6), jnp.float32)  # contracted axis 1
     flat, restore = gptq_core.normalize_weight(w, 1)
     assert flat.shape == (24, 8)
     np.testing.assert_array_equal(restore(flat), w)

@@ -9,12 +9,13 @@ from flax import nnx
 
 import qmill.engine as qe
 from qmill.engine.contrib import gptq
+from tests import random_inputs
 from tests.engine.contrib.contrib_cases import ReluMlp
 
 KEYS = jax.random.split(jax.random.key(0), 4)
-MIX = jax.random.normal(KEYS[0], (64, 64)) / 4 + jnp.eye(64)  # correlated input features
-BATCHES = [jax.random.normal(k, (128, 64)) @ MIX for k in jax.random.split(KEYS[1], 3)]
-TEST_X = jax.random.normal(KEYS[2], (256, 64)) @ MIX
+MIX = random_inputs.normal(KEYS[0], (64, 64)) / 4 + jnp.eye(64)  # correlated input features
+BATCHES = [random_inputs.normal(k, (128, 64)) @ MIX for k in jax.random.split(KEYS[1], 3)]
+TEST_X = random_inputs.normal(KEYS[2], (256, 64)) @ MIX
 
 
 class NnxMlp(nnx.Module):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from qmill.engine.contrib import hadamard_rot
+from tests import random_inputs
 
 
 @pytest.mark.parametrize(
@@ -53,8 +54,8 @@ def test_hadamard_rotate_multiply_identity():
 )
 def test_hadamard_rotate_keeps_the_product(idx, row_sign_flip, col_sign_flip):
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    lhs = jax.random.normal(k1, (4, 8, 16))
-    rhs = jax.random.normal(k2, (8, 16, 32))
+    lhs = random_inputs.normal(k1, (4, 8, 16))
+    rhs = random_inputs.normal(k2, (8, 16, 32))
     spec = "arb,rcd->abcd" if idx == 1 else "abr,crd->abcd"
     lhs_rot, rhs_rot, key = hadamard_rot.hadamard_rotate_inputs(
         lhs,

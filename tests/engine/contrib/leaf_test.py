@@ -14,10 +14,11 @@ from qmill.engine.contrib import awq, gptq, smooth_quant
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.modelfree import layout, recipes
 from qmill.engine.programs import build, program
+from tests import random_inputs
 
 KEYS = jax.random.split(jax.random.key(7), 3)
-MIX = jax.random.normal(KEYS[0], (256, 256)) / 8 + np.eye(256)
-BATCHES = [jax.random.normal(k, (16, 256)) @ MIX for k in jax.random.split(KEYS[1], 2)]
+MIX = random_inputs.normal(KEYS[0], (256, 256)) / 8 + np.eye(256)
+BATCHES = [random_inputs.normal(k, (16, 256)) @ MIX for k in jax.random.split(KEYS[1], 2)]
 
 
 class Mlp(nn.Module):

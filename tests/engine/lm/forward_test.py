@@ -19,7 +19,7 @@ import pytest
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import forward
 from qmill.engine.lm import rope as rope_lib
-from tests import lm_folder
+from tests import lm_folder, random_inputs
 from tests.engine.lm import hf_pair
 
 B, T = hf_pair.B, hf_pair.T
@@ -222,7 +222,7 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
 def test_stages_compose_to_the_layer_and_read_only_earlier_linears(name, tmp_path):
     _, config, tensors = _saved(name, tmp_path)
     cfg = config_lib.from_hf_config(config)
-    h0 = jax.random.normal(jax.random.key(0), (B, T, cfg.hidden_size), jnp.float32)
+    h0 = random_inputs.normal(jax.random.key(0), (B, T, cfg.hidden_size), jnp.float32)
     for i in range(cfg.num_layers):
         weights = hf_pair.layer_weights(cfg, i, tensors)
         steps = forward.stages(cfg, i)
@@ -354,7 +354,7 @@ def test_attention_in_query_blocks_equals_attention_at_once(tmp_path):
     _, config, tensors = _saved("mistral_window", tmp_path)
     cfg = config_lib.from_hf_config(config)
     blocked = dataclasses.replace(cfg, attention_chunk=5)
-    h = jax.random.normal(jax.random.key(1), (B, T, cfg.hidden_size), jnp.float32)
+    h = random_inputs.normal(jax.random.key(1), (B, T, cfg.hidden_size), jnp.float32)
     weights = hf_pair.layer_weights(cfg, 0, tensors)
     np.testing.assert_allclose(
         forward.layer_forward(blocked, 0, weights, h),

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from qmill.engine import ops, qarray
+from tests import random_inputs
 
 
 def _normal(i: int, shape: tuple[int, ...]) -> jax.Array:
-    return jax.random.normal(jax.random.key(i), shape, jnp.float32)
+    return random_inputs.normal(jax.random.key(i), shape, jnp.float32)
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,11 @@ import pytest
 
 from qmill.engine import qarray
 from qmill.engine.ops import mxfp_dot
+from tests import random_inputs
 
 KEYS = jax.random.split(jax.random.key(0), 2)
-A = jax.random.normal(KEYS[0], (2, 4, 64), jnp.float32)
-B = jax.random.normal(KEYS[1], (2, 64, 8), jnp.float32)
+A = random_inputs.normal(KEYS[0], (2, 4, 64), jnp.float32)
+B = random_inputs.normal(KEYS[1], (2, 64, 8), jnp.float32)
 DIMS = (((2,), (1,)), ((0,), (0,)))  # batched matmul
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from qmill.engine import ops, qarray
+from tests import random_inputs
 
 K = 256
 DIMS = (((1,), (0,)), ((), ()))
@@ -16,8 +17,8 @@ DIMS = (((1,), (0,)), ((), ()))
 def _data():
     kx, kw = jax.random.split(jax.random.key(0))
     # Weights scaled so the product is ~N(0, 1): the ceilings are absolute output errors.
-    x = jax.random.normal(kx, (32, K), jnp.float32)
-    w = jax.random.normal(kw, (K, 64), jnp.float32) / np.sqrt(K)
+    x = random_inputs.normal(kx, (32, K), jnp.float32)
+    w = random_inputs.normal(kw, (K, 64), jnp.float32) / np.sqrt(K)
     return x, w
 
 
@@ -71,8 +72,8 @@ def test_get_how_to_quantize_axes() -> None:
 
 def test_batched_einsum_and_transposed_output() -> None:
     k = jax.random.split(jax.random.key(1), 2)
-    a = jax.random.normal(k[0], (3, 8, 16))
-    b = jax.random.normal(k[1], (3, 16, 4))
+    a = random_inputs.normal(k[0], (3, 8, 16))
+    b = random_inputs.normal(k[1], (3, 16, 4))
     qa = qarray.quantize(a, qarray.HowToQuantize(qtype="int8", channelwise_axes=(0, 1)))
     qb = qarray.quantize(b, qarray.HowToQuantize(qtype="int8", channelwise_axes=(0, 2)))
     out = ops.einsum.einsum("bik,bkj->jbi", qa, qb)
@@ -109,8 +110,8 @@ def test_asymmetric_and_mismatched_tiles_fall_back() -> None:
 
 def test_conv_int8() -> None:
     k = jax.random.split(jax.random.key(2), 2)
-    lhs = jax.random.normal(k[0], (2, 8, 8, 16))  # NHWC
-    rhs = jax.random.normal(k[1], (3, 3, 16, 8)) / np.sqrt(9 * 16)  # HWIO
+    lhs = random_inputs.normal(k[0], (2, 8, 8, 16))  # NHWC
+    rhs = random_inputs.normal(k[1], (3, 3, 16, 8)) / np.sqrt(9 * 16)  # HWIO
     dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))
     hl = ops.conv_general.get_how_to_quantize(dimension_numbers=dn, for_lhs=True, qtype="int8")
     hr = ops.conv_general.get_how_to_quantize(dimension_numbers=dn, for_lhs=False, qtype="int8")

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from qmill.engine import ops, qarray
+from tests import random_inputs
 
 M, K, N = 10, 16, 8
 KEYS = jax.random.split(jax.random.key(0), 3)
-X = jax.random.normal(KEYS[0], (M, K), jnp.float32)
-W = jax.random.normal(KEYS[1], (3, K, N), jnp.float32)
-CT = jax.random.normal(KEYS[2], (M, N), jnp.float32)  # cotangent of the output
+X = random_inputs.normal(KEYS[0], (M, K), jnp.float32)
+W = random_inputs.normal(KEYS[1], (3, K, N), jnp.float32)
+CT = random_inputs.normal(KEYS[2], (M, N), jnp.float32)  # cotangent of the output
 GROUPS = jnp.array([4, 5, 1], jnp.int32)
 # f32 sums of the same products in another order (and int32 sums then two scale multiplies):
 # a few ulps of values up to ~30.

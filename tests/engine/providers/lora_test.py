@@ -8,6 +8,7 @@ from flax import linen as nn
 from flax import nnx
 
 import qmill.engine as qe
+from tests import random_inputs
 
 
 class Net(nnx.Module):
@@ -41,8 +42,8 @@ def _train_adapters(model, x, y, steps: int, lr: float):
 
 @pytest.mark.parametrize("qtype", ["nf4", "int4"])
 def test_qlora_nnx_lowers_loss_and_keeps_base(qtype):
-    x = jax.random.normal(jax.random.key(0), (32, 16))
-    y = jax.random.normal(jax.random.key(1), (32, 4))
+    x = random_inputs.normal(jax.random.key(0), (32, 16))
+    y = random_inputs.normal(jax.random.key(1), (32, 4))
     rules = [qe.LoraRule(rank=4, alpha=4.0, weight_qtype=qtype, tile_size=16)]
     model = qe.apply_lora_to_model(Net(nnx.Rngs(0)), qe.LoraProvider(rules), x, rngs=nnx.Rngs(1))
     assert model.l1.kernel_lora_a.shape == (16, 4) and model.l1.kernel_lora_b.shape == (4, 64)
@@ -82,8 +83,8 @@ def _conv_lora_delta(x, a, b, scale):
 
 
 def test_lora_conv_linen_changes_output_only_through_the_adapter_and_trains():
-    x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
-    y = jax.random.normal(jax.random.key(1), (4, 6, 6, 4))
+    x = random_inputs.normal(jax.random.key(0), (4, 6, 6, 3))
+    y = random_inputs.normal(jax.random.key(1), (4, 6, 6, 4))
     model = qe.quantize_model(LinenConv(), qe.LoraProvider(rank=2, alpha=4.0))
     params = model.init(jax.random.key(2), x)["params"]
     p = params["Conv_0"]
@@ -91,7 +92,7 @@ def test_lora_conv_linen_changes_output_only_through_the_adapter_and_trains():
     base = LinenConv().apply({"params": {"Conv_0": {"kernel": p["kernel"]}}}, x)
     np.testing.assert_allclose(model.apply({"params": params}, x), base, rtol=1e-6)
     # A non-zero lora_b: output = base conv + (alpha / rank) * conv(x, A) · B.
-    b = jax.random.normal(jax.random.key(3), (2, 4))
+    b = random_inputs.normal(jax.random.key(3), (2, 4))
     params = {"Conv_0": {**p, "kernel_lora_b": b}}
     expected = base + _conv_lora_delta(x, p["kernel_lora_a"], b, 2.0)
     np.testing.assert_allclose(model.apply({"params": params}, x), expected, atol=1e-4)
@@ -120,12 +121,12 @@ class NnxConvNet(nnx.Module):
 
 
 def test_qlora_conv_nnx_keeps_base_and_lowers_loss():
-    x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
+    x = random_inputs.normal(jax.random.key(0), (4, 6, 6, 3))
     rules = [qe.LoraRule(rank=2, alpha=2.0, weight_qtype="int4")]
     model = qe.apply_lora_to_model(NnxConvNet(nnx.Rngs(0)), qe.LoraProvider(rules), x)
     # A target the adapter can reach: the base plus some other rank-2 conv adapter.
-    a_true = 0.3 * jax.random.normal(jax.random.key(1), (3, 3, 3, 2))
-    y = model(x) + _conv_lora_delta(x, a_true, jax.random.normal(jax.random.key(2), (2, 4)), 1.0)
+    a_true = 0.3 * random_inputs.normal(jax.random.key(1), (3, 3, 3, 2))
+    y = model(x) + _conv_lora_delta(x, a_true, random_inputs.normal(jax.random.key(2), (2, 4)), 1.0)
     assert model.conv.kernel_lora_a.shape == (3, 3, 3, 2)
     assert isinstance(model.conv.kernel_lora_b, qe.LoRAParam)
     kernel = model.conv.kernel[...]
@@ -142,7 +143,7 @@ def test_qlora_conv_nnx_keeps_base_and_lowers_loss():
 
 
 def test_lora_dropout_nnx_trains_stochastically_and_evaluates_deterministically():
-    x = jax.random.normal(jax.random.key(0), (8, 16))
+    x = random_inputs.normal(jax.random.key(0), (8, 16))
     rules = [qe.LoraRule(rank=4, alpha=4.0, dropout=0.5)]
 
     def make(rngs):
@@ -173,7 +174,7 @@ def test_lora_dropout_linen_needs_a_dropout_rng():
         def __call__(self, x):
             return nn.Dense(8, use_bias=False)(x)
 
-    x = jax.random.normal(jax.random.key(0), (8, 16))
+    x = random_inputs.normal(jax.random.key(0), (8, 16))
     model = qe.quantize_model(M(), qe.LoraProvider(rank=2, alpha=2.0, dropout=0.5))
     params = model.init(jax.random.key(1), x)["params"]
     params["Dense_0"]["kernel_lora_b"] = jnp.ones((2, 8))

@@ -12,7 +12,7 @@ from flax import linen as nn
 
 import qmill.engine as qe
 from qmill.engine.providers import odml, odml_conversion
-from tests import digits_data
+from tests import digits_data, random_inputs
 
 _spec = importlib.util.spec_from_file_location(
     "qmill_digits_helpers", pathlib.Path(__file__).with_name("digits_test.py")
@@ -31,7 +31,7 @@ class MLP(nn.Module):
 
 @pytest.fixture(scope="module")
 def mlp():
-    x = jax.random.normal(jax.random.key(1), (32, 6))
+    x = random_inputs.normal(jax.random.key(1), (32, 6))
     return x, MLP().init(jax.random.key(0), x)["params"]
 
 

@@ -10,6 +10,7 @@ from flax import nnx
 import qmill.engine as qe
 from qmill.engine import qarray
 from qmill.engine.providers import qt
+from tests import random_inputs
 
 
 class Dense(nn.Module):
@@ -19,8 +20,10 @@ class Dense(nn.Module):
 
 
 # Rows of very different magnitudes, so per-row / per-tile scales differ from a per-tensor one.
-X = jax.random.normal(jax.random.key(0), (8, 16)) * jnp.arange(1.0, 9.0)[:, None]
-COT = jax.random.normal(jax.random.key(1), (8, 4)) * jnp.array([1, 9, 2, 7, 3, 8, 1, 5.0])[:, None]
+X = random_inputs.normal(jax.random.key(0), (8, 16)) * jnp.arange(1.0, 9.0)[:, None]
+COT = (
+    random_inputs.normal(jax.random.key(1), (8, 4)) * jnp.array([1, 9, 2, 7, 3, 8, 1, 5.0])[:, None]
+)
 
 
 def _fq(x, qtype="int8", channelwise=(), tiled=None):
@@ -205,8 +208,8 @@ def test_quantized_backward_of_a_broadcasting_einsum():
 
     rule = qe.QtRule(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8")
     model = qe.quantize_model(Attention(), qe.QtProvider([rule]))
-    q = jax.random.normal(jax.random.key(3), (1, 4, 8))
-    k = jax.random.normal(jax.random.key(4), (2, 3, 5, 8))
+    q = random_inputs.normal(jax.random.key(3), (1, 4, 8))
+    k = random_inputs.normal(jax.random.key(4), (2, 3, 5, 8))
 
     def grads(apply):
         return jax.jit(jax.grad(lambda q, k: jnp.sum(apply({}, q, k) ** 2), (0, 1)))(q, k)

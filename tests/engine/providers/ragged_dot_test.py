@@ -8,9 +8,10 @@ from flax import nnx
 
 import qmill.engine as qe
 from qmill.engine import qarray
+from tests import random_inputs
 
 GROUPS, K, N = 3, 16, 8
-X = jax.random.normal(jax.random.key(0), (10, K)) * jnp.arange(1.0, 11.0)[:, None]
+X = random_inputs.normal(jax.random.key(0), (10, K)) * jnp.arange(1.0, 11.0)[:, None]
 GROUP_SIZES = jnp.array([4, 5, 1], jnp.int32)
 
 
@@ -23,7 +24,7 @@ class LinenExperts(nn.Module):
 
 class NnxExperts(nnx.Module):
     def __init__(self, rngs):
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (GROUPS, K, N)) * 0.25)
+        self.w = nnx.Param(random_inputs.normal(rngs.params(), (GROUPS, K, N)) * 0.25)
 
     def __call__(self, x, group_sizes):
         return jax.lax.ragged_dot(x, self.w[...], group_sizes)
@@ -76,7 +77,7 @@ def test_qt_quantized_backward_of_ragged_dot_under_jit():
     rule = qe.QtRule(weight_qtype="int8", bwd_qtype="int8")
     model = qe.quantize_model(LinenExperts(), qe.QtProvider([rule]))
     params = model.init(jax.random.key(1), X, GROUP_SIZES)["params"]
-    cot = jax.random.normal(jax.random.key(2), (10, N))
+    cot = random_inputs.normal(jax.random.key(2), (10, N))
 
     @jax.jit
     def grads(p, x):

@@ -8,9 +8,10 @@ from flax import nnx
 
 import qmill.engine as qwix  # the samples are written against `qwix`; only the import changes
 from qmill.engine import qconfig
+from tests import random_inputs
 from tests.engine.seed_models import LinenMLP, NnxMLP
 
-MODEL_INPUT = jax.random.uniform(jax.random.key(0), (8, 16))
+MODEL_INPUT = random_inputs.uniform(jax.random.key(0), (8, 16))
 RULES = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
 
 
