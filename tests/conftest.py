@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import tempfile
 import threading
 
@@ -46,6 +47,26 @@ class RunningServer:
         self._loop.close()
         if self._own_dir is not None:
             self._own_dir.cleanup()  # after the stop: the job runner writes there until then
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _torch_threads()
+
+
+def _torch_threads() -> None:
+    """torch (the reference side of the interop tests, imported once a test module that uses it is
+    collected) on cores / workers threads when xdist runs a worker per core. Its default, a thread
+    per core in each worker, has the workers' threads wait on each other: transformers' perplexity
+    of SmolLM2 (tests/lm_assets.py) took 58 s of CPU on 2 threads and 29 s on one, the same
+    number to the last bit, beside another worker."""
+    torch = sys.modules.get("torch")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if torch is None or workers <= 1:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
