@@ -62,7 +62,9 @@ def collect(
     from qmill.engine.lm import config as config_lib
 
     ids = np.asarray(calibration_ids)
-    cfg = lm_calibration.check_request(folder, lm_calibration.LmRequest(calibration_ids=ids))
+    cfg = lm_calibration.check_request(
+        folder, lm_calibration.LmRequest(calibration_ids=ids, all_experts=all_experts)
+    )
     embedded.load_engine()
     ranges: dict[str, Range] = {}
     with formats.open_source(folder) as source:

@@ -416,12 +416,19 @@ def check_request(
 
     Raises:
       ValueError: a recipe the method cannot calibrate, an unsupported architecture, missing
-        tensors, or token ids of a bad shape or outside the vocabulary.
+        tensors, token ids of a bad shape or outside the vocabulary, or all_experts for a
+        model without experts.
     """
     if recipe is not None:
         lm_methods.check_recipe(request.method, recipe)
     cfg = model_config(folder)
     _check_ids(cfg, request)
+    if request.all_experts and cfg.moe is None:
+        # Accepting it would fingerprint the kept work with an option that changed nothing.
+        raise ValueError(
+            f"--calibrate-all-experts is for a mixture of experts (Mixtral, Qwen2/3-MoE); this "
+            f"{cfg.model_type} model has no experts: leave the option out"
+        )
     with _open_weights(pathlib.Path(folder)) as weights:
         _check_tensors(cfg, {e.path: tuple(e.shape) for e in weights.entries()})
     return cfg

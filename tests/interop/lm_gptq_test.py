@@ -204,6 +204,9 @@ def test_bad_input_is_refused_before_any_work(llama, ids, tmp_path):
             llama, "--calibration-ids", ids["calibration"], "--max-memory", "1KiB",
         ],
         "takes one of --calibration-text or --calibration-ids": [llama],
+        "this llama model has no experts": [
+            llama, "--calibration-ids", ids["calibration"], "--calibrate-all-experts",
+        ],
     }  # fmt: skip
     for expected, args in cases.items():
         output = tmp_path / "out"
