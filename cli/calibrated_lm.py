@@ -54,7 +54,8 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "calibrate the folder's linear layers with this method, layer by layer, on "
         "--calibration-text or --calibration-ids (the output is the recipe's format): GPTQ; AWQ "
         "or SmoothQuant scales folded into the norms and linears before them, then round to "
-        "nearest, or GPTQ with +gptq (docs/calibrated-methods.md)",
+        "nearest (AWQ: weights clipped first, as the paper), or GPTQ with +gptq "
+        "(docs/calibrated-methods.md)",
     )
     _add_windows(
         g,

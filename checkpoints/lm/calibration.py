@@ -144,7 +144,11 @@ def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmReq
         + ([True] if request.all_experts else []),
         # Only where there is one: a GPTQ calibration kept before methods existed still matches.
         **(
-            {"method": [request.method, request.smoothquant_alpha, request.awq_grid]}
+            {
+                "method": [request.method, request.smoothquant_alpha, request.awq_grid]
+                # AWQ's clipping (awq_clip.py) came later: a run without it does not resume.
+                + (["clip"] if request.method == "awq" else [])
+            }
             if request.method != "gptq"
             else {}
         ),

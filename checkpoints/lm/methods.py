@@ -204,7 +204,8 @@ def report_options(request: Any, methods: Mapping[str, str]) -> dict[str, Any]:
         }
     fold = smoothing(request.method)
     if fold == "awq":
-        out["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True}
+        clip = request.method == "awq"  # round to nearest after the scales: awq_clip.py
+        out["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True, "clip": clip}
     elif fold == "smoothquant":
         out["smoothquant"] = {"alpha": request.smoothquant_alpha}
     if fold is not None:

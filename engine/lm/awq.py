@@ -50,6 +50,10 @@ class AwqOptions:
     # True: s = 1 first, then n_grid − 1 points of x_mean^r / w_mean^(1−r); False: n_grid
     # points of x_mean^r; "both": n_grid / 2 ratios, each without and with.
     duo_scaling: bool | str = True
+    # Round to nearest after the scales (not GPTQ) clamps each row's groups where that lowers
+    # the linear's output error (awq_clip.py), as the authors' llm-awq does; llm-compressor does
+    # not.
+    clip: bool = True
 
     def __post_init__(self) -> None:
         if self.n_grid < 2:
@@ -116,7 +120,7 @@ def candidate(x_mean: np.ndarray, w_mean: np.ndarray | None, ratio: float, duo: 
     return np.where(np.isfinite(s), s, np.float32(1.0)).astype(np.float32)
 
 
-def _how(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
+def how_to_quantize(plan: layout.LeafPlan) -> qarray_parts.HowToQuantize:
     if plan.global_scale is not None:
         raise ValueError(
             f"{plan.path}: AWQ changes the weight its {plan.qtype} global scale was computed "
@@ -187,7 +191,7 @@ def search(
         follow.
     """
     quantized = [n for n in fold.balance if n in plans]
-    hows = {n: _how(plans[n]) for n in quantized}
+    hows = {n: how_to_quantize(plans[n]) for n in quantized}
     x_mean = np.asarray(folds_lib.reduce(fold, activation_mean(xs)), np.float32)
     w_mean = None
     if options.duo_scaling:
@@ -222,7 +226,7 @@ def _error_fn(cfg, layer, fold, weights, xs) -> Callable[[Mapping[str, jax.Array
     tokens = sum(int(np.prod(x.shape[:-1])) for x in xs)
     if fold.name in ("attn_out", "mlp_mid") and xs[0].shape[-1] <= tokens:
         (name,) = fold.balance
-        h = sum(_gram(x) for x in xs)
+        h = sum(gram(x) for x in xs)
         count = tokens * weights[name].shape[0]
         w = jnp.asarray(weights[name])
         return lambda trial: float(_hessian_error(w, trial[name], h)) / count
@@ -238,6 +242,6 @@ def _error_fn(cfg, layer, fold, weights, xs) -> Callable[[Mapping[str, jax.Array
 
 
 @jax.jit
-def _gram(x: jax.Array) -> jax.Array:
+def gram(x: jax.Array) -> jax.Array:
     x = x.reshape(-1, x.shape[-1]).astype(_F32)
     return jnp.matmul(x.T, x, precision="highest")

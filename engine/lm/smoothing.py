@@ -10,7 +10,8 @@ the fold's, take its linears' input x, find s (AWQ: awq.search; SmoothQuant: the
 fold it. Then the smoothed layer is quantized as `--method gptq` quantizes it
 (sequential.calibrate_layer, its Hessians on the smoothed inputs), whose quantized output is the
 next layer's input (GPTQ fits each linear to the error before it), or linear by linear by round
-to nearest, where the next layer's input is the float layer's output (rtn_layer).
+to nearest (AWQ's weights clipped first: awq_clip.py), where the next layer's input is the float
+layer's output (rtn_layer).
 
 SmoothQuant (Xiao et al., arXiv:2211.10438) with llm-compressor's statistics: r_j = max − min of
 input channel j over every calibration token, w_j = 2 · max over the balanced weights of
@@ -31,9 +32,9 @@ import numpy as np
 from qmill.engine.contrib import gptq_core
 from qmill.engine.core import qarray_parts
 from qmill.engine.lm import awq as awq_lib
+from qmill.engine.lm import awq_clip, forward, sequential
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import folds as folds_lib
-from qmill.engine.lm import forward, sequential
 from qmill.engine.modelfree import layout
 from qmill.engine.modelfree import leaf as leaf_lib
 
@@ -143,9 +144,11 @@ def rtn_layer(
     weights: Mapping[str, jax.Array],
     hidden: sequential.Hidden,
     plans: Mapping[str, layout.LeafPlan],
+    float_weights: Mapping[str, jax.Array] | None = None,
 ) -> sequential.LayerCalibration:
     """Every linear of `plans` rounded to nearest, exactly as the checkpoint pipeline writes it,
-    and the next layer's input: the float (smoothed) layer run on the hidden states."""
+    and the next layer's input: the float (smoothed) layer run on the hidden states, whose
+    weights are `float_weights` where given (`weights` clipped by AWQ: not the float model)."""
     prefix = config_lib.layer_prefix(cfg, layer)
     current = dict(weights)
     results: dict[str, leaf_lib.LeafResult] = {}
@@ -160,7 +163,8 @@ def rtn_layer(
     # so the later layers' scales are searched on the float model's activations, as
     # llm-compressor's pipeline (quantization disabled until the end) and AutoAWQ have them
     # (measured: docs/calibrated-methods.md, "The calibration inputs").
-    float_output = sequential.run_layer(cfg, layer, weights, hidden)
+    float_layer = weights if float_weights is None else float_weights
+    float_output = sequential.run_layer(cfg, layer, float_layer, hidden)
     return sequential.LayerCalibration(results, {}, current, float_output)
 
 
@@ -187,7 +191,8 @@ def calibrate_layer(
     The result's `folded` holds the float tensors the folds changed that are not quantized (the
     norms, biases; full names, their own dtype), written in place of the source's; `methods`
     names each quantized linear's method ("awq+gptq" for a balanced one, "gptq" for one no fold
-    scaled, ...); `smoothing` the folds' report.
+    scaled, ...); `smoothing` the folds' report, then AWQ's clipping's, one entry per linear
+    clipped ({"clip": its name, ...}: awq_clip.clip_layer).
 
     Raises:
       ValueError: a plan the method cannot follow (an NVFP4 global scale), or no finite AWQ error.
@@ -199,7 +204,11 @@ def calibrate_layer(
             cfg, layer, smoothed, hidden, plans, gptq, all_experts=all_experts
         )
     else:
-        done = rtn_layer(cfg, layer, smoothed, hidden, plans)
+        rounded = smoothed
+        if options.method == folds_lib.AWQ and options.awq.clip:
+            rounded, clips = awq_clip.clip_layer(cfg, layer, smoothed, hidden, plans)
+            report += [{"clip": name, **info} for name, info in clips.items()]
+        done = rtn_layer(cfg, layer, rounded, hidden, plans, float_weights=smoothed)
     prefix = config_lib.layer_prefix(cfg, layer)
     changed = {n for fold in applied for n in _changed(fold)}
     balanced = {n for fold in applied for n in fold.balance}

@@ -118,9 +118,18 @@ def test_awq_writes_a_plain_compressed_tensors_folder_with_the_norms_folded(runs
     norms = [k for k in source if k.endswith("layernorm.weight")]
     assert all(not np.array_equal(source[k], quantized[k]) for k in norms)  # folded
     assert np.array_equal(source["model.norm.weight"], quantized["model.norm.weight"])
-    folds = [fold for entry in report["calibration"]["layers"] for fold in entry["smoothing"]]
+    entries = [e for layer in report["calibration"]["layers"] for e in layer["smoothing"]]
+    folds = [e for e in entries if "fold" in e]
     assert len(folds) == 4 * LAYERS
     assert all(fold["error"] <= fold["rtn_error"] for fold in folds), folds
+    # Then each linear but q/k clipped before round to nearest (engine/lm/awq_clip.py).
+    clips = [e for e in entries if "clip" in e]
+    assert sorted({e["clip"] for e in clips}) == sorted(
+        f"{m}.{p}_proj.weight" for m, p in (("self_attn", "v"), ("self_attn", "o"),
+                                             ("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
+    )  # fmt: skip
+    assert len(clips) == 5 * LAYERS and len(entries) == 9 * LAYERS
+    assert all(e["group_error"] <= e["rtn_group_error"] for e in clips), clips
 
 
 @pytest.mark.parametrize("name", ["awq", "sq"])
