@@ -143,6 +143,13 @@ def _add_method_options(g: Any) -> None:
         default=20,
         help="AWQ's grid points over the scale's ratio (20, llm-compressor's default)",
     )
+    g.add_argument(
+        "--no-awq-clip",
+        dest="awq_clip",
+        action="store_false",
+        help="--method awq without clipping the weights before round to nearest (the scales "
+        "only, as llm-compressor's AWQ; default: clipped, as the AWQ paper)",
+    )
 
 
 def calibrates(args: argparse.Namespace) -> bool:
@@ -154,6 +161,11 @@ def calibrates(args: argparse.Namespace) -> bool:
 
 def wanted(args: argparse.Namespace) -> bool:
     """Whether the run calibrates a language model; refuses half-given flags."""
+    if not getattr(args, "awq_clip", True) and args.method != "awq":
+        raise ValueError(
+            "--no-awq-clip turns off the weight clipping of --method awq (by round to nearest); "
+            f"this run's method ({args.method or 'none'}) clips nothing: drop the flag"
+        )
     lm_flags = ("calibration_text", "calibration_ids", "eval_text", "eval_ids", "max_ppl_increase")
     given = [f for f in lm_flags if getattr(args, f, None) is not None]
     if args.method is None:
@@ -257,6 +269,7 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
         method=args.method,
         smoothquant_alpha=args.smoothquant_alpha,
         awq_grid=args.awq_grid,
+        awq_clip=args.awq_clip,
         all_experts=args.calibrate_all_experts,
     )
 

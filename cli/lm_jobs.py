@@ -42,6 +42,7 @@ def message(
     if request.method != "gptq":  # a GPTQ request stays the message it was (its server id)
         out.smoothquant_alpha = request.smoothquant_alpha
         out.awq_grid = request.awq_grid
+        out.awq_no_clip = not request.awq_clip  # false (the default) is not on the wire
     # A proto3 bool: false is not on the wire, so a request without it keeps its server id.
     out.calibrate_all_experts = request.all_experts
     if request.eval_ids is not None:

@@ -243,6 +243,11 @@ def lm_options(
     alpha = message.smoothquant_alpha if message.HasField("smoothquant_alpha") else 0.5
     if message.awq_grid < 0:
         raise ValueError(f"awq_grid must be at least 2, got {message.awq_grid}")
+    if message.awq_no_clip and message.method != "awq":
+        raise ValueError(
+            f"awq_no_clip turns off --method awq's weight clipping; method {message.method!r} "
+            "clips nothing: leave it false"
+        )
     request = lm_calibration.LmRequest(
         calibration_ids=calibration,
         eval_ids=evaluation,
@@ -252,6 +257,7 @@ def lm_options(
         method=message.method,
         smoothquant_alpha=alpha,
         awq_grid=message.awq_grid or 20,
+        awq_clip=not message.awq_no_clip,
         all_experts=message.calibrate_all_experts,
     )
     return request, gate

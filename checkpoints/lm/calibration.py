@@ -63,6 +63,8 @@ class LmRequest:
     smoothquant_alpha: float = 0.5
     # AWQ's grid points over the ratio (llm-compressor's n_grid).
     awq_grid: int = 20
+    # --method awq: clip the weights before round to nearest (engine/lm/awq_clip.py).
+    awq_clip: bool = True
 
     def __post_init__(self) -> None:
         lm_methods.check(self.method, self.smoothquant_alpha, self.awq_grid)
@@ -147,7 +149,7 @@ def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmReq
             {
                 "method": [request.method, request.smoothquant_alpha, request.awq_grid]
                 # AWQ's clipping (awq_clip.py) came later: a run without it does not resume.
-                + (["clip"] if request.method == "awq" else [])
+                + (["clip"] if request.method == "awq" and request.awq_clip else [])
             }
             if request.method != "gptq"
             else {}

@@ -141,7 +141,9 @@ def layer_calibrator(request: Any) -> Callable[..., Any]:
     if fold is None:
         return lambda *args: sequential.calibrate_layer(*args, gptq, **experts)
     options = smoothing_lib.SmoothingOptions(
-        method=fold, awq=awq.AwqOptions(n_grid=request.awq_grid), alpha=request.smoothquant_alpha
+        method=fold,
+        awq=awq.AwqOptions(n_grid=request.awq_grid, clip=request.awq_clip),
+        alpha=request.smoothquant_alpha,
     )
     return lambda *args: smoothing_lib.calibrate_layer(*args, options, gptq, **experts)
 
@@ -204,7 +206,7 @@ def report_options(request: Any, methods: Mapping[str, str]) -> dict[str, Any]:
         }
     fold = smoothing(request.method)
     if fold == "awq":
-        clip = request.method == "awq"  # round to nearest after the scales: awq_clip.py
+        clip = request.method == "awq" and request.awq_clip  # by round to nearest: awq_clip.py
         out["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True, "clip": clip}
     elif fold == "smoothquant":
         out["smoothquant"] = {"alpha": request.smoothquant_alpha}

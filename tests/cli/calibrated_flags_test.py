@@ -20,3 +20,13 @@ def test_all_experts_without_a_calibration_is_refused():
         _args("--method", "gptq", "--calibration-ids", "ids.npy", "--calibrate-all-experts")
     )
     assert not calibrated_lm.wanted(_args("--recipe", "W4A16"))
+
+
+def test_no_awq_clip_is_for_awq_alone():
+    ids = ("--calibration-ids", "ids.npy")
+    assert calibrated_lm.wanted(_args("--method", "awq", *ids, "--no-awq-clip"))
+    assert _args("--method", "awq", *ids, "--no-awq-clip").awq_clip is False
+    assert _args("--method", "awq", *ids).awq_clip is True
+    for method in (("--method", "awq+gptq", *ids), ("--method", "gptq", *ids), ()):
+        with pytest.raises(ValueError, match=r"--no-awq-clip .* clips nothing: drop the flag"):
+            calibrated_lm.wanted(_args("--recipe", "W4A16", *method, "--no-awq-clip"))

@@ -76,6 +76,7 @@ def runs(llama, ids, tmp_path_factory) -> dict[str, tuple[pathlib.Path, dict]]:
     for name, recipe, method in (
         ("rtn", "W4A16", ()),
         ("awq", "W4A16", ("--method", "awq")),
+        ("awq-no-clip", "W4A16", ("--method", "awq", "--no-awq-clip")),
         ("sq", "W8A8", ("--method", "smoothquant")),
     ):
         out[name] = (root / name, _quantize(llama, ids, root / name, recipe, *method))
@@ -130,6 +131,23 @@ def test_awq_writes_a_plain_compressed_tensors_folder_with_the_norms_folded(runs
     )  # fmt: skip
     assert len(clips) == 5 * LAYERS and len(entries) == 9 * LAYERS
     assert all(e["group_error"] <= e["rtn_group_error"] for e in clips), clips
+
+
+def test_no_awq_clip_keeps_the_scales_and_rounds_the_smoothed_weights_as_they_are(runs):
+    (clipped, report), (plain, plain_report) = runs["awq"], runs["awq-no-clip"]
+    assert report["calibration"]["awq"]["clip"] is True
+    assert plain_report["calibration"]["awq"]["clip"] is False
+    entries = [e for layer in plain_report["calibration"]["layers"] for e in layer["smoothing"]]
+    assert entries and not [e for e in entries if "clip" in e]
+    # The scales are searched before any clipping: the same folded norms; q/k are never clipped,
+    # so their codes agree too; the linears that clipping clamps differ.
+    source, other = _model(clipped).state_dict(), _model(plain).state_dict()
+    for name in source:
+        if name.endswith("layernorm.weight") or "q_proj" in name or "k_proj" in name:
+            assert np.array_equal(source[name], other[name]), name
+        elif name.endswith(("v_proj.weight_packed", "down_proj.weight_packed")):
+            assert not np.array_equal(source[name], other[name]), name
+    assert any(n.endswith("v_proj.weight_packed") for n in source)  # the codes were compared
 
 
 @pytest.mark.parametrize("name", ["awq", "sq"])
