@@ -144,16 +144,7 @@ def _fingerprint(folder: pathlib.Path, recipe: Mapping[str, Any], request: LmReq
         "tokens": lm_work.tokens_digest(request.calibration_ids, request.eval_ids),
         "gptq": [request.blocksize, request.percdamp, request.actorder, request.chunk]
         + ([True] if request.all_experts else []),
-        # Only where there is one: a GPTQ calibration kept before methods existed still matches.
-        **(
-            {
-                "method": [request.method, request.smoothquant_alpha, request.awq_grid]
-                # AWQ's clipping (awq_clip.py) came later: a run without it does not resume.
-                + (["clip"] if request.method == "awq" and request.awq_clip else [])
-            }
-            if request.method != "gptq"
-            else {}
-        ),
+        **lm_methods.fingerprint(request),
     }
 
 

@@ -194,6 +194,22 @@ def layer_line(
     return f"layer {layer + 1}/{layers}: {measure}{seconds:.1f} s, ETA {eta:.0f} s"
 
 
+def clips(request: Any) -> bool:
+    """Whether the run clips AWQ's weights (engine/lm/awq_clip.py): `awq` by round to nearest,
+    unless --no-awq-clip; never with GPTQ, which fits the rounding itself."""
+    return request.method == "awq" and request.awq_clip
+
+
+def fingerprint(request: Any) -> dict[str, Any]:
+    """The method's part of a kept calibration's fingerprint: none for plain GPTQ, so that one
+    kept before methods existed still matches; "clip" came later, so an AWQ run kept without
+    clipping is not resumed by one with it."""
+    if request.method == "gptq":
+        return {}
+    options = [request.method, request.smoothquant_alpha, request.awq_grid]
+    return {"method": options + (["clip"] if clips(request) else [])}
+
+
 def report_options(request: Any, methods: Mapping[str, str]) -> dict[str, Any]:
     """The report's method options: GPTQ's, AWQ's grid, SmoothQuant's strength, and (with a
     fold) each calibrated linear's method, which a --server client reads there."""
@@ -206,8 +222,7 @@ def report_options(request: Any, methods: Mapping[str, str]) -> dict[str, Any]:
         }
     fold = smoothing(request.method)
     if fold == "awq":
-        clip = request.method == "awq" and request.awq_clip  # by round to nearest: awq_clip.py
-        out["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True, "clip": clip}
+        out["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True, "clip": clips(request)}
     elif fold == "smoothquant":
         out["smoothquant"] = {"alpha": request.smoothquant_alpha}
     if fold is not None:

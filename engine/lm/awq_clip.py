@@ -114,13 +114,11 @@ def _search(
         d = (w - q).reshape(rows, groups, group)
         return jnp.einsum("rgk,gkl,rgl->rg", d, blocks, d, precision="highest"), clamped
 
-    best, best_limit = None, absmax
-    for shrink in SHRINKS:
+    unclipped, _ = group_errors(absmax)  # SHRINKS[0] = 1: round to nearest's own range
+    best, best_limit = unclipped, absmax
+    for shrink in SHRINKS[1:]:
         limit = absmax * shrink
         err, _ = group_errors(limit)
-        if best is None:
-            best, unclipped = err, err
-            continue
         better = err < best
         best = jnp.where(better, err, best)
         best_limit = jnp.where(better[..., None], limit, best_limit)
