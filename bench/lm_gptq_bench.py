@@ -32,7 +32,8 @@ qmill's `--method awq | awq+gptq`; with --method smoothquant | smoothquant+gptq 
 W8A8 (int8 weights per channel, dynamic per-token int8 inputs, no groups) and the peer's recipe
 [SmoothQuantModifier(smoothing_strength=0.5), QuantizationModifier | GPTQModifier], qmill's
 `--recipe W8A8 --method smoothquant[+gptq]`; the RTN baseline is model_free_ptq in the same
-scheme, and the results go to bench/results/lm-METHOD.json.
+scheme, and the results go to bench/results/lm-METHOD.json. With --method qep, qmill's
+`--method qep` against the peer's GPTQ (llm-compressor has no QEP).
 Each output's held-out perplexity, and the source's, is transformers' (tests/lm_assets.py
 hf_perplexity: float32, CPU). Then the depth series: peak RSS and wall time of each tool's GPTQ
 command on the same model cut to 4, 8, 16 and 30 layers (the 30-layer point is the main run's
@@ -63,7 +64,7 @@ RESULTS = ROOT / "bench" / "results"
 MB = 1e6
 
 
-METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
+METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq", "qep")
 
 
 def scheme_name(method: str) -> str:
@@ -86,7 +87,8 @@ def peer_recipe(method: str, group_size: int) -> list:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
-    quantize = GPTQModifier if method.endswith("gptq") else QuantizationModifier
+    # llm-compressor has no QEP: its GPTQ is what qmill's --method qep is compared with.
+    quantize = GPTQModifier if method.endswith("gptq") or method == "qep" else QuantizationModifier
     recipe = [quantize(config_groups={"group_0": _scheme(method, group_size)}, ignore=["lm_head"])]
     if method.startswith("awq"):
         recipe.insert(0, AWQModifier())

@@ -31,6 +31,7 @@ METHOD_NAMES = {
     "awq+gptq": "AWQ+GPTQ",
     "smoothquant": "SmoothQuant",
     "smoothquant+gptq": "SmoothQuant+GPTQ",
+    "qep": "QEP+GPTQ",
 }
 DEFAULT_SAMPLES = 64
 DEFAULT_SEQ_LEN = 512
@@ -55,7 +56,8 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "--calibration-text or --calibration-ids (the output is the recipe's format): GPTQ; AWQ "
         "or SmoothQuant scales folded into the norms and linears before them, then round to "
         "nearest (AWQ: weights clipped first, as the paper), or GPTQ with +gptq "
-        "(docs/calibrated-methods.md)",
+        "(docs/calibrated-methods.md); QEP: each weight corrected for the error the quantized "
+        "layers before it put into its input, then GPTQ (dense models)",
     )
     _add_windows(
         g,
@@ -144,6 +146,14 @@ def _add_method_options(g: Any) -> None:
         help="AWQ's grid points over the scale's ratio (20, llm-compressor's default)",
     )
     g.add_argument(
+        "--qep-correction",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="--method qep: how far each weight moves towards compensating its input's error, "
+        "in [0, 1] (0.5, the QEP paper's; 0: plain GPTQ on the quantized model's inputs)",
+    )
+    g.add_argument(
         "--no-awq-clip",
         dest="awq_clip",
         action="store_false",
@@ -161,6 +171,11 @@ def calibrates(args: argparse.Namespace) -> bool:
 
 def wanted(args: argparse.Namespace) -> bool:
     """Whether the run calibrates a language model; refuses half-given flags."""
+    if getattr(args, "qep_correction", None) is not None and args.method != "qep":
+        raise ValueError(
+            "--qep-correction is --method qep's; this run's method "
+            f"({args.method or 'none'}) corrects nothing: drop the flag or add --method qep"
+        )
     if not getattr(args, "awq_clip", True) and args.method != "awq":
         raise ValueError(
             "--no-awq-clip turns off the weight clipping of --method awq (by round to nearest); "
@@ -270,6 +285,7 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
         smoothquant_alpha=args.smoothquant_alpha,
         awq_grid=args.awq_grid,
         awq_clip=args.awq_clip,
+        qep_correction=0.5 if args.qep_correction is None else args.qep_correction,
         all_experts=args.calibrate_all_experts,
     )
 

@@ -43,6 +43,8 @@ def message(
         out.smoothquant_alpha = request.smoothquant_alpha
         out.awq_grid = request.awq_grid
         out.awq_no_clip = not request.awq_clip  # false (the default) is not on the wire
+    if request.method == "qep":
+        out.qep_correction = request.qep_correction
     # A proto3 bool: false is not on the wire, so a request without it keeps its server id.
     out.calibrate_all_experts = request.all_experts
     if request.eval_ids is not None:

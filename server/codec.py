@@ -248,6 +248,16 @@ def lm_options(
             f"awq_no_clip turns off --method awq's weight clipping; method {message.method!r} "
             "clips nothing: leave it false"
         )
+    correction = 0.5
+    if message.HasField("qep_correction"):
+        if message.method != "qep":
+            raise ValueError(
+                f"qep_correction is method qep's; method {message.method!r} corrects nothing: "
+                "leave it unset"
+            )
+        correction = message.qep_correction
+        if not 0.0 <= correction <= 1.0:  # NaN too
+            raise ValueError(f"qep_correction must be in [0, 1], got {correction}")
     request = lm_calibration.LmRequest(
         calibration_ids=calibration,
         eval_ids=evaluation,
@@ -258,6 +268,7 @@ def lm_options(
         smoothquant_alpha=alpha,
         awq_grid=message.awq_grid or 20,
         awq_clip=not message.awq_no_clip,
+        qep_correction=correction,
         all_experts=message.calibrate_all_experts,
     )
     return request, gate

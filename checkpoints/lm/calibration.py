@@ -65,9 +65,11 @@ class LmRequest:
     awq_grid: int = 20
     # --method awq: clip the weights before round to nearest (engine/lm/awq_clip.py).
     awq_clip: bool = True
+    # --method qep: how far each weight moves towards its input's error (engine/lm/qep.py's α).
+    qep_correction: float = 0.5
 
     def __post_init__(self) -> None:
-        lm_methods.check(self.method, self.smoothquant_alpha, self.awq_grid)
+        lm_methods.check(self.method, self.smoothquant_alpha, self.awq_grid, self.qep_correction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +183,8 @@ def estimate(cfg: Any, entries: Mapping[str, Any], request: LmRequest) -> dict[s
         "evaluation": evaluation,
         "hessian": hessian,
     }
+    if lm_methods.propagates_float(request.method):
+        parts["float hidden states"] = hidden  # QEP's second stream, as large as the first
     if lm_methods.smoothing(request.method) == "awq":
         # The float block's output for every sample, which each candidate is compared with.
         parts["awq search"] = 4 * samples * tokens * cfg.hidden_size
@@ -216,6 +220,7 @@ def calibrate(
     folder = pathlib.Path(folder)
     cfg = model_config(folder)
     _check_ids(cfg, request)
+    lm_methods.check_model(request.method, cfg)
     calibrate_layer = lm_methods.layer_calibrator(request)
     # The served model's forward pass (the evaluation's): dynamic input quantization.
     quantized_cfg = lm_methods.quantized_config(cfg, recipe)
@@ -266,8 +271,10 @@ def _one_layer(cfg, quantized_cfg, layer, weights, plans, streams, calibrate_lay
     tensors = {
         n.removeprefix(prefix): weights.read(n) for n in config_lib.layer_tensor_names(cfg, layer)
     }
+    # QEP's float stream, given up here as the calibration's is (take_hidden).
+    extra = {} if streams.reference is None else {"reference": streams.take_reference()}
     done = calibrate_layer(
-        cfg, layer, tensors, streams.take_hidden(), plans.linears(cfg, layer, prefix)
+        cfg, layer, tensors, streams.take_hidden(), plans.linears(cfg, layer, prefix), **extra
     )
     check_scales(done.results)
     if streams.source is not None:
@@ -276,6 +283,7 @@ def _one_layer(cfg, quantized_cfg, layer, weights, plans, streams, calibrate_lay
             quantized_cfg, layer, done.weights, streams.quantized
         )
     streams.hidden, streams.next_layer = done.hidden, layer + 1
+    streams.reference = done.reference
     return done
 
 
@@ -390,6 +398,8 @@ def _start(
     quantized_outer = plans.outer_as_quantized(cfg, outer)
     calibration = sequential.split(request.calibration_ids.astype(np.int32), request.chunk)
     streams = lm_work.Streams(0, sequential.embed(cfg, quantized_outer, calibration))
+    if lm_methods.propagates_float(request.method):
+        streams.reference = sequential.embed(cfg, outer, calibration)
     if request.eval_ids is not None:
         ids = sequential.split(request.eval_ids.astype(np.int32), request.chunk)
         streams.eval_ids = ids
@@ -420,6 +430,7 @@ def check_request(
         lm_methods.check_recipe(request.method, recipe)
     cfg = model_config(folder)
     _check_ids(cfg, request)
+    lm_methods.check_model(request.method, cfg)
     if request.all_experts and cfg.moe is None:
         # Accepting it would fingerprint the kept work with an option that changed nothing.
         raise ValueError(

@@ -9,6 +9,8 @@ and how progress and reports name each method's measure.
   smoothquant       SmoothQuant's scales folded into the norms before q/k/v and gate/up, then
                     round to nearest
   smoothquant+gptq  the same fold, then GPTQ
+  qep               QEP: each linear corrected for the error the quantized layers before it put
+                    into its input, then GPTQ (engine/lm/qep.py; dense models)
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import Any
 
 from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
 
-METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq")
+METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq", "qep")
 
 
-def check(method: str, alpha: float, grid: int) -> None:
+def check(method: str, alpha: float, grid: int, qep_correction: float = 0.5) -> None:
     """Refuses an unknown method or options out of range.
 
     Raises:
@@ -31,6 +33,8 @@ def check(method: str, alpha: float, grid: int) -> None:
     """
     if method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    if not 0.0 <= qep_correction <= 1.0:
+        raise ValueError(f"QEP's correction must be in [0, 1], not {qep_correction}")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"the SmoothQuant strength must be in [0, 1], not {alpha}")
     if grid < 2:
@@ -116,12 +120,32 @@ def _scheme_of(recipe: Mapping[str, Any]) -> ct_schemes.Scheme | None:
 def smoothing(method: str) -> str | None:
     """The smoothing the method folds first ("awq" or "smoothquant"), or None."""
     first = method.split("+")[0]
-    return None if first == "gptq" else first
+    return first if first in ("awq", "smoothquant") else None
 
 
 def uses_gptq(method: str) -> bool:
     """Whether the linears are GPTQ'd (else rounded to nearest after the fold)."""
-    return method.endswith("gptq")
+    return method.endswith("gptq") or method == "qep"
+
+
+def propagates_float(method: str) -> bool:
+    """Whether the run carries the float model's hidden states beside the calibration's (QEP's
+    second stream)."""
+    return method == "qep"
+
+
+def check_model(method: str, cfg: Any) -> None:
+    """Refuses, before any work, a model the method cannot calibrate.
+
+    Raises:
+      ValueError: QEP on a mixture of experts (its experts see other tokens in the float and
+        the quantized model: no paired inputs to correct with).
+    """
+    if method == "qep" and cfg.moe is not None:
+        raise ValueError(
+            f"--method qep calibrates dense models; this {cfg.model_type} model has experts: "
+            "use --method gptq (or awq, smoothquant, ...)"
+        )
 
 
 def layer_calibrator(request: Any) -> Callable[..., Any]:
@@ -138,6 +162,13 @@ def layer_calibrator(request: Any) -> Callable[..., Any]:
         )
     fold = smoothing(request.method)
     experts = {"all_experts": request.all_experts}
+    if propagates_float(request.method):
+        from qmill.engine.lm import qep
+
+        options = qep.QepOptions(correction=request.qep_correction)
+        return lambda *args, reference=None: sequential.calibrate_layer(
+            *args, gptq, qep=options, reference=reference
+        )
     if fold is None:
         return lambda *args: sequential.calibrate_layer(*args, gptq, **experts)
     options = smoothing_lib.SmoothingOptions(
@@ -185,7 +216,9 @@ def layer_line(
 ) -> str:
     """The progress text of one finished layer ("layer 3/30: GPTQ loss 0.012, 4.1 s, ETA 110 s"):
     GPTQ's loss, AWQ's block-output error without GPTQ, no number for SmoothQuant alone."""
-    if uses_gptq(method):
+    if method == "qep":
+        measure = f"QEP+GPTQ loss {loss:.4g}, "
+    elif uses_gptq(method):
         measure = f"GPTQ loss {loss:.4g}, "
     elif method == "awq":
         measure = f"AWQ output MSE {loss:.4g}, "
@@ -206,13 +239,16 @@ def fingerprint(request: Any) -> dict[str, Any]:
     clipping is not resumed by one with it."""
     if request.method == "gptq":
         return {}
+    if request.method == "qep":
+        return {"method": ["qep", request.qep_correction]}
     options = [request.method, request.smoothquant_alpha, request.awq_grid]
     return {"method": options + (["clip"] if clips(request) else [])}
 
 
 def report_options(request: Any, methods: Mapping[str, str]) -> dict[str, Any]:
-    """The report's method options: GPTQ's, AWQ's grid, SmoothQuant's strength, and (with a
-    fold) each calibrated linear's method, which a --server client reads there."""
+    """The report's method options: GPTQ's, AWQ's grid, SmoothQuant's strength, QEP's
+    correction, and (for every method but GPTQ alone) each calibrated linear's method, which a
+    --server client reads there."""
     out: dict[str, Any] = {}
     if uses_gptq(request.method):
         out["gptq"] = {
@@ -220,11 +256,16 @@ def report_options(request: Any, methods: Mapping[str, str]) -> dict[str, Any]:
             "dampening": request.percdamp,
             "actorder": "static" if request.actorder else None,
         }
+    if request.method == "qep":
+        from qmill.engine.lm import qep
+
+        options = qep.QepOptions(correction=request.qep_correction)
+        out["qep"] = {"correction_factor": options.correction, "damping_factor": options.damping}
     fold = smoothing(request.method)
     if fold == "awq":
         out["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True, "clip": clips(request)}
     elif fold == "smoothquant":
         out["smoothquant"] = {"alpha": request.smoothquant_alpha}
-    if fold is not None:
+    if request.method != "gptq":
         out["methods"] = dict(methods)
     return out

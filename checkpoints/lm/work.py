@@ -53,20 +53,27 @@ _SOURCES = (
 
 @dataclasses.dataclass
 class Streams:
-    """The hidden states entering layer `next_layer`: calibration, and the evaluation's float
-    and quantized streams (None without evaluation windows)."""
+    """The hidden states entering layer `next_layer`: calibration, the evaluation's float and
+    quantized streams (None without evaluation windows), and QEP's float calibration stream
+    (None for other methods)."""
 
     next_layer: int
     hidden: tuple
     source: tuple | None = None
     quantized: tuple | None = None
     eval_ids: tuple | None = None
+    reference: tuple | None = None
 
     def take_hidden(self) -> tuple:
         """The calibration's hidden states, no longer held here (a layer replaces them chunk
         by chunk: holding them too would keep a second set alive)."""
         hidden, self.hidden = self.hidden, ()
         return hidden
+
+    def take_reference(self) -> tuple:
+        """QEP's float stream, no longer held here (as take_hidden)."""
+        reference, self.reference = self.reference, None
+        return reference or ()
 
 
 @functools.cache
@@ -148,6 +155,7 @@ class Work:
                 chunks("source"),
                 chunks("quantized"),
                 chunks("eval_ids"),
+                chunks("reference"),
             )
         self.resumed_at = streams.next_layer
         return streams
@@ -192,7 +200,7 @@ class Work:
             log.flush()
             os.fsync(log.fileno())
         state = {"next_layer": np.int64(streams.next_layer)}
-        for key in ("hidden", "source", "quantized", "eval_ids"):
+        for key in ("hidden", "source", "quantized", "eval_ids", "reference"):
             value = getattr(streams, key)
             # Chunk by chunk: no concatenated copy of every sample's hidden states.
             for i, chunk in enumerate(value or ()):

@@ -1,5 +1,6 @@
 """GPTQ's statistic of a linear's input: H = Σ xᵀx over every token, summed chunk by chunk
-(its scale does not matter: GPTQ's dampening is relative to its mean diagonal).
+(its scale does not matter: GPTQ's dampening is relative to its mean diagonal); and QEP's second
+one, H_delta = Σ (x_float − x)ᵀx, summed over the same tokens (so on the same scale as H).
 
 One jitted product per chunk, of the feature blocks on and above the diagonal only (H is
 symmetric), at HIGHEST precision (a GPU would otherwise multiply float32 in TF32). numpy's
@@ -54,3 +55,21 @@ def _add(h: jax.Array, x: jax.Array) -> jax.Array:
     full = [[products[min(i, j), max(i, j)] for j in range(k)] for i in range(k)]
     full = [[p if j >= i else p.T for j, p in enumerate(row)] for i, row in enumerate(full)]
     return h + jnp.block(full)
+
+
+def add_delta(h_delta: jax.Array | None, x_float: jax.Array, x: jax.Array) -> jax.Array:
+    """h_delta + (x_float − x)ᵀx over the tokens of a chunk that the float model (x_float) and
+    the partly quantized one (x) saw alike; h_delta None: that product alone. Not symmetric:
+    the full product."""
+    if x_float.shape != x.shape:
+        raise ValueError(f"paired inputs differ in shape: {x_float.shape} and {x.shape}")
+    if h_delta is None:
+        h_delta = jnp.zeros((x.shape[-1],) * 2, jnp.float32)
+    return _add_delta(h_delta, x_float, x)
+
+
+@jax.jit
+def _add_delta(h_delta: jax.Array, x_float: jax.Array, x: jax.Array) -> jax.Array:
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    delta = x_float.reshape(x.shape).astype(jnp.float32) - x
+    return h_delta + jnp.matmul(delta.T, x, precision=jax.lax.Precision.HIGHEST)

@@ -13,6 +13,9 @@ earlier linears already quantized, accumulate the Hessian H = Σ xᵀx of its in
 its linears with H, and go on with them quantized. The layer's output is thus the quantized
 layer's, and is the next layer's input. Only one layer's weights, the hidden states and one
 stage's Hessian are held at a time.
+
+With QEP (qep.py) a second stream runs beside it, the float model's hidden states through the
+float weights, and each linear is corrected for its input's error before GPTQ.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from qmill.engine.contrib import gptq_core
 from qmill.engine.contrib import leaf as contrib_leaf
 from qmill.engine.lm import config as config_lib
 from qmill.engine.lm import forward, hessian, moe_calibration
+from qmill.engine.lm import qep as qep_lib
 from qmill.engine.modelfree import layout
 from qmill.engine.modelfree import leaf as leaf_lib
 
@@ -59,6 +63,8 @@ class LayerCalibration:
     methods: dict[str, str] = dataclasses.field(default_factory=dict)
     # One entry per fold applied (smoothing.py): its scale's ratio and output errors, or strength.
     smoothing: list[dict] = dataclasses.field(default_factory=list)
+    # QEP: the float model's output of the layer (the next layer's float stream), else None.
+    reference: Hidden | None = None
 
 
 def split(samples: np.ndarray | jax.Array, chunk: int) -> tuple[jax.Array, ...]:
@@ -86,6 +92,8 @@ def calibrate_layer(
     observe: Observer | None = None,
     *,
     all_experts: bool = False,
+    qep: qep_lib.QepOptions | None = None,
+    reference: Hidden | None = None,
 ) -> LayerCalibration:
     """GPTQs the linears of decoder layer `layer` that `plans` quantizes, in the sequential
     scheme (module docstring), on the hidden states entering it.
@@ -100,14 +108,24 @@ def calibrate_layer(
       observe: given, sees each stage's input (Observer).
       all_experts: a mixture of experts' experts take the statistics of every token, not only
         of those routed to them (moe_calibration.py).
+      qep: given, each linear is corrected as QEP does (qep.py) before GPTQ, on `reference`:
+        the float model's hidden states entering the layer, chunked as `hidden`.
 
     Raises:
       ValueError: a plan GPTQ cannot follow (no single contracted axis, a group size that does
-        not divide the input features).
+        not divide the input features); QEP without its float stream, or on a layer of
+        experts.
     """
     prefix = config_lib.layer_prefix(cfg, layer)
-    current = _as_float(weights)
+    if (qep is None) != (reference is None):
+        raise ValueError("QEP takes the float model's hidden states (reference), and only QEP")
+    if qep is not None and config_lib.is_moe_layer(cfg, layer):
+        raise ValueError(f"QEP calibrates dense layers; layer {layer} is a mixture of experts")
+    source = _as_float(weights)
+    current = dict(source)
     carries = [{"h": h} for h in hidden]
+    floats = None if reference is None else [{"h": h} for h in reference]
+    del reference
     # The carries hold the chunks now: with the caller's reference given up too (lm
     # checkpoints' Streams.take_hidden), each is freed once the first stage has replaced it.
     del hidden
@@ -123,27 +141,40 @@ def calibrate_layer(
             carries = [{"h": h} for h in block.hidden]
             break
         targets = [name for name in stage.linears if name in plans]
-        h = None
+        h = h_delta = None
         for i, carry in enumerate(carries):
             # In place: a chunk's input is dropped as its output is made, so a stage holds
             # one set of hidden states (plus one chunk), not its inputs and outputs both.
             carries[i] = _stage(cfg, layer, index, current, carry)
+            if floats is not None:
+                floats[i] = _stage(cfg, layer, index, source, floats[i])
             if targets:
                 h = hessian.add(h, carries[i]["x"])
+                if floats is not None:
+                    h_delta = hessian.add_delta(h_delta, floats[i]["x"], carries[i]["x"])
         del carry
         if observe is not None and stage.linears:
             observe(tuple(prefix + n for n in stage.linears), [c["x"] for c in carries])
         if not targets:
             continue
-        done = contrib_leaf.gptq_static_leaves(
-            [current[n] for n in targets], [plans[n] for n in targets], h, options
-        )
+        arrays = [current[n] for n in targets]
+        if qep is not None:
+            arrays = qep_lib.correct(arrays, h, h_delta, qep)
+        done = contrib_leaf.gptq_static_leaves(arrays, [plans[n] for n in targets], h, options)
         for name, (result, deq, loss) in zip(targets, done, strict=True):
             results[prefix + name] = result
             losses[prefix + name] = loss
             current[name] = deq
-        del h
-    return LayerCalibration(results, losses, current, tuple(c["h"] for c in carries), rtn)
+        del h, h_delta, arrays
+    outputs = tuple(c["h"] for c in carries)
+    if floats is None:
+        return LayerCalibration(results, losses, current, outputs, rtn)
+    methods = {prefix + n: "qep" for n in plans}
+    return LayerCalibration(
+        results, losses, current, outputs, rtn, methods=methods,
+        reference=tuple(c["h"] for c in floats),
+    )  # fmt: skip
+
 
 
 def _experts(cfg, prefix, current, carries, plans, options, observe, all_experts):

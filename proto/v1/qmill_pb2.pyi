@@ -596,7 +596,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ..., language_model: _Optional[_Union[LanguageModelCalibration, _Mapping]] = ...) -> None: ...
 
 class LanguageModelCalibration(_message.Message):
-    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase", "smoothquant_alpha", "awq_grid", "calibrate_all_experts", "awq_no_clip")
+    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase", "smoothquant_alpha", "awq_grid", "calibrate_all_experts", "awq_no_clip", "qep_correction")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_IDS_FIELD_NUMBER: _ClassVar[int]
     EVAL_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -608,6 +608,7 @@ class LanguageModelCalibration(_message.Message):
     AWQ_GRID_FIELD_NUMBER: _ClassVar[int]
     CALIBRATE_ALL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     AWQ_NO_CLIP_FIELD_NUMBER: _ClassVar[int]
+    QEP_CORRECTION_FIELD_NUMBER: _ClassVar[int]
     method: str
     calibration_ids: InlineTensor
     eval_ids: InlineTensor
@@ -619,7 +620,8 @@ class LanguageModelCalibration(_message.Message):
     awq_grid: int
     calibrate_all_experts: bool
     awq_no_clip: bool
-    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ..., smoothquant_alpha: _Optional[float] = ..., awq_grid: _Optional[int] = ..., calibrate_all_experts: _Optional[bool] = ..., awq_no_clip: _Optional[bool] = ...) -> None: ...
+    qep_correction: float
+    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ..., smoothquant_alpha: _Optional[float] = ..., awq_grid: _Optional[int] = ..., calibrate_all_experts: _Optional[bool] = ..., awq_no_clip: _Optional[bool] = ..., qep_correction: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix", "message", "calibration_report_json")

@@ -30,3 +30,12 @@ def test_no_awq_clip_is_for_awq_alone():
     for method in (("--method", "awq+gptq", *ids), ("--method", "gptq", *ids), ()):
         with pytest.raises(ValueError, match=r"--no-awq-clip .* clips nothing: drop the flag"):
             calibrated_lm.wanted(_args("--recipe", "W4A16", *method, "--no-awq-clip"))
+
+
+def test_qep_correction_is_for_qep_alone():
+    ids = ("--calibration-ids", "ids.npy")
+    assert calibrated_lm.wanted(_args("--method", "qep", *ids, "--qep-correction", "0.3"))
+    assert _args("--method", "qep", *ids).qep_correction is None  # the request's 0.5
+    for method in (("--method", "gptq", *ids), ("--method", "awq", *ids), ()):
+        with pytest.raises(ValueError, match=r"--qep-correction is --method qep's"):
+            calibrated_lm.wanted(_args("--recipe", "W4A16", *method, "--qep-correction", "1"))

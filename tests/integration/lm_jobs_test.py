@@ -447,6 +447,35 @@ def test_awq_gptq_through_a_server_and_as_a_job_gives_the_in_process_bytes(
     _same_bytes(dest, reference)
 
 
+def test_qep_through_a_server_and_as_a_job_gives_the_in_process_bytes(
+    make_server, llama, ids, tmp_path
+):
+    """QEP's correction travels (LanguageModelCalibration.qep_correction) and the server carries
+    the float model's stream as the in-process run does."""
+
+    def qep(output, *extra) -> list[str]:
+        args = _cli_args(llama, ids, output, "--qep-correction", "0.75", *extra)
+        args[args.index("gptq")] = "qep"
+        return args
+
+    reference = tmp_path / "in-process"
+    assert cli.main(qep(reference)) == 0
+    server = make_server()
+    output, report = tmp_path / "server", tmp_path / "report.json"
+    assert cli.main(qep(output, "--server", server.address, "--report-json", report)) == 0
+    _same_bytes(output, reference)
+    done = json.loads(report.read_text())
+    methods = {row["path"]: row["method"] for row in done["tensors"]}
+    assert sorted(methods.values()).count("QEP+GPTQ") == 7 * LAYERS
+    assert done["calibration"]["qep"]["correction_factor"] == 0.75
+    dest = tmp_path / "job"
+    with Client(server.address, timeout=60) as client:
+        job = _submit(client, llama, dest, _message(ids, method="qep", qep_correction=0.75))
+        last = list(client.jobs.watch(job.job_id))[-1].job
+    assert last.state == pb.JOB_STATE_SUCCEEDED, last.error
+    _same_bytes(dest, reference)
+
+
 def test_gptq_of_a_micro_scaled_scheme_is_refused_before_any_work_on_every_path(
     make_server, llama, ids, tmp_path, capsys
 ):

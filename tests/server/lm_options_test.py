@@ -29,3 +29,21 @@ def test_awq_no_clip_with_another_method_is_refused():
     message.awq_no_clip = True
     with pytest.raises(ValueError, match=r"awq_no_clip .* method 'awq\+gptq' clips nothing"):
         codec.lm_options(message)
+
+
+def test_qep_correction_travels_and_is_refused_with_another_method():
+    sent = lm_calibration.LmRequest(calibration_ids=IDS, method="qep", qep_correction=0.25)
+    got, _ = codec.lm_options(lm_jobs.message(sent))
+    assert (got.method, got.qep_correction) == ("qep", 0.25)
+    default = lm_jobs.message(lm_calibration.LmRequest(calibration_ids=IDS, method="qep"))
+    default.ClearField("qep_correction")  # an older client's message: the paper's 0.5
+    assert codec.lm_options(default)[0].qep_correction == 0.5
+    for method, correction, words in (
+        ("gptq", 0.5, r"qep_correction is method qep's; method 'gptq' corrects nothing"),
+        ("qep", float("nan"), r"qep_correction must be in \[0, 1\], got nan"),
+        ("qep", -0.1, r"qep_correction must be in \[0, 1\], got -0.1"),
+    ):
+        message = lm_jobs.message(lm_calibration.LmRequest(calibration_ids=IDS, method=method))
+        message.qep_correction = correction
+        with pytest.raises(ValueError, match=words):
+            codec.lm_options(message)
