@@ -116,25 +116,33 @@ def test_gptq_output_is_closer_to_the_source_than_round_to_nearest(gptq_run, lla
 def test_an_interrupted_run_resumes_to_the_same_bytes(gptq_run, llama, ids, tmp_path):
     output, _ = gptq_run
     again = tmp_path / "llama-gptq"
-    request = lm_calibration.LmRequest(
-        calibration_ids=np.load(ids["calibration"]), eval_ids=np.load(ids["eval"])
-    )
-
-    def stop_after_first_layer(progress: lm_calibration.LayerProgress) -> None:
-        if progress.layer == 0:
-            raise KeyboardInterrupt
-
-    from qmill.client import recipes
-
-    recipe = recipes.with_group_size(recipes.load("W4A16"), 32)
-    with pytest.raises(KeyboardInterrupt):
-        lm_calibration.calibrate(llama, again, recipe, request, progress=stop_after_first_layer)
+    interrupt_after_first_layer(llama, ids, again, "gptq")
     assert (lm_calibration.work_directory(again) / "layer-00000.npz").is_file()
     done = _qmill(*_gptq_args(llama, ids, again))
     assert done.returncode == 0, done.stderr
     assert "layer 1/3" not in done.stderr and "layer 2/3" in done.stderr  # resumed after 1
     for name in ("model.safetensors", "config.json"):
         assert (again / name).read_bytes() == (output / name).read_bytes(), name
+
+
+def interrupt_after_first_layer(llama, ids, destination: pathlib.Path, method: str) -> None:
+    """Calibrates `llama` W4A16 g32 with `method` in process, interrupted (KeyboardInterrupt)
+    once its first layer is kept."""
+    from qmill.client import recipes
+
+    request = lm_calibration.LmRequest(
+        calibration_ids=np.load(ids["calibration"]), eval_ids=np.load(ids["eval"]), method=method
+    )
+
+    def stop_after_first_layer(progress: lm_calibration.LayerProgress) -> None:
+        if progress.layer == 0:
+            raise KeyboardInterrupt
+
+    recipe = recipes.with_group_size(recipes.load("W4A16"), 32)
+    with pytest.raises(KeyboardInterrupt):
+        lm_calibration.calibrate(
+            llama, destination, recipe, request, progress=stop_after_first_layer
+        )
 
 
 def test_layers_kept_by_another_qmill_are_computed_again_with_a_notice(llama, ids, tmp_path):

@@ -78,19 +78,7 @@ def test_no_correction_writes_gptqs_bytes_and_the_default_does_not(qep_run, llam
 def test_an_interrupted_run_resumes_to_the_same_bytes(qep_run, llama, ids, tmp_path, capsys):
     output, _ = qep_run
     again = tmp_path / "llama-qep"
-    request = lm_calibration.LmRequest(
-        calibration_ids=np.load(ids["calibration"]), eval_ids=np.load(ids["eval"]), method="qep"
-    )
-
-    def stop_after_first_layer(progress: lm_calibration.LayerProgress) -> None:
-        if progress.layer == 0:
-            raise KeyboardInterrupt
-
-    from qmill.client import recipes
-
-    recipe = recipes.with_group_size(recipes.load("W4A16"), 32)
-    with pytest.raises(KeyboardInterrupt):
-        lm_calibration.calibrate(llama, again, recipe, request, progress=stop_after_first_layer)
+    gptq_test.interrupt_after_first_layer(llama, ids, again, "qep")
     with np.load(lm_calibration.work_directory(again) / "state.npz") as state:
         assert any(n.startswith("reference/") for n in state.files)  # the float stream kept
     code, err = _qmill(capsys, _args(llama, ids, again))
