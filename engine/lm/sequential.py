@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -141,18 +142,7 @@ def calibrate_layer(
             carries = [{"h": h} for h in block.hidden]
             break
         targets = [name for name in stage.linears if name in plans]
-        h = h_delta = None
-        for i, carry in enumerate(carries):
-            # In place: a chunk's input is dropped as its output is made, so a stage holds
-            # one set of hidden states (plus one chunk), not its inputs and outputs both.
-            carries[i] = _stage(cfg, layer, index, current, carry)
-            if floats is not None:
-                floats[i] = _stage(cfg, layer, index, source, floats[i])
-            if targets:
-                h = hessian.add(h, carries[i]["x"])
-                if floats is not None:
-                    h_delta = hessian.add_delta(h_delta, floats[i]["x"], carries[i]["x"])
-        del carry
+        h, h_delta = _run_stage(cfg, layer, index, (current, carries), (source, floats), targets)
         if observe is not None and stage.linears:
             observe(tuple(prefix + n for n in stage.linears), [c["x"] for c in carries])
         if not targets:
@@ -175,6 +165,25 @@ def calibrate_layer(
         reference=tuple(c["h"] for c in floats),
     )  # fmt: skip
 
+
+def _run_stage(cfg, layer, index, quantized, floats, collect) -> tuple[Any, Any]:
+    """Runs stage `index` on every chunk of the calibration's carries, in place, with the
+    layer's weights as quantized so far (quantized: (weights, carries)), and on QEP's float
+    stream with the float weights (floats: (weights, carries or None)). With `collect`, returns
+    the sums H and (QEP) H_delta of the stage's input, else (None, None)."""
+    (weights, carries), (source, references) = quantized, floats
+    h = h_delta = None
+    for i, carry in enumerate(carries):
+        # In place: a chunk's input is dropped as its output is made, so a stage holds one set
+        # of hidden states (plus one chunk), not its inputs and outputs both.
+        carries[i] = _stage(cfg, layer, index, weights, carry)
+        if references is not None:
+            references[i] = _stage(cfg, layer, index, source, references[i])
+        if collect:
+            h = hessian.add(h, carries[i]["x"])
+            if references is not None:
+                h_delta = hessian.add_delta(h_delta, references[i]["x"], carries[i]["x"])
+    return h, h_delta
 
 
 def _experts(cfg, prefix, current, carries, plans, options, observe, all_experts):
