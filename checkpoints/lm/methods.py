@@ -73,8 +73,9 @@ def check_recipe(method: str, recipe: Mapping[str, Any]) -> None:
     if rotates(method) and scheme is not None and scheme.format == ct_schemes.NVFP4:
         raise ValueError(
             f"--method {method} cannot calibrate {scheme.name}: its global scales are found "
-            "from the weights before the rotation changes them. Run a scheme without a global "
-            "scale (MXFP4A16, W4A16, W8A8, ...)"
+            "from the weights before the rotation changes them. Instead run no --method (round "
+            f"to nearest), or --method {method} with a scheme without a global scale (W4A16, "
+            "W8A8, ...)"
         )
     if fold is not None and scheme is not None and scheme.format == ct_schemes.NVFP4:
         # The plan finds each NVFP4 global scale from the source's weight, which the fold then
@@ -167,8 +168,13 @@ def check_model(method: str, cfg: Any) -> None:
     Raises:
       ValueError: QEP on a mixture of experts (its experts see other tokens in the float and
         the quantized model: no paired inputs to correct with); the rotation on a model it does
-        not fuse into (engine/lm/rotation.check), or on a tied head (see below).
+        not fuse into (engine/lm/rotation.check).
     """
+    if method == "qep" and cfg.moe is not None:
+        raise ValueError(
+            f"--method qep calibrates dense models; this {cfg.model_type} model has experts: "
+            "use --method gptq (or awq, smoothquant, ...)"
+        )
     if rotates(method):
         from qmill.engine.lm import rotation
 
@@ -186,11 +192,6 @@ def untie(method: str, cfg: Any) -> tuple[str, str] | None:
 
     names = config_lib.outer_tensor_names(rotation.untied(cfg))
     return names["head"], names["embed"]
-    if method == "qep" and cfg.moe is not None:
-        raise ValueError(
-            f"--method qep calibrates dense models; this {cfg.model_type} model has experts: "
-            "use --method gptq (or awq, smoothquant, ...)"
-        )
 
 
 def layer_calibrator(request: Any) -> Callable[..., Any]:
