@@ -1,6 +1,6 @@
 """The Hadamard rotation (`--method hadamard`, `hadamard+gptq`, issue 40) on SmolLM2-135M: held-out
-perplexity with and without the rotation, for weights-and-activations schemes (W8A8, W4A8: the
-rotation's purpose) and weights only (W4A16 with groups of 64).
+perplexity with and without the rotation, for weights-and-activations schemes (W8A8; W4A8 with
+groups of 64: the rotation's purpose) and weights only (W4A16 with groups of 64).
 
     python bench/lm_rotation_bench.py [--samples 16] [--eval-samples 8] [--seq-len 512]
                                       [--cases W8A8:rtn,W8A8:hadamard,...] [--work DIR]
@@ -44,7 +44,8 @@ def recipe(scheme: str) -> dict:
     from qmill.client import recipes
 
     loaded = recipes.load(scheme)
-    return recipes.with_group_size(loaded, GROUP) if scheme == "W4A16" else loaded
+    # W4A8's groups of 128 do not divide SmolLM2's 576: both 4-bit schemes take groups of 64.
+    return recipes.with_group_size(loaded, GROUP) if scheme.startswith("W4") else loaded
 
 
 def engine_perplexity(folder: pathlib.Path, scheme: str, eval_ids, *, seed: int | None) -> float:
@@ -75,7 +76,9 @@ def engine_perplexity(folder: pathlib.Path, scheme: str, eval_ids, *, seed: int 
             prefix = config_lib.layer_prefix(cfg, layer)
             names = config_lib.layer_tensor_names(cfg, layer)
             tensors = {n.removeprefix(prefix): weights.read(n) for n in names}
-            linears = plans.linears(cfg, layer, prefix)
+            # Scales in the weight's dtype as read (bf16), as the pipeline stores them, also
+            # for the rotated linears kept in float32 (rotation.calibrate_layer does the same).
+            linears = smoothing.scales_in_source_dtype(plans.linears(cfg, layer, prefix), tensors)
             if rot is not None:
                 tensors |= rotation.rotate_layer(cfg, tensors, rot, frozenset(linears))
             done = smoothing.rtn_layer(cfg, layer, tensors, (), linears)
@@ -84,7 +87,7 @@ def engine_perplexity(folder: pathlib.Path, scheme: str, eval_ids, *, seed: int 
 
 
 def run_qmill(source, out, scheme, method, ids, eval_ids, report) -> float:
-    group = ["--group-size", str(GROUP)] if scheme == "W4A16" else []
+    group = ["--group-size", str(GROUP)] if scheme.startswith("W4") else []
     command = [
         sys.executable, "-m", "qmill.cli", "quantize", str(source), "-o", str(out),
         "--recipe", scheme, *group, "--method", method, "--calibration-ids", str(ids),

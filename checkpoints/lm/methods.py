@@ -100,8 +100,8 @@ def check_recipe(method: str, recipe: Mapping[str, Any]) -> None:
         instead = f"--method {first}" if first else "--method awq or smoothquant"
         raise ValueError(
             f"--method {method} cannot calibrate {what}: {why}. Instead run {instead} (the "
-            "fold, then round to nearest) or no --method (round to nearest), or a scheme GPTQ "
-            f"takes: {gptq_schemes()}"
+            "fold or rotation, then round to nearest) or no --method (round to nearest), or a "
+            f"scheme GPTQ takes: {gptq_schemes()}"
         )
 
 
