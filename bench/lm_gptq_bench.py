@@ -33,7 +33,10 @@ W8A8 (int8 weights per channel, dynamic per-token int8 inputs, no groups) and th
 [SmoothQuantModifier(smoothing_strength=0.5), QuantizationModifier | GPTQModifier], qmill's
 `--recipe W8A8 --method smoothquant[+gptq]`; the RTN baseline is model_free_ptq in the same
 scheme, and the results go to bench/results/lm-METHOD.json. With --method qep, qmill's
-`--method qep` against the peer's GPTQ (llm-compressor has no QEP).
+`--method qep` against the peer's GPTQ (llm-compressor has no QEP). With --method hadamard |
+hadamard+gptq (W4A16), the peer's [SpinQuantModifier(rotations=["R1"], random-hadamard, blocks
+of 64), QuantizationModifier | GPTQModifier]; bench/lm_rotation_bench.py measures the rotation
+under activation quantization (W8A8, W4A8), with and without it.
 Each output's held-out perplexity, and the source's, is transformers' (tests/lm_assets.py
 hf_perplexity: float32, CPU). Then the depth series: peak RSS and wall time of each tool's GPTQ
 command on the same model cut to 4, 8, 16 and 30 layers (the 30-layer point is the main run's
@@ -64,7 +67,13 @@ RESULTS = ROOT / "bench" / "results"
 MB = 1e6
 
 
-METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq", "qep")
+METHODS = (
+    "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq", "qep", "hadamard",
+    "hadamard+gptq",
+)  # fmt: skip
+# --method hadamard[+gptq]: the peer's SpinQuant R1 in blocks of this many channels (qmill's
+# block on SmolLM2: the largest power of two dividing its hidden size of 576).
+HADAMARD_BLOCK = 64
 
 
 def scheme_name(method: str) -> str:
@@ -85,7 +94,11 @@ def peer_recipe(method: str, group_size: int) -> list:
     """llm-compressor's modifiers for `method`, each at its defaults but the scheme."""
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
+    from llmcompressor.modifiers.transform import (
+        AWQModifier,
+        SmoothQuantModifier,
+        SpinQuantModifier,
+    )
 
     # llm-compressor has no QEP: its GPTQ is what qmill's --method qep is compared with.
     quantize = GPTQModifier if method.endswith("gptq") or method == "qep" else QuantizationModifier
@@ -94,6 +107,12 @@ def peer_recipe(method: str, group_size: int) -> list:
         recipe.insert(0, AWQModifier())
     elif method.startswith("smoothquant"):
         recipe.insert(0, SmoothQuantModifier(smoothing_strength=0.5))
+    elif method.startswith("hadamard"):
+        # The residual rotation alone (SpinQuant's R1, fused into the weights), random signs.
+        rotation = SpinQuantModifier(
+            rotations=["R1"], transform_type="random-hadamard", transform_block_size=HADAMARD_BLOCK
+        )
+        recipe.insert(0, rotation)
     return recipe
 
 

@@ -1,5 +1,5 @@
-"""`qmill quantize FOLDER --method gptq|awq|awq+gptq|smoothquant|smoothquant+gptq`: a Hugging
-Face causal LM calibrated layer by layer.
+"""`qmill quantize FOLDER --method gptq|awq|awq+gptq|smoothquant|smoothquant+gptq|qep|hadamard|
+hadamard+gptq`: a Hugging Face causal LM calibrated layer by layer.
 
 The command's side: its flags, the token windows (the folder's own tokenizer.json, read with
 the `tokenizers` library: Rust, no torch), the memory estimate and `--max-memory`, progress
@@ -32,6 +32,8 @@ METHOD_NAMES = {
     "smoothquant": "SmoothQuant",
     "smoothquant+gptq": "SmoothQuant+GPTQ",
     "qep": "QEP+GPTQ",
+    "hadamard": "Hadamard",
+    "hadamard+gptq": "Hadamard+GPTQ",
 }
 DEFAULT_SAMPLES = 64
 DEFAULT_SEQ_LEN = 512
@@ -57,7 +59,10 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
         "or SmoothQuant scales folded into the norms and linears before them, then round to "
         "nearest (AWQ: weights clipped first, as the paper), or GPTQ with +gptq "
         "(docs/calibrated-methods.md); QEP: each weight corrected for the error the quantized "
-        "layers before it put into its input, then GPTQ (dense models)",
+        "layers before it put into its input, then GPTQ (dense models); Hadamard: the "
+        "residual stream rotated by a Hadamard matrix fused into the weights (the output loads "
+        "as the same architecture), then round to nearest, or GPTQ with +gptq (dense models "
+        "with an untied head)",
     )
     _add_windows(
         g,
@@ -160,6 +165,14 @@ def _add_method_options(g: Any) -> None:
         help="--method awq without clipping the weights before round to nearest (the scales "
         "only, as llm-compressor's AWQ; default: clipped, as the AWQ paper)",
     )
+    g.add_argument(
+        "--hadamard-seed",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="--method hadamard[+gptq]: the seed of the rotation's random signs, in [0, 2^32) "
+        "(0; the same seed gives the same bytes)",
+    )
 
 
 def calibrates(args: argparse.Namespace) -> bool:
@@ -175,6 +188,13 @@ def wanted(args: argparse.Namespace) -> bool:
         raise ValueError(
             "--qep-correction is --method qep's; this run's method "
             f"({args.method or 'none'}) corrects nothing: drop the flag or add --method qep"
+        )
+    if getattr(args, "hadamard_seed", None) is not None and not lm_methods.rotates(
+        args.method or ""
+    ):
+        raise ValueError(
+            "--hadamard-seed is --method hadamard's (and hadamard+gptq's); this run's method "
+            f"({args.method or 'none'}) rotates nothing: drop the flag"
         )
     if not getattr(args, "awq_clip", True) and args.method != "awq":
         raise ValueError(
@@ -208,6 +228,15 @@ def wanted(args: argparse.Namespace) -> bool:
         ):
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 (2 for a length)")
     return True
+
+
+def untie(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(head, embedding) of the source's tied head, which the output of a rotating --method
+    holds as a tensor of its own (lm_methods.untie), or None."""
+    method = getattr(args, "method", None)
+    if method is None or not lm_methods.rotates(method):
+        return None
+    return lm_methods.untie(method, lm_calibration.model_config(args.source))
 
 
 def parse_size(text: str) -> int:
@@ -286,6 +315,7 @@ def request(args: argparse.Namespace) -> lm_calibration.LmRequest:
         awq_grid=args.awq_grid,
         awq_clip=args.awq_clip,
         qep_correction=0.5 if args.qep_correction is None else args.qep_correction,
+        hadamard_seed=args.hadamard_seed or 0,
         all_experts=args.calibrate_all_experts,
     )
 

@@ -15,6 +15,7 @@ import pathlib
 import numpy as np
 
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import methods as lm_methods
 from qmill.cli import calibrated_lm
 from qmill.proto import wire
 from qmill.proto.v1 import qmill_pb2 as pb
@@ -45,6 +46,8 @@ def message(
         out.awq_no_clip = not request.awq_clip  # false (the default) is not on the wire
     if request.method == "qep":
         out.qep_correction = request.qep_correction
+    if lm_methods.rotates(request.method):
+        out.hadamard_seed = request.hadamard_seed
     # A proto3 bool: false is not on the wire, so a request without it keeps its server id.
     out.calibrate_all_experts = request.all_experts
     if request.eval_ids is not None:

@@ -91,6 +91,7 @@ def _plan(args: argparse.Namespace, recipe: dict[str, Any]) -> plan_lib.Plan:
         overwrite=args.overwrite,
         engine=engine,
         dry_run=args.dry_run,
+        untie=calibrated_lm.untie(args),  # --method hadamard: a tied head written untied
     )
 
 

@@ -353,14 +353,33 @@ class _LmCollector:
         self._on_progress = on_progress
         self._on_folded = on_folded
         self._summary: pb.CalibrateLanguageModelSummary | None = None
+        # A folded tensor sent in chunks: its header and the bytes so far.
+        self._partial: tuple[pb.TensorHeader, bytearray] | None = None
 
     def feed(self, response: pb.CalibrateLanguageModelResponse) -> None:
         if response.HasField("progress") and self._on_progress is not None:
             self._on_progress(response.progress)
-        elif response.HasField("folded") and self._on_folded is not None:
-            self._on_folded(response.folded)
+        elif response.HasField("folded"):
+            tensor = response.folded
+            if len(tensor.data) < tensor.header.byte_length:  # its bytes follow in chunks
+                self._partial = (tensor.header, bytearray(tensor.data))
+            elif self._on_folded is not None:
+                self._on_folded(tensor)
+        elif response.HasField("folded_chunk"):
+            self._folded_chunk(response.folded_chunk)
         elif response.HasField("summary"):
             self._summary = response.summary
+
+    def _folded_chunk(self, chunk: pb.TensorChunk) -> None:
+        if self._partial is None or chunk.offset != len(self._partial[1]):
+            raise errors.QmillError("DATA_LOSS", "a folded tensor's chunk arrived out of order")
+        header, data = self._partial
+        data += chunk.data
+        if len(data) < header.byte_length:
+            return
+        self._partial = None
+        if self._on_folded is not None:
+            self._on_folded(pb.InlineTensor(header=header, data=bytes(data)))
 
     def summary(self) -> pb.CalibrateLanguageModelSummary:
         if self._summary is None:

@@ -258,6 +258,14 @@ def lm_options(
         correction = message.qep_correction
         if not 0.0 <= correction <= 1.0:  # NaN too
             raise ValueError(f"qep_correction must be in [0, 1], got {correction}")
+    seed = 0
+    if message.HasField("hadamard_seed"):
+        if message.method not in ("hadamard", "hadamard+gptq"):
+            raise ValueError(
+                f"hadamard_seed is methods hadamard's and hadamard+gptq's; method "
+                f"{message.method!r} rotates nothing: leave it unset"
+            )
+        seed = message.hadamard_seed
     request = lm_calibration.LmRequest(
         calibration_ids=calibration,
         eval_ids=evaluation,
@@ -269,6 +277,7 @@ def lm_options(
         awq_grid=message.awq_grid or 20,
         awq_clip=not message.awq_no_clip,
         qep_correction=correction,
+        hadamard_seed=seed,
         all_experts=message.calibrate_all_experts,
     )
     return request, gate

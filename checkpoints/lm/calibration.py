@@ -67,9 +67,11 @@ class LmRequest:
     awq_clip: bool = True
     # --method qep: how far each weight moves towards its input's error (engine/lm/qep.py's α).
     qep_correction: float = 0.5
+    # --method hadamard[+gptq]: the seed of the rotation's random signs (engine/lm/rotation.py).
+    hadamard_seed: int = 0
 
     def __post_init__(self) -> None:
-        lm_methods.check(self.method, self.smoothquant_alpha, self.awq_grid, self.qep_correction)
+        lm_methods.check(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +187,8 @@ def estimate(cfg: Any, entries: Mapping[str, Any], request: LmRequest) -> dict[s
     }
     if lm_methods.propagates_float(request.method):
         parts["float hidden states"] = hidden  # QEP's second stream, as large as the first
+    if lm_methods.rotates(request.method):
+        parts["rotated embedding and head"] = outer
     if lm_methods.smoothing(request.method) == "awq":
         # The float block's output for every sample, which each candidate is compared with.
         parts["awq search"] = 4 * samples * tokens * cfg.hidden_size
@@ -229,17 +233,23 @@ def calibrate(
     with work, _open_weights(folder) as weights:
         entries = {e.path: tuple(e.shape) for e in weights.entries()}
         _check_tensors(cfg, entries)
-        plans = lm_plans.for_calibration(weights, folder, destination, recipe)
+        untie = lm_methods.untie(request.method, cfg)  # Hadamard: a tied head untied
+        plans = lm_plans.for_calibration(weights, folder, destination, recipe, untie)
         outer = _outer(cfg, weights)
-        streams = work.resume() or _start(cfg, outer, plans, request)
+        run_outer = lm_methods.outer_as_run(request, cfg, outer)  # Hadamard: rotated
+        streams = work.resume() or _start(cfg, outer, run_outer, plans, request)
+        # Hadamard: the rotated embedding, norm and head, kept with layer 0's results.
+        first = lm_methods.outer_folded(request, cfg, run_outer) if not streams.next_layer else {}
         if streams.source is None:
-            outer = None  # the embedding (and head): only the evaluation needs them from here
+            outer = run_outer = None  # the embedding (and head): only the evaluation's now
         started = time.monotonic()
         for layer in range(streams.next_layer, cfg.num_layers):
             if check is not None:
                 check()
             t0 = time.monotonic()
             done = _one_layer(cfg, quantized_cfg, layer, weights, plans, streams, calibrate_layer)
+            if first:
+                done, first = dataclasses.replace(done, folded={**first, **done.folded}), {}
             seconds = time.monotonic() - t0
             work.finish_layer(layer, done, seconds, streams)
             if progress is not None:
@@ -249,7 +259,8 @@ def calibrate(
                 progress(LayerProgress(layer, cfg.num_layers, loss, seconds, eta))
             # done.hidden is the next layer's input: held here, it would outlive take_hidden.
             del done
-        perplexity = _perplexity(cfg, plans, outer, streams)
+        run_cfg = lm_methods.run_config(request, cfg)  # Hadamard: its head untied
+        perplexity = _perplexity(cfg, run_cfg, plans, outer, run_outer, streams)
     return LmOutcome(
         work.directory,
         work.methods(),
@@ -288,7 +299,7 @@ def _one_layer(cfg, quantized_cfg, layer, weights, plans, streams, calibrate_lay
 
 
 def _perplexity(
-    cfg: Any, plans: lm_plans.Plans, outer: Any, streams: lm_work.Streams
+    cfg: Any, run_cfg: Any, plans: Any, outer: Any, run_outer: Any, streams: lm_work.Streams
 ) -> dict[str, float] | None:
     """The source's and the quantized model's perplexity on the evaluation tokens (None
     without them), from the streams the layers were run on."""
@@ -296,11 +307,11 @@ def _perplexity(
 
     if streams.source is None:
         return None
-    quantized_outer = plans.outer_as_quantized(cfg, outer)
+    quantized_outer = plans.outer_as_quantized(run_cfg, run_outer)
     return {
         "source": sequential.perplexity(cfg, outer, streams.source, streams.eval_ids),
         "quantized": sequential.perplexity(
-            cfg, quantized_outer, streams.quantized, streams.eval_ids
+            run_cfg, quantized_outer, streams.quantized, streams.eval_ids
         ),
     }
 
@@ -391,11 +402,11 @@ def _outer(cfg: Any, weights: Any) -> dict[str, Any]:
 
 
 def _start(
-    cfg: Any, outer: Mapping[str, Any], plans: lm_plans.Plans, request: LmRequest
+    cfg: Any, outer: Mapping[str, Any], run_outer: Any, plans: lm_plans.Plans, request: LmRequest
 ) -> lm_work.Streams:
     from qmill.engine.lm import sequential
 
-    quantized_outer = plans.outer_as_quantized(cfg, outer)
+    quantized_outer = plans.outer_as_quantized(cfg, run_outer)
     calibration = sequential.split(request.calibration_ids.astype(np.int32), request.chunk)
     streams = lm_work.Streams(0, sequential.embed(cfg, quantized_outer, calibration))
     if lm_methods.propagates_float(request.method):

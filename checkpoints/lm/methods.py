@@ -11,6 +11,10 @@ and how progress and reports name each method's measure.
   smoothquant+gptq  the same fold, then GPTQ
   qep               QEP: each linear corrected for the error the quantized layers before it put
                     into its input, then GPTQ (engine/lm/qep.py; dense models)
+  hadamard          the residual stream rotated by a Hadamard matrix fused into the weights
+                    (norms folded into the linears after them, the embedding and head rotated
+                    too), then round to nearest (engine/lm/rotation.py; dense models)
+  hadamard+gptq     the same rotation, then GPTQ
 """
 
 from __future__ import annotations
@@ -20,25 +24,36 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
 
-METHODS = ("gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq", "qep")
+METHODS = (
+    "gptq", "awq", "awq+gptq", "smoothquant", "smoothquant+gptq", "qep",
+    "hadamard", "hadamard+gptq",
+)  # fmt: skip
+# The rotation's seeds: what the wire's uint32 holds.
+SEEDS = range(2**32)
 
 
-def check(method: str, alpha: float, grid: int, qep_correction: float = 0.5) -> None:
-    """Refuses an unknown method or options out of range.
+def check(request: Any) -> None:
+    """Refuses an unknown method or options out of range (of an lm_calibration.LmRequest).
 
     Raises:
       ValueError: saying which and what to give.
     """
-    if method not in METHODS:
-        raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
-    if not 0.0 <= qep_correction <= 1.0:
-        raise ValueError(f"QEP's correction must be in [0, 1], not {qep_correction}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"the SmoothQuant strength must be in [0, 1], not {alpha}")
-    if grid < 2:
-        raise ValueError(f"the AWQ grid takes at least 2 points, not {grid}")
+    if request.method not in METHODS:
+        raise ValueError(f"method {request.method!r} is not one of {', '.join(METHODS)}")
+    if request.hadamard_seed not in SEEDS:
+        raise ValueError(f"the Hadamard seed must be in [0, 2^32), not {request.hadamard_seed}")
+    if not 0.0 <= request.qep_correction <= 1.0:
+        raise ValueError(f"QEP's correction must be in [0, 1], not {request.qep_correction}")
+    if not 0.0 <= request.smoothquant_alpha <= 1.0:
+        raise ValueError(
+            f"the SmoothQuant strength must be in [0, 1], not {request.smoothquant_alpha}"
+        )
+    if request.awq_grid < 2:
+        raise ValueError(f"the AWQ grid takes at least 2 points, not {request.awq_grid}")
 
 
 def check_recipe(method: str, recipe: Mapping[str, Any]) -> None:
@@ -55,6 +70,13 @@ def check_recipe(method: str, recipe: Mapping[str, Any]) -> None:
     if scheme is not None and scheme.static_inputs:
         raise ValueError(static_refusal(scheme))
     fold = smoothing(method)
+    if rotates(method) and scheme is not None and scheme.format == ct_schemes.NVFP4:
+        raise ValueError(
+            f"--method {method} cannot calibrate {scheme.name}: its global scales are found "
+            "from the weights before the rotation changes them. Instead run no --method (round "
+            f"to nearest), or --method {method} with a scheme without a global scale (W4A16, "
+            "W8A8, ...)"
+        )
     if fold is not None and scheme is not None and scheme.format == ct_schemes.NVFP4:
         # The plan finds each NVFP4 global scale from the source's weight, which the fold then
         # scales: the codes would be written against a global scale they were not made with.
@@ -74,11 +96,12 @@ def check_recipe(method: str, recipe: Mapping[str, Any]) -> None:
         if why is None:
             continue
         what = scheme.name if scheme is not None else f"rule {rule.path_regex!r} ({rule.qtype})"
-        instead = f"--method {fold}" if fold else "--method awq or smoothquant"
+        first = fold or ("hadamard" if rotates(method) else None)
+        instead = f"--method {first}" if first else "--method awq or smoothquant"
         raise ValueError(
             f"--method {method} cannot calibrate {what}: {why}. Instead run {instead} (the "
-            "fold, then round to nearest) or no --method (round to nearest), or a scheme GPTQ "
-            f"takes: {gptq_schemes()}"
+            "fold or rotation, then round to nearest) or no --method (round to nearest), or a "
+            f"scheme GPTQ takes: {gptq_schemes()}"
         )
 
 
@@ -134,18 +157,41 @@ def propagates_float(method: str) -> bool:
     return method == "qep"
 
 
+def rotates(method: str) -> bool:
+    """Whether the method rotates the residual stream (hadamard, hadamard+gptq)."""
+    return method.split("+")[0] == "hadamard"
+
+
 def check_model(method: str, cfg: Any) -> None:
     """Refuses, before any work, a model the method cannot calibrate.
 
     Raises:
       ValueError: QEP on a mixture of experts (its experts see other tokens in the float and
-        the quantized model: no paired inputs to correct with).
+        the quantized model: no paired inputs to correct with); the rotation on a model it does
+        not fuse into (engine/lm/rotation.check).
     """
     if method == "qep" and cfg.moe is not None:
         raise ValueError(
             f"--method qep calibrates dense models; this {cfg.model_type} model has experts: "
             "use --method gptq (or awq, smoothquant, ...)"
         )
+    if rotates(method):
+        from qmill.engine.lm import rotation
+
+        rotation.check(cfg)
+
+
+def untie(method: str, cfg: Any) -> tuple[str, str] | None:
+    """(head, embedding): the tensor names of a tied head that the output of `method` holds
+    as a tensor of its own (a rotated head carries the final norm's scale, the embedding does
+    not: plan.make's `untie`), or None."""
+    if not rotates(method) or not cfg.tied:
+        return None
+    from qmill.engine.lm import config as config_lib
+    from qmill.engine.lm import rotation
+
+    names = config_lib.outer_tensor_names(rotation.untied(cfg))
+    return names["head"], names["embed"]
 
 
 def layer_calibrator(request: Any) -> Callable[..., Any]:
@@ -162,6 +208,11 @@ def layer_calibrator(request: Any) -> Callable[..., Any]:
         )
     fold = smoothing(request.method)
     experts = {"all_experts": request.all_experts}
+    if rotates(request.method):
+        from qmill.engine.lm import rotation
+
+        turn = rotation.RotationOptions(seed=request.hadamard_seed)
+        return lambda *args: rotation.calibrate_layer(*args, turn, gptq)
     if propagates_float(request.method):
         from qmill.engine.lm import qep
 
@@ -177,6 +228,39 @@ def layer_calibrator(request: Any) -> Callable[..., Any]:
         alpha=request.smoothquant_alpha,
     )
     return lambda *args: smoothing_lib.calibrate_layer(*args, options, gptq, **experts)
+
+
+def outer_as_run(request: Any, cfg: Any, outer: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The embedding, final norm and head (float, as read) as the calibrated model runs them:
+    rotated by a Hadamard method (engine/lm/rotation.rotate_outer), else `outer` itself."""
+    if not rotates(request.method):
+        return outer
+    from qmill.engine.lm import rotation
+
+    rot = rotation.rotation(cfg.hidden_size, request.hadamard_seed)
+    return rotation.rotate_outer(cfg, outer, rot)
+
+
+def outer_folded(request: Any, cfg: Any, run_outer: Mapping[str, Any]) -> dict[str, Any]:
+    """Full name → the embedding, final norm and head a Hadamard method changed (outer_as_run's,
+    in their own dtypes), kept with layer 0's results; {} for other methods."""
+    if not rotates(request.method):
+        return {}
+    from qmill.engine.lm import config as config_lib
+    from qmill.engine.lm import rotation
+
+    names = config_lib.outer_tensor_names(rotation.untied(cfg))  # a tied head: its own now
+    return {names[k]: np.asarray(run_outer[k]) for k in ("embed", "norm", "head")}
+
+
+def run_config(request: Any, cfg: Any) -> Any:
+    """The LmConfig the calibrated model runs its head with: untied where rotated (the
+    embedding and the head differ then: outer_as_run)."""
+    if not rotates(request.method):
+        return cfg
+    from qmill.engine.lm import rotation
+
+    return rotation.untied(cfg)
 
 
 def quantized_config(cfg: Any, recipe: Mapping[str, Any]) -> Any:
@@ -241,6 +325,8 @@ def fingerprint(request: Any) -> dict[str, Any]:
         return {}
     if request.method == "qep":
         return {"method": ["qep", request.qep_correction]}
+    if rotates(request.method):
+        return {"method": [request.method, request.hadamard_seed]}
     options = [request.method, request.smoothquant_alpha, request.awq_grid]
     return {"method": options + (["clip"] if clips(request) else [])}
 
@@ -261,6 +347,8 @@ def report_options(request: Any, methods: Mapping[str, str]) -> dict[str, Any]:
 
         options = qep.QepOptions(correction=request.qep_correction)
         out["qep"] = {"correction_factor": options.correction, "damping_factor": options.damping}
+    if rotates(request.method):
+        out["hadamard"] = {"seed": request.hadamard_seed, "rotations": ["residual"]}
     fold = smoothing(request.method)
     if fold == "awq":
         out["awq"] = {"n_grid": request.awq_grid, "duo_scaling": True, "clip": clips(request)}

@@ -5,6 +5,7 @@ linears it plans, and its evaluation the embedding and head as the output holds 
 from __future__ import annotations
 
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,8 @@ import numpy as np
 
 from qmill.checkpoints.base import protocols
 from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
+from qmill.checkpoints.formats.hf_folder import folder as hf_folder
+from qmill.checkpoints.formats.hf_folder import untied as hf_untied
 from qmill.checkpoints.run import plan as plan_lib
 
 # The skip rule that leaves a mixture of experts' routers (and Qwen2-MoE's shared expert gate) in
@@ -40,11 +43,18 @@ def for_calibration(
     folder: str | os.PathLike,
     destination: str | os.PathLike,
     recipe: Mapping[str, Any],
+    untie: tuple[str, str] | None = None,
 ) -> Plans:
     """Each tensor's plan, made by the run's plan as the calibration quantizes the linears: at
     their own shapes, planned for the folder's own format (no output format's padded blocks or
-    global scales enter the calibration; the recipe's tiles are checked on every tensor)."""
-    planned = plan_lib.plan_source(weights, folder, destination, dict(recipe), weights.format)
+    global scales enter the calibration; the recipe's tiles are checked on every tensor).
+    `untie`: the output's head is a tensor of its own (plan.make's), planned as it will be."""
+    source: Any = weights
+    if untie is not None:
+        source = hf_untied.untied(hf_folder.HfFolderSource(pathlib.Path(folder), weights), untie)
+    planned = plan_lib.plan_source(
+        source, folder, destination, dict(recipe), weights.format, untie=untie
+    )
     return Plans(planned)
 
 

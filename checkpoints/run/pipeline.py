@@ -68,6 +68,7 @@ def quantize_checkpoint(
     output_format: str | None = None,
     overwrite: bool = False,
     engine: bool = False,
+    untie: tuple[str, str] | None = None,
     **options: Any,
 ) -> list[ReportRow]:
     """Quantizes a checkpoint; returns one report row per tensor, in checkpoint order.
@@ -96,6 +97,8 @@ def quantize_checkpoint(
     server); the engine in this process wants buffers of its own.
 
     `replaced`: tensor name -> a loader of the array read in place of the source's (Options).
+    `untie`: (head, embedding) of a Hugging Face folder's tied head, written as a tensor of its
+    own (plan.make), from `replaced`.
 
     Raises:
         FileExistsError: `destination` exists and `overwrite` is False.
@@ -106,7 +109,7 @@ def quantize_checkpoint(
         errors.OutputError: the output's disk is full, read-only or not writable; the
             finished tensors stay in the partial output.
     """
-    planning = {"overwrite": overwrite, "engine": engine}
+    planning = {"overwrite": overwrite, "engine": engine, "untie": untie}
     with plan_lib.opened(source_path, destination, recipe, output_format, **planning) as opened:
         return _run_opened(*opened, backend, Options(**options))
 
@@ -117,7 +120,7 @@ def run(plan: plan_lib.Plan, *, backend: Backend, **options: Any) -> list[Report
     Raises:
         ValueError: the source's tensors are no longer those the plan was made for.
     """
-    with formats.open_source(plan.source) as checkpoint:
+    with plan.opened() as checkpoint:
         planned = [(e.path, e.dtype, tuple(e.shape)) for e in checkpoint.entries()]
         if planned != [(t.path, t.entry.dtype, tuple(t.entry.shape)) for t in plan.tensors]:
             raise ValueError(f"{plan.source} changed since the run was planned; run it again")

@@ -39,6 +39,7 @@ from qmill.checkpoints.formats.compressed_tensors import blocks as ct_blocks
 from qmill.checkpoints.formats.compressed_tensors import global_scales as ct_global
 from qmill.checkpoints.formats.compressed_tensors import schemes as ct_schemes
 from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
+from qmill.checkpoints.formats.hf_folder import untied as hf_untied
 from qmill.checkpoints.run import rows as rows_lib
 
 # The engine quantizes only these; every other dtype is copied without a round trip.
@@ -109,6 +110,15 @@ class Plan:
     tensors: tuple[TensorPlan, ...]
     # Whether each tensor's fate was decided here (else by the backend: a run on a server).
     resolved: bool
+    # (head, embedding): a Hugging Face folder's tied head written as a tensor of its own
+    # (hf_folder/untied.py; a rotated language model's), or None.
+    untie: tuple[str, str] | None = None
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[protocols.TensorSource]:
+        """The source as planned (its head untied where `untie` says)."""
+        with formats.open_source(self.source) as source:
+            yield hf_untied.untied(source, self.untie)
 
     @functools.cached_property
     def by_path(self) -> Mapping[str, TensorPlan]:
@@ -174,12 +184,15 @@ def make(
     overwrite: bool = False,
     engine: bool = True,
     dry_run: bool = False,
+    untie: tuple[str, str] | None = None,
 ) -> Plan:
     """The plan of quantizing `source_path` into `destination` with `recipe` (a mapping).
 
     `engine`: decide each tensor's fate here (False: a run on a server writing qmill's layout,
     whose server decides; compressed-tensors always decides here). `dry_run`: predict each
     quantized tensor's bytes after, and read no tensor (NVFP4's global scales are left out).
+    `untie`: (head, embedding) of a Hugging Face folder whose tied head the output holds as a
+    tensor of its own (hf_folder/untied.py), written from the run's `replaced`.
 
     Raises:
         ValueError: the destination would destroy the source or has a suffix qmill does not
@@ -188,7 +201,7 @@ def make(
         FileExistsError: the destination exists and `overwrite` is False.
         FileNotFoundError: no source.
     """
-    options = {"overwrite": overwrite, "engine": engine, "dry_run": dry_run}
+    options = {"overwrite": overwrite, "engine": engine, "dry_run": dry_run, "untie": untie}
     with opened(source_path, destination, recipe, output_format, **options) as (plan, _):
         return plan
 
@@ -209,7 +222,8 @@ def opened(
         overwrite=options.get("overwrite", False),
         output_format=output_format,
     )
-    with formats.open_source(source_path) as source:
+    with formats.open_source(source_path) as opened_source:
+        source = hf_untied.untied(opened_source, options.get("untie"))
         yield (
             plan_source(source, source_path, destination, recipe, output_format, **options),
             source,
@@ -226,8 +240,10 @@ def plan_source(
     overwrite: bool = False,
     engine: bool = True,
     dry_run: bool = False,
+    untie: tuple[str, str] | None = None,
 ) -> Plan:
-    """`make` over an opened source (the destination already checked)."""
+    """`make` over an opened source (the destination already checked; its head already
+    untied where `untie` says)."""
     fmt = output_format or formats.format_for_destination(destination, source.format)
     recipe = with_default_convention(recipe, source.format)
     scheme = None
@@ -245,6 +261,7 @@ def plan_source(
         scheme=scheme,
         tensors=tuple(_unresolved(e) for e in source.entries()),
         resolved=False,
+        untie=untie,
     )
     if not engine and scheme is None:
         return plan

@@ -32,6 +32,16 @@ def _sylvester(power: int) -> np.ndarray:
     return had
 
 
+def sylvester(power: int) -> np.ndarray:
+    """The 2^power Sylvester Hadamard matrix (int8 ±1, H Hᵀ = 2^power I): the blocks of a
+    language model's fused rotation (engine/lm/rotation.py).
+
+    Raises:
+      ValueError: a negative power.
+    """
+    return _sylvester(power)
+
+
 def _create_hadamard_matrix(
     power: int,
     key: jax.Array | None,

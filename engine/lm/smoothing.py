@@ -197,7 +197,7 @@ def calibrate_layer(
     Raises:
       ValueError: a plan the method cannot follow (an NVFP4 global scale), or no finite AWQ error.
     """
-    plans = _scales_in_source_dtype(plans, weights)
+    plans = scales_in_source_dtype(plans, weights)
     smoothed, applied, report = smooth_layer(cfg, layer, weights, hidden, plans, options)
     if gptq is not None:
         done = sequential.calibrate_layer(
@@ -222,7 +222,7 @@ def calibrate_layer(
     )
 
 
-def _scales_in_source_dtype(
+def scales_in_source_dtype(
     plans: Mapping[str, layout.LeafPlan], weights: Mapping[str, Any]
 ) -> dict[str, layout.LeafPlan]:
     """The plans with each scale stored in its weight's dtype as read, where the recipe leaves

@@ -447,14 +447,16 @@ class LanguageModelProgress(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., layers: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., eta_seconds: _Optional[float] = ...) -> None: ...
 
 class CalibrateLanguageModelResponse(_message.Message):
-    __slots__ = ("progress", "summary", "folded")
+    __slots__ = ("progress", "summary", "folded", "folded_chunk")
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     FOLDED_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     progress: LanguageModelProgress
     summary: CalibrateLanguageModelSummary
     folded: InlineTensor
-    def __init__(self, progress: _Optional[_Union[LanguageModelProgress, _Mapping]] = ..., summary: _Optional[_Union[CalibrateLanguageModelSummary, _Mapping]] = ..., folded: _Optional[_Union[InlineTensor, _Mapping]] = ...) -> None: ...
+    folded_chunk: TensorChunk
+    def __init__(self, progress: _Optional[_Union[LanguageModelProgress, _Mapping]] = ..., summary: _Optional[_Union[CalibrateLanguageModelSummary, _Mapping]] = ..., folded: _Optional[_Union[InlineTensor, _Mapping]] = ..., folded_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class CalibrateLanguageModelSummary(_message.Message):
     __slots__ = ("calibration_id", "report_json", "resumed_at_layer", "calibrated_tensors")
@@ -596,7 +598,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., request_id: _Optional[str] = ..., output_format: _Optional[str] = ..., overwrite: _Optional[bool] = ..., language_model: _Optional[_Union[LanguageModelCalibration, _Mapping]] = ...) -> None: ...
 
 class LanguageModelCalibration(_message.Message):
-    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase", "smoothquant_alpha", "awq_grid", "calibrate_all_experts", "awq_no_clip", "qep_correction")
+    __slots__ = ("method", "calibration_ids", "eval_ids", "gptq_block_size", "gptq_dampening", "gptq_actorder", "max_ppl_increase", "smoothquant_alpha", "awq_grid", "calibrate_all_experts", "awq_no_clip", "qep_correction", "hadamard_seed")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_IDS_FIELD_NUMBER: _ClassVar[int]
     EVAL_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -609,6 +611,7 @@ class LanguageModelCalibration(_message.Message):
     CALIBRATE_ALL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     AWQ_NO_CLIP_FIELD_NUMBER: _ClassVar[int]
     QEP_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    HADAMARD_SEED_FIELD_NUMBER: _ClassVar[int]
     method: str
     calibration_ids: InlineTensor
     eval_ids: InlineTensor
@@ -621,7 +624,8 @@ class LanguageModelCalibration(_message.Message):
     calibrate_all_experts: bool
     awq_no_clip: bool
     qep_correction: float
-    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ..., smoothquant_alpha: _Optional[float] = ..., awq_grid: _Optional[int] = ..., calibrate_all_experts: _Optional[bool] = ..., awq_no_clip: _Optional[bool] = ..., qep_correction: _Optional[float] = ...) -> None: ...
+    hadamard_seed: int
+    def __init__(self, method: _Optional[str] = ..., calibration_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., eval_ids: _Optional[_Union[InlineTensor, _Mapping]] = ..., gptq_block_size: _Optional[int] = ..., gptq_dampening: _Optional[float] = ..., gptq_actorder: _Optional[str] = ..., max_ppl_increase: _Optional[float] = ..., smoothquant_alpha: _Optional[float] = ..., awq_grid: _Optional[int] = ..., calibrate_all_experts: _Optional[bool] = ..., awq_no_clip: _Optional[bool] = ..., qep_correction: _Optional[float] = ..., hadamard_seed: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "state", "source", "destination", "request_id", "tensors_done", "tensors_total", "bytes_done", "bytes_total", "error", "created_unix", "updated_unix", "message", "calibration_report_json")

@@ -281,7 +281,8 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
             stop.set()
         calls.annotate(calibration=done.calibration_id, resumed_at=done.resumed_at_layer)
         for name, array in done.folded.items():  # AWQ / SmoothQuant: the folded norms, biases
-            yield pb.CalibrateLanguageModelResponse(folded=codec.inline_tensor(name, array))
+            for response in _folded(name, array):  # Hadamard: the embedding and head too
+                yield response
         yield pb.CalibrateLanguageModelResponse(
             summary=pb.CalibrateLanguageModelSummary(
                 calibration_id=done.calibration_id,
@@ -290,6 +291,18 @@ class CalibratorServicer(pb_grpc.CalibratorServicer):
                 calibrated_tensors=done.calibrated_tensors,
             )
         )
+
+
+def _folded(name: str, array: np.ndarray) -> Iterator[pb.CalibrateLanguageModelResponse]:
+    """A folded tensor in one message, or, over one chunk (a rotated embedding), its header
+    alone and then its bytes chunk by chunk: no message outgrows the client's limit."""
+    tensor = codec.inline_tensor(name, array)
+    if len(tensor.data) <= wire.CHUNK_BYTES:
+        yield pb.CalibrateLanguageModelResponse(folded=tensor)
+        return
+    yield pb.CalibrateLanguageModelResponse(folded=pb.InlineTensor(header=tensor.header))
+    for chunk in wire.chunks(np.frombuffer(tensor.data, np.uint8)):
+        yield pb.CalibrateLanguageModelResponse(folded_chunk=chunk)
 
 
 class _Stopped(Exception):

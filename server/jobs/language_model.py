@@ -70,6 +70,12 @@ def check_submit(
     return message.SerializeToString(deterministic=True)
 
 
+def untie(job: LmJob, source: str) -> tuple[str, str] | None:
+    """(head, embedding) of the source's tied head, which the output of a rotating method
+    holds as a tensor of its own (lm_methods.untie: the in-process run's plan), or None."""
+    return lm_methods.untie(job.request.method, lm_calibration.model_config(source))
+
+
 def calibrate(
     job: LmJob,
     source: str,

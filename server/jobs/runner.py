@@ -289,7 +289,7 @@ class JobRunner:
             source, destination = staged.source, staged.destination
             where["destination"] = destination
             mirror = self._mirror(record, staged)
-            calibrated = None
+            calibrated = untie = None
             if record.language_model:
                 # A Hugging Face causal LM calibrated layer by layer first (language_model.py).
                 lm = lm_jobs.LmJob.decode(record.language_model)
@@ -297,6 +297,7 @@ class JobRunner:
                 calibrated = lm_jobs.calibrate(
                     lm, source, destination, record.recipe, check=check, update=update
                 )
+                untie = lm_jobs.untie(lm, source)  # --method hadamard: a tied head, untied
             new_backend = self._new_backend
             if calibrated is not None:
                 new_backend = functools.partial(lm_jobs.backend, calibrated)
@@ -319,6 +320,7 @@ class JobRunner:
                     in_place=mirror is None,
                     # AWQ / SmoothQuant's folded norms and biases, in place of the source's.
                     replaced=calibrated.folded if calibrated is not None else None,
+                    untie=untie,
                 )
                 spread = peers_lib.describe_spread(backend)
             staged.publish(overwrite=record.overwrite, check=check)

@@ -30,8 +30,9 @@ def test_each_method_takes_every_scheme_but_what_it_cannot_follow(method):
             assert why == lm_methods.static_refusal(scheme)
         elif why is not None:
             refused[name] = why
-    # A fold changes the weights NVFP4's global scales were found from.
-    folded = {"NVFP4A16"} if lm_methods.smoothing(method) else set()
+    # A fold or a rotation changes the weights NVFP4's global scales were found from.
+    changes = lm_methods.smoothing(method) or lm_methods.rotates(method)
+    folded = {"NVFP4A16"} if changes else set()
     assert set(refused) == (NOT_GPTQ if lm_methods.uses_gptq(method) else set()) | folded
     for name, why in refused.items():
         # One line: what cannot be done and why, then what runs instead.

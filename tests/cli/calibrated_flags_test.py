@@ -39,3 +39,13 @@ def test_qep_correction_is_for_qep_alone():
     for method in (("--method", "gptq", *ids), ("--method", "awq", *ids), ()):
         with pytest.raises(ValueError, match=r"--qep-correction is --method qep's"):
             calibrated_lm.wanted(_args("--recipe", "W4A16", *method, "--qep-correction", "1"))
+
+
+def test_hadamard_seed_is_for_the_rotation_alone():
+    ids = ("--calibration-ids", "ids.npy")
+    for method in ("hadamard", "hadamard+gptq"):
+        assert calibrated_lm.wanted(_args("--method", method, *ids, "--hadamard-seed", "3"))
+    assert _args("--method", "hadamard", *ids).hadamard_seed is None  # the request's 0
+    for method in (("--method", "gptq", *ids), ("--method", "awq", *ids), ()):
+        with pytest.raises(ValueError, match=r"--hadamard-seed is --method hadamard's"):
+            calibrated_lm.wanted(_args("--recipe", "W4A16", *method, "--hadamard-seed", "1"))

@@ -476,6 +476,37 @@ def test_qep_through_a_server_and_as_a_job_gives_the_in_process_bytes(
     _same_bytes(dest, reference)
 
 
+def test_hadamard_through_a_server_and_as_a_job_gives_the_in_process_bytes(
+    make_server, llama, ids, tmp_path
+):
+    """The rotation's seed travels (LanguageModelCalibration.hadamard_seed), the rotated
+    embedding, norms and untied head come back as folded tensors, and the client's plan and a
+    job's write the tied Llama's head as a tensor of its own."""
+
+    def hadamard(output, *extra) -> list[str]:
+        args = _cli_args(llama, ids, output, "--hadamard-seed", "7", *extra)
+        args[args.index("gptq")] = "hadamard"
+        return args
+
+    reference = tmp_path / "in-process"
+    assert cli.main(hadamard(reference)) == 0
+    assert json.loads((reference / "config.json").read_text())["tie_word_embeddings"] is False
+    server = make_server()
+    output, report = tmp_path / "server", tmp_path / "report.json"
+    assert cli.main(hadamard(output, "--server", server.address, "--report-json", report)) == 0
+    _same_bytes(output, reference)
+    done = json.loads(report.read_text())
+    methods = {row["path"]: row["method"] for row in done["tensors"]}
+    assert sorted(methods.values()).count("Hadamard") == 7 * LAYERS
+    assert "lm_head.weight" in methods and done["calibration"]["hadamard"]["seed"] == 7
+    dest = tmp_path / "job"
+    with Client(server.address, timeout=60) as client:
+        job = _submit(client, llama, dest, _message(ids, method="hadamard", hadamard_seed=7))
+        last = list(client.jobs.watch(job.job_id))[-1].job
+    assert last.state == pb.JOB_STATE_SUCCEEDED, last.error
+    _same_bytes(dest, reference)
+
+
 def test_gptq_of_a_micro_scaled_scheme_is_refused_before_any_work_on_every_path(
     make_server, llama, ids, tmp_path, capsys
 ):

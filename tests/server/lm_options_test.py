@@ -47,3 +47,16 @@ def test_qep_correction_travels_and_is_refused_with_another_method():
         message.qep_correction = correction
         with pytest.raises(ValueError, match=words):
             codec.lm_options(message)
+
+
+def test_the_hadamard_seed_travels_and_is_refused_with_another_method():
+    sent = lm_calibration.LmRequest(calibration_ids=IDS, method="hadamard+gptq", hadamard_seed=9)
+    got, _ = codec.lm_options(lm_jobs.message(sent))
+    assert (got.method, got.hadamard_seed) == ("hadamard+gptq", 9)
+    unset = lm_jobs.message(lm_calibration.LmRequest(calibration_ids=IDS, method="hadamard"))
+    unset.ClearField("hadamard_seed")
+    assert codec.lm_options(unset)[0].hadamard_seed == 0
+    message = lm_jobs.message(lm_calibration.LmRequest(calibration_ids=IDS, method="awq"))
+    message.hadamard_seed = 1
+    with pytest.raises(ValueError, match=r"hadamard_seed is .* method 'awq' rotates nothing"):
+        codec.lm_options(message)
