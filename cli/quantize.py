@@ -22,6 +22,7 @@ from qmill.checkpoints.formats import registry as formats
 from qmill.checkpoints.formats.compressed_tensors import writer as ct_writer
 from qmill.checkpoints.lm import backends as lm_backends
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import methods as lm_methods
 from qmill.checkpoints.lm import plans as lm_plans
 from qmill.checkpoints.run import calibration_coverage, pipeline
 from qmill.checkpoints.run import plan as plan_lib
@@ -305,6 +306,6 @@ def _language_model(args: argparse.Namespace, recipe: dict, out: Console) -> Any
         lm_server.check_server(args)
     lm = calibrated_lm.request(args)
     lm_calibration.check_request(args.source, lm, recipe)
-    for line in calibrated_lm.check_memory(args, lm):
+    for line in calibrated_lm.check_memory(args, lm) + lm_methods.notices(lm.method, recipe):
         out.print(line, markup=False, highlight=False, soft_wrap=True)
     return lm

@@ -105,6 +105,21 @@ def check_recipe(method: str, recipe: Mapping[str, Any]) -> None:
         )
 
 
+def notices(method: str, recipe: Mapping[str, Any]) -> list[str]:
+    """Lines a user should read before a run the method allows but that measured badly: the
+    rotation rounded to nearest with 4-bit weights (docs/calibrated-methods.md, Hadamard)."""
+    scheme = _scheme_of(recipe)
+    if method != "hadamard" or scheme is None or scheme.num_bits >= 8:
+        return []
+    return [
+        "note: --method hadamard rounds the rotated weights to nearest; with "
+        f"{scheme.num_bits}-bit weights that measured worse than no rotation (SmolLM2-135M W4A16: "
+        "held-out perplexity "
+        "44.0 -> 74.5, docs/calibrated-methods.md). For 4-bit weights rotate with "
+        "--method hadamard+gptq"
+    ]
+
+
 def static_refusal(scheme: ct_schemes.Scheme) -> str:
     """Why a static-activation scheme (FP8, NVFP4) takes no --method."""
     return (

@@ -54,3 +54,15 @@ def test_a_custom_rule_is_refused_by_its_numerics_not_its_name():
     assert _refusal("smoothquant", recipe) is None  # round to nearest after the fold
     int4 = {"rules": [{"path_regex": ".*", "qtype": "int4", "tile_size": 32}]}
     assert _refusal("gptq", int4) is None
+
+
+def test_rotation_rounded_to_nearest_at_four_bits_comes_with_a_note():
+    from qmill.client import recipes
+
+    w4, w8a8 = recipes.load("W4A16"), recipes.load("W8A8")
+    (note,) = lm_methods.notices("hadamard", w4)
+    assert "4-bit weights" in note and "--method hadamard+gptq" in note
+    # What measured well (or is no rotation) has none.
+    assert lm_methods.notices("hadamard", w8a8) == []
+    assert lm_methods.notices("hadamard+gptq", w4) == []
+    assert lm_methods.notices("gptq", w4) == []
