@@ -170,8 +170,8 @@ def einsum(
 def quantize_act(
     array: jax.Array, how: HowToQuantize, rule: Any, act_name: str | None
 ) -> qarray.QArray:
-    """ptq's quantize_act (outside a module: dynamic scales) with padding."""
-    return ptq_lib.quantize_act(None, array, how, rule, act_name, quantize=quantize)
+    """ptq's quantize_act (a static scale on the running module, if any) with padding."""
+    return ptq_lib.quantize_act(array, how, rule, act_name, quantize=quantize)
 
 
 def create_quantized_param(
@@ -211,7 +211,7 @@ class PaddedPtqProvider(ptq_lib.PtqProvider):
         return ptq_lib.create_quantized_param(module, ref, value, how, quantize=quantize)
 
     def quantize_act(self, module, array, how, rule, act_name):
-        return ptq_lib.quantize_act(module, array, how, rule, act_name, quantize=quantize)
+        return ptq_lib.quantize_act(array, how, rule, act_name, module=module, quantize=quantize)
 
 
 __all__ = ["PaddedPtqProvider", "PaddedQArray"]

@@ -41,13 +41,17 @@ def is_initializing_nnx() -> bool:
     return _init_state.initializing > 0
 
 
+def _interceptor_id(provider: base.QuantizationProvider) -> tuple[str, int]:
+    return ("provider", id(provider))
+
+
 @contextlib.contextmanager
 def _running(provider: base.QuantizationProvider, model: Any) -> Iterator[None]:
     handlers = _handlers(provider)
     originals = interception.originals_of(list(handlers))
     # One block per provider and thread: a quantized method called by another (or by a
     # handler) runs under the block already there, as the reference applies an interceptor once.
-    interceptor = interception.Interceptor(handlers, id=("provider", id(provider)))
+    interceptor = interception.Interceptor(handlers, id=_interceptor_id(provider))
     block = (
         contextlib.nullcontext()
         if interception.is_active(interceptor.id)
@@ -84,7 +88,15 @@ def _handlers(provider: base.QuantizationProvider) -> dict[str, Callable[..., An
 def _wrap_method(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self, nn.Module) and self.scope is None:
+            # As the reference: a Linen method is quantized only inside a bound module (init,
+            # apply); called on an unbound module it is the float method.
+            return method(self, *args, **kwargs)
         provider = getattr(type(self), _PROVIDER_ATTR, None) or getattr(self, _PROVIDER_ATTR)
+        if interception.is_active(_interceptor_id(provider)):
+            # A quantized method called by another runs inside it, as the reference applies
+            # an interceptor once: no second input / output hook.
+            return method(self, *args, **kwargs)
         # Hooks for providers that quantize the model's inputs / output too (the ODML ones).
         _, args, kwargs = provider.process_model_inputs(self, args, kwargs)
         with _running(provider, self):

@@ -209,7 +209,7 @@ class PtqProvider(base.OpsProvider):
         return create_quantized_param(module, ref, value, how)
 
     def quantize_act(self, module, array, how, rule, act_name) -> qarray.QArray:
-        return quantize_act(module, array, how, rule, act_name)
+        return quantize_act(array, how, rule, act_name, module=module)
 
 
 def _params_frozen(module: Any) -> bool:
@@ -292,17 +292,23 @@ def create_quantized_param(
     return unboxed
 
 
+_RUNNING = object()  # quantize_act's default module: the running one, if any
+
+
 def quantize_act(
-    module: Any,
     array: jax.Array,
     how: qarray.HowToQuantize,
     rule: rules.QuantizationRule,
     act_name: str | None,
     *,
+    module: Any = _RUNNING,
     quantize: Callable[..., qarray.QArray] = qarray.quantize,
 ) -> qarray.QArray:
-    """Quantizes an activation, with a static scale stored as a param if the rule asks for it
-    (dynamic scales by ``quantize``)."""
+    """Quantizes an activation, with a static scale stored as a param of ``module`` (default:
+    the running module) if the rule asks for it; dynamic scales by ``quantize``, and outside
+    every module. The reference's signature, ``module`` and ``quantize`` added as keywords."""
+    if module is _RUNNING:
+        module = flax_util.current_module_and_call()[0]
     if not rule.resolved_act_static_scale or module is None or act_name is None:
         return quantize(array, how)
     # An NNX PTQ model converted from a QT one finds the QT statistics here and consumes them.

@@ -251,3 +251,24 @@ def test_quantize_of_a_concrete_array_inside_an_outer_jit():
 
     expected = qarray_lib.dequantize(qarray_lib.quantize(x, how))
     assert jnp.array_equal(closed_over(jnp.zeros(())), expected)
+
+
+def test_a_replaced_compute_scale_zero_point_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference's quantize calls its module's compute_scale_zero_point, and its own tests
+    monkeypatch that function; quantize must then go through the replacement, as there."""
+    original = qarray.compute_scale_zero_point
+    calls = []
+
+    def doubled(calibration, qtype):
+        calls.append(qtype)
+        scale, zero_point = original(calibration, qtype)
+        return scale * 2, zero_point
+
+    x = jnp.array([[1.0, -2.0, 0.5, 0.25]], jnp.float32)
+    how = qarray.HowToQuantize(qtype="int8", channelwise_axes=(0,))
+    plain = qarray.quantize(x, how)
+    monkeypatch.setattr(qarray, "compute_scale_zero_point", doubled)
+    patched = qarray.quantize(x, how)
+    assert calls == ["int8"]
+    np.testing.assert_array_equal(patched.scale, plain.scale * 2)
+    np.testing.assert_array_equal(patched.qvalue, [[32, -64, 16, 8]])

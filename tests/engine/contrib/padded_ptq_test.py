@@ -91,3 +91,20 @@ def test_padded_shapes() -> None:
     assert padded_ptq.get_padded_shape((3, 40, 8), {1: 0.3}) == (3, 48, 8)  # tile round(12)
     assert padded_ptq.get_padded_shape((3, 40, 8), {}) == (3, 40, 8)
     assert padded_ptq.pad_to_shape(jnp.ones((2, 3)), (2, 5)).sum() == 6
+
+
+def test_quantize_act_takes_the_reference_arguments() -> None:
+    """quantize_act(array, how, rule, act_name), as the reference's ptq and padded_ptq take it:
+    outside a module the scale is dynamic, and the padded codes are PTQ's on the padded array."""
+    from qmill.engine.providers import ptq
+
+    rule = qe.QuantizationRule(module_path=".*", weight_qtype="int8", tile_size=16)
+    how = einsum_ops.get_how_to_quantize(
+        einsum_str="td,edf->tef", ndims=(2, 3), for_lhs=False, qtype="int8", tile_size=16
+    )
+    padded = padded_ptq.quantize_act(W, how, rule, None)
+    w_padded = padded_ptq.pad_to_shape(W, padded.padded_shape)
+    plain = ptq.quantize_act(w_padded, how, rule, None)
+    np.testing.assert_array_equal(codes(plain), codes(qe.qarray.quantize(w_padded, how)))
+    np.testing.assert_array_equal(codes(padded), codes(plain)[:, : W.shape[1], :])
+    np.testing.assert_array_equal(bits(padded.scale), bits(plain.scale))
