@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 
 from qmill.checkpoints.lm import calibration as lm_calibration
+from qmill.checkpoints.lm import memory as lm_memory
 from qmill.checkpoints.lm import methods as lm_methods
+from qmill.cli import report
 
 METHODS = lm_calibration.METHODS
 # How the report names each method (a calibrated linear's row), as for a --calibration run.
@@ -338,31 +340,23 @@ def _windows_of(args: argparse.Namespace, name: str, what: str) -> Any:
     return windows(args.source, text, count, args.calibration_seq_len, what)
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def check_memory(args: argparse.Namespace, req: lm_calibration.LmRequest) -> list[str]:
     """The estimate's lines; refuses the run when it exceeds --max-memory."""
     cfg = lm_calibration.model_config(args.source)
-    parts = lm_calibration.estimate(cfg, lm_calibration.tensor_shapes(args.source), req)
+    parts = lm_memory.estimate(cfg, lm_calibration.tensor_shapes(args.source), req)
     total = sum(parts.values())
     lines = [
-        f"calibration memory estimate: {_bytes(total)} at its peak "
+        f"calibration memory estimate: {report.size_text(total)} at its peak "
         + "("
-        + ", ".join(f"{k} {_bytes(v)}" for k, v in parts.items())
+        + ", ".join(f"{k} {report.size_text(v)}" for k, v in parts.items())
         + f"; {cfg.num_layers} layers, {req.calibration_ids.shape[0]} × "
         f"{req.calibration_ids.shape[1]} calibration tokens)"
     ]
     if args.max_memory is not None and total > (limit := parse_size(args.max_memory)):
         raise ValueError(
-            f"the calibration needs about {_bytes(total)}, more than --max-memory "
-            f"{args.max_memory} ({_bytes(limit)}): use fewer --calibration-samples or a shorter "
-            "--calibration-seq-len"
+            f"the calibration needs about {report.size_text(total)}, more than --max-memory "
+            f"{args.max_memory} ({report.size_text(limit)}): use fewer --calibration-samples or a "
+            "shorter --calibration-seq-len"
         )
     return lines
 

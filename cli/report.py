@@ -75,12 +75,13 @@ TABLES = ("summary", "full")
 WORST = 10  # lowest-SQNR tensors in the summary view and the JSON report
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """A byte count as people read it: 512 B, 1.5 KiB ... 2.0 TiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+    return f"{n:.1f} TiB"
 
 
 def _db(value: float) -> str:
@@ -257,15 +258,15 @@ def totals_line(summary: Summary, *, plan: bool = False) -> str:
     if plan:
         ratio = before / after if after else float("inf")
         return (
-            f"plan: {count} would be quantized, tensors {_size(before)} → {_size(after)} "
+            f"plan: {count} would be quantized, tensors {size_text(before)} → {size_text(after)} "
             f"({ratio:.2f}× smaller); nothing was written"
         )
     disk_before, disk_after = summary.disk_before or 0, summary.disk_after or 0
     ratio = disk_before / disk_after if disk_after else float("inf")
     return (
-        f"{count} quantized in {summary.seconds:.1f} s: {_size(disk_before)} → "
-        f"{_size(disk_after)} on disk ({ratio:.2f}× smaller; tensors {_size(before)} → "
-        f"{_size(after)}) → {summary.output}"
+        f"{count} quantized in {summary.seconds:.1f} s: {size_text(disk_before)} → "
+        f"{size_text(disk_after)} on disk ({ratio:.2f}× smaller; tensors {size_text(before)} → "
+        f"{size_text(after)}) → {summary.output}"
     )
 
 

@@ -118,18 +118,14 @@ def calibrate_layer(
         experts.
     """
     prefix = config_lib.layer_prefix(cfg, layer)
-    if (qep is None) != (reference is None):
-        raise ValueError("QEP takes the float model's hidden states (reference), and only QEP")
-    if qep is not None and config_lib.is_moe_layer(cfg, layer):
-        raise ValueError(f"QEP calibrates dense layers; layer {layer} is a mixture of experts")
+    _check_qep(cfg, layer, qep, reference)
     source = _as_float(weights)
     current = dict(source)
     carries = [{"h": h} for h in hidden]
     floats = None if reference is None else [{"h": h} for h in reference]
-    del reference
-    # The carries hold the chunks now: with the caller's reference given up too (lm
+    # The carries hold the chunks now: with the caller's references given up too (lm
     # checkpoints' Streams.take_hidden), each is freed once the first stage has replaced it.
-    del hidden
+    del hidden, reference
     results: dict[str, leaf_lib.LeafResult] = {}
     losses: dict[str, float] = {}
     rtn: dict[str, str] = {}
@@ -157,13 +153,17 @@ def calibrate_layer(
             current[name] = deq
         del h, h_delta, arrays
     outputs = tuple(c["h"] for c in carries)
-    if floats is None:
-        return LayerCalibration(results, losses, current, outputs, rtn)
-    methods = {prefix + n: "qep" for n in plans}
-    return LayerCalibration(
-        results, losses, current, outputs, rtn, methods=methods,
-        reference=tuple(c["h"] for c in floats),
-    )  # fmt: skip
+    qep_parts = {} if floats is None else {
+        "methods": {prefix + n: "qep" for n in plans}, "reference": tuple(c["h"] for c in floats)
+    }  # fmt: skip
+    return LayerCalibration(results, losses, current, outputs, rtn, **qep_parts)
+
+
+def _check_qep(cfg, layer, qep, reference) -> None:
+    if (qep is None) != (reference is None):
+        raise ValueError("QEP takes the float model's hidden states (reference), and only QEP")
+    if qep is not None and config_lib.is_moe_layer(cfg, layer):
+        raise ValueError(f"QEP calibrates dense layers; layer {layer} is a mixture of experts")
 
 
 def _run_stage(cfg, layer, index, quantized, floats, collect) -> tuple[Any, Any]:

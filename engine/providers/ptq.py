@@ -304,9 +304,8 @@ def quantize_act(
     module: Any = _RUNNING,
     quantize: Callable[..., qarray.QArray] = qarray.quantize,
 ) -> qarray.QArray:
-    """Quantizes an activation, with a static scale stored as a param of ``module`` (default:
-    the running module) if the rule asks for it; dynamic scales by ``quantize``, and outside
-    every module. The reference's signature, ``module`` and ``quantize`` added as keywords."""
+    """Quantizes an activation, with a static scale stored as a param of ``module`` (default: the
+    running one) if the rule asks for it, else by ``quantize`` (the reference's signature)."""
     if module is _RUNNING:
         module = flax_util.current_module_and_call()[0]
     if not rule.resolved_act_static_scale or module is None or act_name is None:
@@ -318,10 +317,9 @@ def quantize_act(
     created_zero_point = []
 
     def init() -> WithAux[jax.Array]:
-        if stat is not None:
-            calibration = averaging.calibration(stat)
-        else:
-            calibration = qarray.calibrate(array, how)
+        calibration = (
+            averaging.calibration(stat) if stat is not None else qarray.calibrate(array, how)
+        )
         calibration = {
             k: v.mean(axis=tuple(rule.act_batch_axes), keepdims=True)
             for k, v in calibration.items()
@@ -360,10 +358,8 @@ def get_value_from_path(obj: Any, path: Sequence[Any]) -> Any:
     """Follows ``path`` through dicts, NNX modules and Linen boxes; _MISSING if absent."""
     for key in path:
         obj = nn.meta.unbox(obj) if isinstance(obj, nn.meta.AxisMetadata) else obj
-        if isinstance(obj, dict | flax.core.FrozenDict):
-            obj = obj.get(key, _MISSING)
-        else:
-            obj = getattr(obj, str(key), _MISSING)
+        mapping = isinstance(obj, dict | flax.core.FrozenDict)
+        obj = obj.get(key, _MISSING) if mapping else getattr(obj, str(key), _MISSING)
         if obj is _MISSING:
             return _MISSING
     return obj
@@ -374,8 +370,8 @@ def _pure(x: Any) -> Any:
     if isinstance(x, WithAux):
         return {"array": _pure(x.array)}
     if isinstance(x, qarray.QArray):
-        out = {"qvalue": x.qvalue, "scale": x.scale}
-        return out if x.zero_point is None else out | {"zero_point": x.zero_point}
+        zero_point = {} if x.zero_point is None else {"zero_point": x.zero_point}
+        return {"qvalue": x.qvalue, "scale": x.scale, **zero_point}
     return x
 
 
